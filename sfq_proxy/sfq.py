@@ -1,0 +1,235 @@
+"""Start-time Fair Queueing: the ordering core, with no I/O, no clock and no asyncio.
+
+Everything that decides *which flow goes next* lives here and nowhere else (DESIGN.md §3).
+The caller owns time and sockets: it pushes requests as they arrive, pops one whenever a
+backend slot is free, and tells the queue when a flow hits or leaves its in-flight cap.
+
+Rules, from Goyal, Vin & Cheng (SIGCOMM 1996) as restated for LLM load balancers:
+
+1. Arrival to an empty (or new) flow joins at ``S = max(S, v)``: no credit is banked while
+   idle, and what a flow over-took just before leaving is remembered.
+2. Dispatch picks the eligible backlogged flow with the smallest meter ``S`` (ties by flow
+   id), sets ``v = S`` and charges ``S += cost / weight``. Charges are final: no refunds.
+3. When nothing waits anywhere, ``v = max(v, max S)``: the next busy period starts level.
+
+Meters are kept as integers in fixed-point units of ``1 / UNITS_PER_COST`` of a cost unit.
+Integer arithmetic makes ties exact, makes the order independent of float rounding, and
+makes renormalisation (subtracting ``v`` from everything) change no future decision.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+__all__ = ["UNITS_PER_COST", "FairQueue", "FlowView"]
+
+T = TypeVar("T")
+
+UNITS_PER_COST = 1 << 20
+"""Fixed-point resolution of meters: a charge is rounded to about a millionth of a token."""
+
+_RENORMALIZE_AT = 1 << 60
+"""Internal virtual time above which meters are shifted down, to stay in machine-size ints."""
+
+
+@dataclass(slots=True)
+class _Flow(Generic[T]):
+    meter: int
+    queue: deque[tuple[T, int]] = field(default_factory=deque)
+    entry: int = -1  # sequence number of this flow's live heap entry; -1 when it has none
+
+
+@dataclass(frozen=True, slots=True)
+class FlowView:
+    """What ``/admin/state`` and the metrics show of one flow."""
+
+    flow: str
+    meter: float
+    lag: float  # meter - virtual time; negative for a flow idle below the baseline
+    backlog: int
+    eligible: bool
+
+
+class FairQueue(Generic[T]):
+    """SFQ over string-named flows, each a FIFO of opaque items with a positive cost.
+
+    ``renormalize_at`` exists so tests can force renormalisation often and show that it
+    never changes the dispatch order; production code leaves it at its default.
+    """
+
+    def __init__(self, *, renormalize_at: int | None = _RENORMALIZE_AT) -> None:
+        self._flows: dict[str, _Flow[T]] = {}
+        self._ineligible: set[str] = set()
+        self._heap: list[tuple[int, str, int]] = []  # (meter, flow, entry seq); lazily pruned
+        self._seq = 0
+        self._v = 0
+        self._max_meter = 0
+        self._offset = 0  # what renormalisation subtracted so far; the outside never sees it
+        self._queued = 0
+        self._renormalize_at = renormalize_at
+
+    # -- the operations -------------------------------------------------------------------
+
+    def push(self, flow: str, item: T, cost: float, weight: float = 1.0) -> None:
+        """Queue ``item`` at the tail of ``flow``; its charge ``cost / weight`` is fixed now."""
+        charge = _charge_units(cost, weight)
+        state = self._flows.get(flow)
+        if state is None:
+            state = self._flows[flow] = _Flow(meter=self._v)
+        if not state.queue:
+            state.meter = max(state.meter, self._v)
+        state.queue.append((item, charge))
+        self._queued += 1
+        if state.entry < 0 and flow not in self._ineligible:
+            self._enter(flow, state)
+
+    def pop(self) -> tuple[str, T] | None:
+        """Dispatch the head of the eligible flow with the smallest meter, charging it now."""
+        heap = self._heap
+        while heap:
+            meter, flow, seq = heap[0]
+            state = self._flows.get(flow)
+            if state is None or state.entry != seq:
+                heapq.heappop(heap)  # stale: the flow was charged, emptied or made ineligible
+                continue
+            self._v = meter
+            item, charge = state.queue.popleft()
+            state.meter = meter + charge
+            self._max_meter = max(self._max_meter, state.meter)
+            self._queued -= 1
+            if state.queue:
+                self._seq += 1
+                state.entry = self._seq
+                heapq.heapreplace(heap, (state.meter, flow, self._seq))
+            else:
+                state.entry = -1
+                heapq.heappop(heap)
+                self._after_drain()
+            if self._renormalize_at is not None and self._v >= self._renormalize_at:
+                self._renormalize()
+            return flow, item
+        return None
+
+    def remove(self, flow: str, item: T) -> bool:
+        """Cancel a queued ``item`` (the first equal to it): it leaves uncharged."""
+        state = self._flows.get(flow)
+        if state is None:
+            return False
+        for index, (queued, _) in enumerate(state.queue):
+            if queued is item or queued == item:
+                del state.queue[index]
+                break
+        else:
+            return False
+        self._queued -= 1
+        if not state.queue:
+            state.entry = -1
+            self._after_drain()
+        return True
+
+    def set_eligible(self, flow: str, ok: bool) -> None:
+        """Skip ``flow`` in selection while it is at a cap; its meter and queue stay put.
+
+        Coming back it rejoins under ``max(S, v)``, so time spent capped earns no credit.
+        """
+        if not ok:
+            self._ineligible.add(flow)
+            state = self._flows.get(flow)
+            if state is not None:
+                state.entry = -1
+            return
+        if flow not in self._ineligible:
+            return
+        self._ineligible.discard(flow)
+        state = self._flows.get(flow)
+        if state is not None and state.queue:
+            state.meter = max(state.meter, self._v)
+            self._enter(flow, state)
+
+    # -- what can be read -------------------------------------------------------------------
+
+    @property
+    def virtual_time(self) -> float:
+        return (self._v + self._offset) / UNITS_PER_COST
+
+    def meter(self, flow: str) -> float:
+        """The flow's next start tag; a flow not tracked any more sits at the baseline ``v``."""
+        state = self._flows.get(flow)
+        units = self._v if state is None else state.meter
+        return (units + self._offset) / UNITS_PER_COST
+
+    def backlog(self, flow: str) -> int:
+        state = self._flows.get(flow)
+        return 0 if state is None else len(state.queue)
+
+    def is_eligible(self, flow: str) -> bool:
+        return flow not in self._ineligible
+
+    def flows(self) -> list[FlowView]:
+        """Every tracked flow, in flow-id order (a snapshot for observability)."""
+        return [
+            FlowView(
+                flow=name,
+                meter=(state.meter + self._offset) / UNITS_PER_COST,
+                lag=(state.meter - self._v) / UNITS_PER_COST,
+                backlog=len(state.queue),
+                eligible=name not in self._ineligible,
+            )
+            for name, state in sorted(self._flows.items())
+        ]
+
+    def __len__(self) -> int:
+        return self._queued
+
+    def __repr__(self) -> str:
+        return (
+            f"<FairQueue v={self.virtual_time:g} | {len(self._flows)} flows, "
+            f"{self._queued} queued, {len(self._ineligible)} ineligible>"
+        )
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _enter(self, flow: str, state: _Flow[T]) -> None:
+        self._seq += 1
+        state.entry = self._seq
+        heapq.heappush(self._heap, (state.meter, flow, self._seq))
+
+    def _after_drain(self) -> None:
+        """Close the busy period when the last waiting request anywhere has left.
+
+        Every flow is then idle at or below the new baseline, where a returning flow would
+        join anyway, so their state is forgotten: memory stays bounded by active flows.
+        """
+        if self._queued:
+            return
+        self._v = max(self._v, self._max_meter)
+        self._max_meter = self._v
+        self._flows.clear()
+        self._heap.clear()
+
+    def _renormalize(self) -> None:
+        """Shift every meter down by ``v``; only differences matter, so no order changes."""
+        shift = self._v
+        self._offset += shift
+        self._v = 0
+        self._max_meter -= shift
+        for state in self._flows.values():
+            state.meter -= shift
+        self._heap = [(m - shift, f, s) for m, f, s in self._heap]  # order kept: heap intact
+
+
+def _charge_units(cost: float, weight: float) -> int:
+    """Validate a request's cost and its flow's weight; return the charge in meter units."""
+    _check_positive("cost", cost)
+    _check_positive("weight", weight)
+    return max(1, round(cost * UNITS_PER_COST / weight))
+
+
+def _check_positive(name: str, value: float) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not (ok and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")

@@ -1,0 +1,204 @@
+"""An oracle for the SFQ core and the checkers that pin its guarantees.
+
+``ReferenceSFQ`` is the article's algorithm written as plainly as possible: a linear argmin
+over exact fractions. Its flags produce the broken variants that the checkers must catch,
+which is how the tests show that the checkers can fail at all.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any, Literal, Protocol
+
+Op = tuple[Any, ...]  # ("push", flow, cost) | ("pop",) | ("remove", flow, k) | ("elig", flow, ok)
+
+
+class QueueLike(Protocol):
+    virtual_time: Any
+
+    def push(self, flow: str, item: Any, cost: float, weight: float = 1.0) -> None: ...
+    def pop(self) -> tuple[str, Any] | None: ...
+    def remove(self, flow: str, item: Any) -> bool: ...
+    def set_eligible(self, flow: str, ok: bool) -> None: ...
+    def meter(self, flow: str) -> Any: ...
+    def backlog(self, flow: str) -> int: ...
+    def __len__(self) -> int: ...
+
+
+class ReferenceSFQ:
+    """Linear-scan SFQ from the article, §2.6, with switches that break it on purpose."""
+
+    def __init__(
+        self,
+        *,
+        join: Literal["max", "reset"] = "max",
+        idle_reset: bool = True,
+        charge_at: Literal["pop", "push"] = "pop",
+    ) -> None:
+        self.join, self.idle_reset, self.charge_at = join, idle_reset, charge_at
+        self.S: dict[str, Fraction] = {}
+        self.q: dict[str, deque[tuple[Any, Fraction]]] = {}
+        self.v = Fraction(0)
+        self.ineligible: set[str] = set()
+
+    @property
+    def virtual_time(self) -> Fraction:
+        return self.v
+
+    def push(self, flow: str, item: Any, cost: float, weight: float = 1.0) -> None:
+        charge = Fraction(cost) / Fraction(weight)
+        queue = self.q.setdefault(flow, deque())
+        if not queue:
+            old = self.S.get(flow, self.v)
+            self.S[flow] = self.v if self.join == "reset" else max(old, self.v)
+        if self.charge_at == "push":
+            self.S[flow] += charge
+        queue.append((item, charge))
+
+    def pop(self) -> tuple[str, Any] | None:
+        ready = [f for f, q in self.q.items() if q and f not in self.ineligible]
+        if not ready:
+            return None
+        flow = min(ready, key=lambda f: (self.S[f], f))
+        self.v = self.S[flow]
+        item, charge = self.q[flow].popleft()
+        if self.charge_at == "pop":
+            self.S[flow] += charge
+        self._maybe_idle()
+        return flow, item
+
+    def remove(self, flow: str, item: Any) -> bool:
+        queue = self.q.get(flow, deque())
+        for entry in queue:
+            if entry[0] == item:
+                queue.remove(entry)
+                self._maybe_idle()
+                return True
+        return False
+
+    def set_eligible(self, flow: str, ok: bool) -> None:
+        if ok and flow in self.ineligible:
+            self.ineligible.discard(flow)
+            if self.q.get(flow):
+                self.S[flow] = max(self.S[flow], self.v)
+        elif not ok:
+            self.ineligible.add(flow)
+
+    def meter(self, flow: str) -> Fraction:
+        return self.S.get(flow, self.v)
+
+    def backlog(self, flow: str) -> int:
+        return len(self.q.get(flow, ()))
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.q.values())
+
+    def _maybe_idle(self) -> None:
+        if self.idle_reset and not len(self) and self.S:
+            self.v = max(self.v, *self.S.values())
+
+
+@dataclass
+class Trace:
+    """What a run of operations produced, step by step, for the checkers to judge."""
+
+    dispatches: list[tuple[str, Any]] = field(default_factory=list)
+    # after every op: v, and per flow (backlog, eligible, meter)
+    states: list[tuple[Fraction, dict[str, tuple[int, bool, Fraction]]]] = field(
+        default_factory=list
+    )
+    # the charge (cost / weight) each dispatch made, and the op index it happened at
+    charges: list[tuple[int, str, Fraction]] = field(default_factory=list)
+    max_charge: dict[str, Fraction] = field(default_factory=dict)
+
+
+def run(queue: QueueLike, ops: list[Op], weights: dict[str, float]) -> Trace:
+    """Apply ``ops`` to ``queue``, checking FIFO-within-flow and no loss as it goes."""
+    trace = Trace()
+    mirror: dict[str, deque[tuple[int, Fraction]]] = {f: deque() for f in weights}
+    ineligible: set[str] = set()
+    for index, op in enumerate(ops):
+        kind = op[0]
+        if kind == "push":
+            _, flow, cost = op
+            charge = Fraction(cost) / Fraction(weights[flow])
+            queue.push(flow, index, cost, weights[flow])
+            mirror[flow].append((index, charge))
+            trace.max_charge[flow] = max(trace.max_charge.get(flow, Fraction(0)), charge)
+        elif kind == "pop":
+            got = queue.pop()
+            ready = [f for f, q in mirror.items() if q and f not in ineligible]
+            assert (got is None) == (not ready), f"pop returned {got} with ready={ready}"
+            if got is not None:
+                flow, item = got
+                expected, charge = mirror[flow].popleft()
+                assert item == expected, f"flow {flow} not FIFO: got {item}, head {expected}"
+                trace.dispatches.append(got)
+                trace.charges.append((index, flow, charge))
+        elif kind == "remove":
+            _, flow, k = op
+            if mirror[flow]:
+                item, _ = mirror[flow][k % len(mirror[flow])]
+                assert queue.remove(flow, item)
+                mirror[flow].remove(next(e for e in mirror[flow] if e[0] == item))
+            else:
+                assert not queue.remove(flow, -1)
+        else:
+            _, flow, ok = op
+            queue.set_eligible(flow, ok)
+            (ineligible.discard if ok else ineligible.add)(flow)
+        assert len(queue) == sum(len(q) for q in mirror.values())
+        trace.states.append(
+            (
+                Fraction(queue.virtual_time),
+                {
+                    f: (len(q), f not in ineligible, Fraction(queue.meter(f)))
+                    for f, q in mirror.items()
+                },
+            )
+        )
+    return trace
+
+
+def check_band(trace: Trace) -> None:
+    """Every eligible backlogged meter lies in [v, v + its largest charge]; v never falls."""
+    previous_v = Fraction(0)
+    for step, (v, flows) in enumerate(trace.states):
+        assert v >= previous_v, f"step {step}: v went back from {previous_v} to {v}"
+        previous_v = v
+        for flow, (backlog, eligible, meter) in flows.items():
+            if backlog and eligible:
+                hi = v + trace.max_charge[flow]
+                assert v <= meter <= hi, f"step {step}: {flow} meter {meter} outside [{v}, {hi}]"
+
+
+def check_pairwise(trace: Trace) -> None:
+    """Two flows eligible and backlogged over an interval: served/weight within the bound.
+
+    For every maximal run of steps where both are, the largest swing of the difference of
+    their cumulative charges over any sub-interval must stay within cmax_i + cmax_j.
+    """
+    flows = sorted(trace.max_charge)
+    per_step: list[dict[str, Fraction]] = [{} for _ in trace.states]
+    for index, flow, charge in trace.charges:
+        per_step[index][flow] = per_step[index].get(flow, Fraction(0)) + charge
+    for a_pos, a in enumerate(flows):
+        for b in flows[a_pos + 1 :]:
+            bound = trace.max_charge[a] + trace.max_charge[b]
+            diff = lo = hi = Fraction(0)
+            was_both = False
+            for step, (_, state) in enumerate(trace.states):
+                both = all(state[f][0] and state[f][1] for f in (a, b))
+                if not both:
+                    was_both = False
+                    continue
+                if not was_both:  # a new interval opens after this step's own dispatch
+                    diff = lo = hi = Fraction(0)
+                else:
+                    served = per_step[step]
+                    diff += served.get(a, Fraction(0)) - served.get(b, Fraction(0))
+                    lo, hi = min(lo, diff), max(hi, diff)
+                was_both = True
+                assert hi - lo <= bound, f"{a} vs {b}: swing {hi - lo} > {bound} by step {step}"

@@ -1,0 +1,338 @@
+"""The SFQ core's guarantees (DESIGN.md §3; the SFQ article §2.7, §3 and §7.5)."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from fractions import Fraction
+
+import pytest
+from hypothesis import HealthCheck, find, given, settings
+from hypothesis import strategies as st
+from sfq_harness import Op, QueueLike, ReferenceSFQ, Trace, check_band, check_pairwise, run
+
+from sfq_proxy.sfq import FairQueue
+
+FLOWS = ["a", "b", "c", "d"]
+Make = Callable[[], QueueLike]
+
+# Dyadic costs and power-of-two weights keep every charge exact in floats, in the core's
+# fixed-point meters and in the reference's fractions, so the two can be compared exactly.
+costs = st.integers(1, 64).map(lambda k: k / 4)
+weight_maps = st.fixed_dictionaries({f: st.sampled_from([0.5, 1.0, 2.0, 4.0]) for f in FLOWS})
+op = st.one_of(
+    st.tuples(st.just("push"), st.sampled_from(FLOWS), costs),
+    st.tuples(st.just("push"), st.sampled_from(FLOWS), costs),
+    st.tuples(st.just("pop")),
+    st.tuples(st.just("pop")),
+    st.tuples(st.just("remove"), st.sampled_from(FLOWS), st.integers(0, 50)),
+    st.tuples(st.just("elig"), st.sampled_from(FLOWS), st.booleans()),
+)
+op_lists = st.lists(op, max_size=250)
+fast = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# -- the worked example -----------------------------------------------------------------------
+
+
+def test_worked_example_of_section_2_7_row_by_row() -> None:
+    q: FairQueue[int] = FairQueue()
+    for i in range(10):
+        q.push("A", i, 3)
+        q.push("B", i, 1)
+    rows = []
+    for _ in range(8):
+        flow, _ = q.pop()
+        rows.append((q.virtual_time, flow, q.meter("A"), q.meter("B")))
+    assert rows == [
+        (0, "A", 3, 0),
+        (0, "B", 3, 1),
+        (1, "B", 3, 2),
+        (2, "B", 3, 3),
+        (3, "A", 6, 3),
+        (3, "B", 6, 4),
+        (4, "B", 6, 5),
+        (5, "B", 6, 6),
+    ]
+
+
+# -- random interleavings ---------------------------------------------------------------------
+
+
+@fast
+@given(ops=op_lists, weights=weight_maps)
+def test_band_and_pairwise_bounds_hold(ops: list[Op], weights: dict[str, float]) -> None:
+    trace = run(FairQueue(), ops, weights)
+    check_band(trace)
+    check_pairwise(trace)
+
+
+@fast
+@given(ops=op_lists, weights=weight_maps)
+def test_agrees_with_the_naive_reference(ops: list[Op], weights: dict[str, float]) -> None:
+    fast_trace = run(FairQueue(), ops, weights)
+    slow_trace = run(ReferenceSFQ(), ops, weights)
+    assert fast_trace.dispatches == slow_trace.dispatches
+    for (v1, flows1), (v2, flows2) in zip(fast_trace.states, slow_trace.states, strict=True):
+        assert v1 == v2
+        for flow, (backlog, _, meter) in flows1.items():
+            if backlog:
+                assert meter == flows2[flow][2]
+
+
+@fast
+@given(ops=op_lists, weights=weight_maps)
+def test_renormalisation_changes_nothing(ops: list[Op], weights: dict[str, float]) -> None:
+    every_step = run(FairQueue(renormalize_at=1), ops, weights)
+    never = run(FairQueue(renormalize_at=None), ops, weights)
+    assert every_step == never
+
+
+@fast
+@given(ops=op_lists, weights=weight_maps)
+def test_same_operations_same_dispatch_order(ops: list[Op], weights: dict[str, float]) -> None:
+    assert run(FairQueue(), ops, weights) == run(FairQueue(), ops, weights)
+
+
+@fast
+@given(ops=op_lists, weights=weight_maps)
+def test_every_request_leaves_exactly_once(ops: list[Op], weights: dict[str, float]) -> None:
+    q: FairQueue[int] = FairQueue()
+    run(q, ops, weights)  # checks FIFO per flow and the queue length at every step
+    pushed = {i for i, o in enumerate(ops) if o[0] == "push"}
+    for flow in FLOWS:
+        q.set_eligible(flow, True)
+    drained = []
+    while (got := q.pop()) is not None:
+        drained.append(got[1])
+    assert len(q) == 0
+    assert len(drained) == len(set(drained))
+    assert set(drained) <= pushed
+
+
+# -- the five regression properties of §7.5 ---------------------------------------------------
+
+
+def equal_costs_counts_within_one(make: Make) -> None:
+    q = make()
+    for flow in "abc":
+        for i in range(50):
+            q.push(flow, i, 2.0)
+    counts: Counter[str] = Counter()
+    while all(q.backlog(f) for f in "abc"):
+        counts[q.pop()[0]] += 1
+        assert max(counts[f] for f in "abc") - min(counts[f] for f in "abc") <= 1, counts
+
+
+def ten_times_cost_gets_a_tenth(make: Make) -> None:
+    q = make()
+    for i in range(300):
+        q.push("heavy", i, 10.0)
+    for i in range(3000):
+        q.push("light", i, 1.0)
+    counts = Counter(q.pop()[0] for _ in range(1100))
+    # |10·n_heavy − n_light| ≤ 2·c_max with n_heavy + n_light = 1100 → n_heavy ∈ [98.2, 101.8]
+    assert 99 <= counts["heavy"] <= 101, counts
+
+
+def no_credit_banked_while_idle(make: Make) -> None:
+    q = make()
+    for i in range(1000):
+        q.push("busy", i, 1.0)
+    for _ in range(500):
+        q.pop()
+    for i in range(100):
+        q.push("away", i, 1.0)
+    assert q.meter("away") == q.virtual_time
+    counts: Counter[str] = Counter()
+    for _ in range(100):
+        counts[q.pop()[0]] += 1
+        assert abs(counts["away"] - counts["busy"]) <= 2 * 1.0, counts  # within 2·c_max
+
+
+def one_at_a_time_gains_nothing(make: Make) -> None:
+    """A flow that re-sends only once its queue drained (named to win ties) gets no more."""
+    q = make()
+    for i in range(1000):
+        q.push("b-backlogged", i, 1.0)
+    q.push("a-trickle", 0, 1.0)
+    served: Counter[str] = Counter()
+    for i in range(1, 400):
+        flow, _ = q.pop()
+        served[flow] += 1
+        if flow == "a-trickle":
+            q.push("a-trickle", i, 1.0)
+        assert served["a-trickle"] <= served["b-backlogged"] + 2 * 1.0, served
+
+
+def everyone_starts_level_after_global_idle(make: Make) -> None:
+    q = make()
+    q.push("a", 0, 100.0)
+    q.push("b", 0, 1.0)
+    q.pop()
+    q.pop()
+    assert len(q) == 0
+    for i in range(1, 5):
+        q.push("a", i, 1.0)
+        q.push("b", i, 1.0)
+    assert q.meter("a") == q.meter("b") == q.virtual_time
+    assert [q.pop()[0] for _ in range(8)] == ["a", "b"] * 4
+
+
+PROPERTIES = [
+    equal_costs_counts_within_one,
+    ten_times_cost_gets_a_tenth,
+    no_credit_banked_while_idle,
+    one_at_a_time_gains_nothing,
+    everyone_starts_level_after_global_idle,
+]
+
+
+@pytest.mark.parametrize("prop", PROPERTIES)
+@pytest.mark.parametrize("make", [FairQueue, ReferenceSFQ], ids=["fast", "reference"])
+def test_section_7_5_property(prop: Callable[[Make], None], make: Make) -> None:
+    prop(make)
+
+
+@fast
+@given(n_flows=st.integers(2, 6), cost=costs, depth=st.integers(1, 40))
+def test_equal_costs_any_number_of_flows(n_flows: int, cost: float, depth: int) -> None:
+    q: FairQueue[int] = FairQueue()
+    names = [f"f{i}" for i in range(n_flows)]
+    for name in names:
+        for i in range(depth):
+            q.push(name, i, cost)
+    counts = dict.fromkeys(names, 0)
+    while len(q):
+        counts[q.pop()[0]] += 1
+        assert max(counts.values()) - min(counts.values()) <= 1
+
+
+# -- the checkers can fail ----------------------------------------------------------------------
+
+
+BROKEN = {
+    "rejoin resets the meter to v": lambda: ReferenceSFQ(join="reset"),
+    "no global-idle reset": lambda: ReferenceSFQ(idle_reset=False),
+    "charge at push": lambda: ReferenceSFQ(charge_at="push"),
+}
+CAUGHT_BY = {
+    "rejoin resets the meter to v": one_at_a_time_gains_nothing,
+    "no global-idle reset": everyone_starts_level_after_global_idle,
+    "charge at push": equal_costs_counts_within_one,
+}
+
+
+@pytest.mark.parametrize("variant", sorted(BROKEN))
+def test_broken_variant_is_caught(variant: str) -> None:
+    with pytest.raises(AssertionError):
+        CAUGHT_BY[variant](BROKEN[variant])
+
+
+def _fails(check: Callable[[Trace], None], make: Make, ops: list[Op]) -> bool:
+    weights = dict.fromkeys(FLOWS, 1.0)
+    try:
+        check(run(make(), ops, weights))
+    except AssertionError:
+        return True
+    return False
+
+
+def test_band_checker_finds_charging_at_push_on_its_own() -> None:
+    make = BROKEN["charge at push"]
+    found = find(
+        op_lists, lambda ops: _fails(check_band, make, ops), settings=settings(database=None)
+    )
+    assert not _fails(check_band, FairQueue, found)
+
+
+def test_pairwise_checker_judges_a_known_unfair_run_unfair() -> None:
+    """Charging at push serves the shorter queue until it drains while the other waits."""
+    ops: list[Op] = [("push", "a", 1.0)] * 5 + [("push", "b", 1.0)] * 4 + [("pop",)] * 4
+    assert _fails(check_pairwise, BROKEN["charge at push"], ops)
+    assert not _fails(check_pairwise, FairQueue, ops)
+
+
+# -- the details -----------------------------------------------------------------------------
+
+
+def test_removed_request_is_never_charged() -> None:
+    q: FairQueue[str] = FairQueue()
+    q.push("a", "big", 50.0)
+    q.push("a", "small", 1.0)
+    before = q.meter("a")
+    assert q.remove("a", "big")
+    assert q.meter("a") == before
+    assert q.pop() == ("a", "small")
+    assert q.meter("a") == before + 1.0
+    assert not q.remove("a", "big")
+    assert not q.remove("nobody", "big")
+
+
+def test_ineligible_flow_keeps_its_place_and_rejoins_at_v() -> None:
+    q: FairQueue[int] = FairQueue()
+    for i in range(10):
+        q.push("a", i, 1.0)
+        q.push("b", i, 1.0)
+    q.set_eligible("a", False)
+    meter_a = q.meter("a")
+    assert [q.pop()[0] for _ in range(4)] == ["b"] * 4
+    assert q.meter("a") == meter_a
+    assert q.backlog("a") == 10
+    q.set_eligible("a", True)
+    assert q.meter("a") == q.virtual_time  # max(S, v): no credit for the time it was capped
+    assert q.pop() == ("a", 0)
+
+
+def test_pop_is_none_when_only_ineligible_flows_wait() -> None:
+    q: FairQueue[int] = FairQueue()
+    q.push("a", 1, 1.0)
+    q.set_eligible("a", False)
+    assert q.pop() is None
+    assert len(q) == 1
+    q.set_eligible("a", True)
+    assert q.pop() == ("a", 1)
+    assert q.pop() is None
+
+
+def test_ineligibility_outlives_the_flow_state() -> None:
+    q: FairQueue[int] = FairQueue()
+    q.set_eligible("a", False)
+    q.push("a", 1, 1.0)
+    assert q.pop() is None
+    assert not q.is_eligible("a")
+
+
+def test_weights_divide_the_charge() -> None:
+    q: FairQueue[int] = FairQueue()
+    for i in range(300):
+        q.push("heavy-weight", i, 1.0, weight=2.0)
+        q.push("light-weight", i, 1.0, weight=1.0)
+    counts = Counter(q.pop()[0] for _ in range(300))
+    assert abs(counts["heavy-weight"] - 2 * counts["light-weight"]) <= 3, counts
+
+
+def test_state_of_idle_flows_is_forgotten_at_global_idle() -> None:
+    q: FairQueue[int] = FairQueue()
+    for n in range(1000):
+        q.push(f"flow-{n}", n, 1.0)
+    assert len(q.flows()) == 1000
+    while q.pop() is not None:
+        pass
+    assert q.flows() == []
+    assert q.virtual_time == 1.0  # the largest finish tag of the busy period just closed
+    assert repr(q) == "<FairQueue v=1 | 0 flows, 0 queued, 0 ineligible>"
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, math.nan, math.inf, -math.inf, True, "3", None])
+def test_invalid_cost_or_weight_raises_and_changes_nothing(bad: object) -> None:
+    q: FairQueue[int] = FairQueue()
+    q.push("a", 0, 2.0)
+    snapshot = (len(q), q.virtual_time, q.flows())
+    with pytest.raises(ValueError, match="cost must be"):
+        q.push("a", 1, bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="weight must be"):
+        q.push("b", 1, 1.0, weight=bad)  # type: ignore[arg-type]
+    assert (len(q), q.virtual_time, q.flows()) == snapshot
+    assert Fraction(q.meter("a")) == 0
