@@ -1,0 +1,635 @@
+"""Configuration: the YAML file of DESIGN.md §7, validated with pydantic.
+
+Every model is frozen and forbids unknown keys, so a typo is an error rather than a
+silently ignored knob. Models use pydantic's *strict* mode: YAML already gives typed
+scalars, so ``slots: "32"`` or ``priority: yes-please`` is reported instead of coerced
+(an integer is still accepted where a float is expected).
+
+Errors of any kind are raised as one :class:`ConfigError` listing ``(path, message)``
+pairs, paths written like ``pools.llama-8b.backends[1].slots``. No message ever contains
+an input value, because the value might be a secret.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Annotated, Any, Self
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SecretStr,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+__all__ = [
+    "BackendSpec",
+    "CalibrationSpec",
+    "ClassSpec",
+    "Config",
+    "ConfigError",
+    "CostSpec",
+    "HealthSpec",
+    "KeySpec",
+    "Limits",
+    "Listen",
+    "MetricsSpec",
+    "OrgSpec",
+    "PoolSpec",
+    "RateSpec",
+    "ResolvedKey",
+    "RetrySpec",
+    "TimeoutSpec",
+    "default_classes",
+    "default_config",
+    "load_config",
+    "parse_config",
+]
+
+_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+_NAME_RULE = "must start with a letter or digit and use only letters, digits, '_', '.', '-'"
+
+# Names of orgs, classes and pools end up in metric labels, headers and error paths,
+# so they are kept to a safe alphabet.
+Name = Annotated[str, StringConstraints(pattern=_NAME_PATTERN)]
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+
+
+class _Spec(BaseModel):
+    """Base of every config model: immutable, strict, and unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class Listen(_Spec):
+    """Address of the proxy's HTTP front end. Port 0 (ephemeral) is allowed for tests."""
+
+    host: NonEmptyStr = "127.0.0.1"
+    port: int = Field(8080, ge=0, le=65535)
+
+
+class Limits(_Spec):
+    """Request limits enforced before a request is parsed (413 above the body size)."""
+
+    max_body_bytes: PositiveInt = 10 * 1024 * 1024
+
+
+class KeySpec(_Spec):
+    """An API key: who may call, as which org, with which classes (the first is default).
+
+    Exactly one of ``key_env`` (environment variable, read at load time), ``key``
+    (plain text, for local use) or ``key_sha256`` (hex digest of the key) is given.
+    """
+
+    key_env: NonEmptyStr | None = None
+    key: SecretStr | None = Field(None, min_length=1)
+    key_sha256: str | None = None
+    org: Name
+    classes: list[Name] = Field(min_length=1)
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _normalise_digest(cls, value: str | None) -> str | None:
+        """Accept either hex case; store lowercase so digests compare equal."""
+        if value is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", value):
+            raise ValueError("must be 64 hexadecimal digits (a SHA-256 digest)")
+        return None if value is None else value.lower()
+
+    @model_validator(mode="after")
+    def _exactly_one_source(self) -> Self:
+        """Several sources would be ambiguous; none would leave the key unusable."""
+        given = [n for n in ("key_env", "key", "key_sha256") if getattr(self, n) is not None]
+        if len(given) != 1:
+            found = f" (found {', '.join(given)})" if given else ""
+            raise ValueError(f"needs exactly one of key_env, key, key_sha256{found}")
+        return self
+
+    @property
+    def source(self) -> str:
+        """Where the secret comes from, for humans; never the secret itself."""
+        if self.key_env is not None:
+            return f"from env {self.key_env}"
+        return "sha256" if self.key_sha256 is not None else "plain"
+
+
+class ClassSpec(_Spec):
+    """A workload class. Priority classes bypass SFQ (strict band, FIFO, capped)."""
+
+    weight: PositiveFloat = 1.0
+    priority: bool = False
+    max_in_flight: PositiveInt | None = None
+    max_queue_age_s: PositiveFloat | None = None
+    max_queue_len: PositiveInt | None = None
+
+
+def default_classes() -> dict[str, ClassSpec]:
+    """The classes of DESIGN §2 with the values of §7, used when ``classes:`` is absent."""
+    return {
+        "system": ClassSpec(priority=True, max_in_flight=4, max_queue_age_s=5),
+        "interactive": ClassSpec(weight=6, max_queue_age_s=45, max_queue_len=1000),
+        "batch": ClassSpec(weight=1, max_queue_age_s=7200, max_queue_len=100000),
+    }
+
+
+class OrgSpec(_Spec):
+    """Per-organisation share (weight), concurrency cap and rate limits."""
+
+    weight: PositiveFloat = 1.0
+    max_in_flight: PositiveInt | None = None
+    rpm: PositiveFloat | None = None
+    tpm: PositiveFloat | None = None
+
+
+class CostSpec(_Spec):
+    """Cost model of a pool (DESIGN §4): weighted input plus expected output tokens."""
+
+    input_weight: NonNegativeFloat = 1.0
+    output_weight: NonNegativeFloat = 1.0
+    default_max_tokens: PositiveInt = 512
+    tokenizer: NonEmptyStr | None = None
+    chars_per_token: PositiveFloat = 4.0
+    output_ratio: float = Field(1.0, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> Self:
+        """With both weights zero every request would be free and SFQ would order nothing."""
+        if self.input_weight == 0 and self.output_weight == 0:
+            raise ValueError("input_weight and output_weight cannot both be 0")
+        return self
+
+
+class HealthSpec(_Spec):
+    """Active health probe of each backend, and the cooldown after a failure."""
+
+    path: str = "/health"
+    interval_s: PositiveFloat = 5.0
+    cooldown_s: NonNegativeFloat = 10.0
+    timeout_s: PositiveFloat = 2.0
+
+    @field_validator("path")
+    @classmethod
+    def _absolute_path(cls, value: str) -> str:
+        """The path is appended to the backend URL, so it must be absolute."""
+        if not value.startswith("/"):
+            raise ValueError("must start with '/'")
+        return value
+
+
+class TimeoutSpec(_Spec):
+    """Upstream timeouts: TCP/TLS connect, and time to the first response byte."""
+
+    connect_s: PositiveFloat = 5.0
+    first_byte_s: PositiveFloat = 300.0
+
+
+class BackendSpec(_Spec):
+    """One upstream server. ``name`` (metric label) defaults to the URL's ``host:port``.
+
+    The URL's trailing slash is stripped so paths can be appended. Credentials in the URL
+    are refused: they would leak into logs and metrics; use ``upstream_key_env``.
+    """
+
+    url: str
+    slots: PositiveInt
+    name: NonEmptyStr | None = Field(None, validate_default=True)
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        """Catch typos at load time rather than as connection errors under load."""
+        try:
+            parts = urlsplit(value)
+            parts.port  # noqa: B018 -- raises ValueError on a malformed port
+        except ValueError:
+            raise ValueError("must be a valid http:// or https:// URL") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http:// or https:// URL with a host")
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("must not contain credentials; use upstream_key_env")
+        return value.rstrip("/")
+
+    @field_validator("name")
+    @classmethod
+    def _default_name(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A stable, readable metric label without asking the operator for one."""
+        url = info.data.get("url")
+        if value is not None or url is None:
+            return value
+        parts = urlsplit(url)
+        host = f"[{parts.hostname}]" if ":" in str(parts.hostname) else parts.hostname
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return f"{host}:{port}"
+
+
+class RateSpec(_Spec):
+    """Rate limits of a provider pool, shared by every flow of the pool."""
+
+    requests_per_minute: PositiveFloat | None = None
+    tokens_per_minute: PositiveFloat | None = None
+
+
+class PoolSpec(_Spec):
+    """Backends serving the same models; one scheduler each (DESIGN §1)."""
+
+    models: list[NonEmptyStr] = Field(min_length=1)
+    cost: CostSpec = CostSpec()
+    health: HealthSpec = HealthSpec()
+    timeouts: TimeoutSpec = TimeoutSpec()
+    backends: list[BackendSpec] = Field(min_length=1)
+    upstream_key_env: NonEmptyStr | None = None
+    rate: RateSpec | None = None
+
+
+class RetrySpec(_Spec):
+    """Retries before anything reached the client (DESIGN §5)."""
+
+    max_attempts: int = Field(3, ge=1)
+    budget_ratio: float = Field(0.1, ge=0, le=1)
+    backoff_base_s: NonNegativeFloat = 0.5
+    backoff_max_s: NonNegativeFloat = 8.0
+
+
+class CalibrationSpec(_Spec):
+    """Learning of the cost estimates; ``state_file`` None keeps them in memory only."""
+
+    state_file: NonEmptyStr | None = None
+    half_life_requests: PositiveInt = 5000
+
+
+class MetricsSpec(_Spec):
+    """Cardinality guard: orgs beyond this many share one ``org`` label value."""
+
+    max_labelled_orgs: PositiveInt = 200
+
+
+@dataclass(frozen=True)
+class ResolvedKey:
+    """A key ready for lookup: the SHA-256 ``digest`` of the secret, never the secret."""
+
+    index: int
+    org: str
+    classes: tuple[str, ...]
+    digest: bytes = field(repr=False)
+
+
+_Errors = list[tuple[str, str]]
+
+
+class Config(_Spec):
+    """The whole file. Cross-field checks and key resolution run at validation time.
+
+    Validation reads ``environ`` from the pydantic validation context (``os.environ``
+    when absent) to resolve ``key_env``; only the digests are kept. Cross-field errors
+    are raised as :class:`ConfigError` directly, field errors as pydantic's
+    ``ValidationError``; :func:`parse_config` turns both into ``ConfigError``.
+    """
+
+    listen: Listen = Listen()
+    limits: Limits = Limits()
+    keys: list[KeySpec] = Field(min_length=1)
+    classes: dict[Name, ClassSpec] = Field(default_factory=default_classes, min_length=1)
+    orgs: dict[Name, OrgSpec] = {}
+    pools: dict[Name, PoolSpec] = Field(min_length=1)
+    retry: RetrySpec = RetrySpec()
+    calibration: CalibrationSpec = CalibrationSpec()
+    metrics: MetricsSpec = MetricsSpec()
+    admin_key_env: NonEmptyStr | None = None
+    drain_timeout_s: NonNegativeFloat = 30.0
+
+    _resolved: tuple[ResolvedKey, ...] = PrivateAttr(default=())
+    _pool_by_model: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections_are_defaults(cls, data: Any) -> Any:
+        """``orgs:`` with every entry commented out is null in YAML: treat it as absent."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    @model_validator(mode="after")
+    def _cross_check(self, info: ValidationInfo) -> Self:
+        environ = (info.context or {}).get("environ", os.environ)
+        errors, self._pool_by_model = _check_models(self.pools)
+        errors += _check_backends(self.pools)
+        errors += _check_key_classes(self.keys, self.classes)
+        key_errors, self._resolved = _resolve_keys(self.keys, environ)
+        errors += key_errors
+        if errors:
+            raise ConfigError(errors)
+        return self
+
+    def org(self, name: str) -> OrgSpec:
+        """The org's settings; an org without an entry has weight 1 and no caps."""
+        return self.orgs.get(name, _DEFAULT_ORG)
+
+    def flow_weight(self, org: str, cls: str) -> float:
+        """Weight of the flow (org, class, any pool) = class weight × org weight."""
+        return self.classes[cls].weight * self.org(org).weight
+
+    def pool_for_model(self, model: str) -> str | None:
+        """Name of the pool serving ``model``, or None (the front end answers 404)."""
+        return self._pool_by_model.get(model)
+
+    def resolved_keys(self) -> list[ResolvedKey]:
+        """The keys in file order, each with the SHA-256 digest of its secret."""
+        return list(self._resolved)
+
+    def summary(self) -> str:
+        """Human summary for ``sfq-proxy check-config``; shows no secret."""
+        lines = [
+            f"listen {self.listen.host}:{self.listen.port} "
+            f"(max body {self.limits.max_body_bytes} B, drain {_num(self.drain_timeout_s)} s)"
+        ]
+        for name, pool in self.pools.items():
+            lines += _pool_summary(name, pool)
+        lines.append("classes:")
+        lines += [f"  {name}: {_class_summary(spec)}" for name, spec in self.classes.items()]
+        lines.append("keys:")
+        lines += [
+            f"  keys[{i}]: org={k.org}, classes=[{', '.join(k.classes)}] ({k.source})"
+            for i, k in enumerate(self.keys)
+        ]
+        if self.orgs:
+            lines.append("orgs:")
+            lines += [f"  {name}: {_org_summary(spec)}" for name, spec in self.orgs.items()]
+        lines.append("flows (org/class/pool: weight):")
+        lines += [f"  {flow}" for flow in self._flow_summary()]
+        return "\n".join(lines)
+
+    def _flow_summary(self) -> list[str]:
+        """Effective weight of every flow the keys can create (priority flows have none)."""
+        pairs = dict.fromkeys((k.org, c) for k in self.keys for c in k.classes)
+        return [
+            f"{org}/{cls}/{pool}: "
+            + ("priority" if self.classes[cls].priority else _num(self.flow_weight(org, cls)))
+            for org, cls in pairs
+            for pool in self.pools
+        ]
+
+
+_DEFAULT_ORG = OrgSpec()
+
+
+def _check_models(pools: Mapping[str, PoolSpec]) -> tuple[_Errors, dict[str, str]]:
+    """Each model must be served by one pool, or routing would be ambiguous."""
+    errors: _Errors = []
+    pool_by_model: dict[str, str] = {}
+    for pool_name, pool in pools.items():
+        for i, model in enumerate(pool.models):
+            owner = pool_by_model.setdefault(model, pool_name)
+            if owner != pool_name:
+                message = f"model {model!r} is already served by pool {owner!r}"
+                errors.append((f"pools.{pool_name}.models[{i}]", message))
+    return errors, pool_by_model
+
+
+def _check_backends(pools: Mapping[str, PoolSpec]) -> _Errors:
+    """Backend URLs and names must be unique in a pool (slot accounting, metric labels)."""
+    errors: _Errors = []
+    for pool_name, pool in pools.items():
+        urls: dict[str, int] = {}
+        names: dict[str | None, int] = {}
+        for i, backend in enumerate(pool.backends):
+            path = f"pools.{pool_name}.backends[{i}]"
+            if (first := urls.setdefault(backend.url, i)) != i:
+                errors.append((f"{path}.url", f"same url as backends[{first}]"))
+            elif (first := names.setdefault(backend.name, i)) != i:
+                errors.append((f"{path}.name", f"same name as backends[{first}]"))
+    return errors
+
+
+def _check_key_classes(keys: Iterable[KeySpec], classes: Mapping[str, ClassSpec]) -> _Errors:
+    """A key may only grant classes that exist, else its requests could not be queued."""
+    return [
+        (f"keys[{i}].classes[{j}]", f"class {cls!r} is not defined")
+        for i, key in enumerate(keys)
+        for j, cls in enumerate(key.classes)
+        if cls not in classes
+    ]
+
+
+def _resolve_keys(
+    keys: Iterable[KeySpec], environ: Mapping[str, str]
+) -> tuple[_Errors, tuple[ResolvedKey, ...]]:
+    """Hash every key now, so the plain secret read from the environment is not kept.
+
+    Values read from the environment are stripped: secrets mounted from files often
+    end with a newline that no client would send.
+    """
+    errors: _Errors = []
+    resolved: list[ResolvedKey] = []
+    first_index: dict[bytes, int] = {}
+    for i, key in enumerate(keys):
+        if key.key_sha256 is not None:
+            digest = bytes.fromhex(key.key_sha256)
+        elif key.key is not None:
+            digest = hashlib.sha256(key.key.get_secret_value().encode()).digest()
+        else:
+            secret = environ.get(str(key.key_env), "").strip()
+            if not secret:
+                state = "is empty" if key.key_env in environ else "is not set"
+                errors.append((f"keys[{i}].key_env", f"environment variable {key.key_env} {state}"))
+                continue
+            digest = hashlib.sha256(secret.encode()).digest()
+        first = first_index.setdefault(digest, i)
+        if first != i:
+            errors.append((f"keys[{i}]", f"duplicates the key of keys[{first}]"))
+        resolved.append(ResolvedKey(i, key.org, tuple(key.classes), digest))
+    return errors, tuple(resolved)
+
+
+def _num(value: float) -> str:
+    """A number for humans: ``6`` rather than ``6.0``, ``200000`` rather than ``2e+05``."""
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def _fmt_caps(spec: BaseModel, names: Iterable[str]) -> list[str]:
+    """``name=value`` for the optional settings of ``spec`` that are set."""
+    return [f"{n}={_num(getattr(spec, n))}" for n in names if getattr(spec, n) is not None]
+
+
+def _class_summary(spec: ClassSpec) -> str:
+    head = ["priority"] if spec.priority else [f"weight={_num(spec.weight)}"]
+    return ", ".join(head + _fmt_caps(spec, ("max_in_flight", "max_queue_age_s", "max_queue_len")))
+
+
+def _org_summary(spec: OrgSpec) -> str:
+    caps = _fmt_caps(spec, ("max_in_flight", "rpm", "tpm"))
+    return ", ".join([f"weight={_num(spec.weight)}", *caps])
+
+
+def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
+    cost = pool.cost
+    tokens = (
+        f"tokenizer {cost.tokenizer}"
+        if cost.tokenizer
+        else f"{_num(cost.chars_per_token)} chars/token"
+    )
+    lines = [
+        f"pool {name}: models [{', '.join(pool.models)}]",
+        f"  cost: {_num(cost.input_weight)}·in + {_num(cost.output_weight)}·out "
+        f"(default_max_tokens={cost.default_max_tokens}, output_ratio={_num(cost.output_ratio)}, "
+        f"{tokens})",
+    ]
+    lines += [f"  backend {b.name}: {b.url}, {b.slots} slots" for b in pool.backends]
+    if pool.rate is not None:
+        lines.append(f"  rate: {', '.join(_fmt_caps(pool.rate, RateSpec.model_fields))}")
+    if pool.upstream_key_env is not None:
+        lines.append(f"  upstream key from env {pool.upstream_key_env}")
+    return lines
+
+
+class ConfigError(Exception):
+    """Invalid configuration: ``errors`` is a list of ``(path, message)``.
+
+    ``str()`` gives one ``path: message`` line per error (just the message when the path
+    is empty, e.g. for an empty file). ``source`` names the file when known.
+    """
+
+    def __init__(self, errors: _Errors, source: str | None = None) -> None:
+        super().__init__(errors)
+        self.errors = list(errors)
+        self.source = source
+
+    def __str__(self) -> str:
+        return "\n".join(f"{path}: {msg}" if path else msg for path, msg in self.errors)
+
+
+_TYPE_NAMES = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "true or false",
+    "list_type": "a list",
+    "dict_type": "a mapping",
+    "model_type": "a mapping",
+}
+_BOUNDS = {  # error type -> (operator, ctx key holding the bound)
+    "greater_than": (">", "gt"),
+    "greater_than_equal": (">=", "ge"),
+    "less_than": ("<", "lt"),
+    "less_than_equal": ("<=", "le"),
+}
+_INTERNAL_LOC = re.compile(r"^[a-z-]+\[.*\]$")  # e.g. "function-after[...]", "tagged-union[...]"
+
+
+def _error_path(loc: tuple[int | str, ...]) -> str:
+    """``('pools', 'a', 'backends', 1, 'slots')`` → ``pools.a.backends[1].slots``."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part != "[key]" and not _INTERNAL_LOC.match(part):
+            path += f".{part}" if path else part
+    return path
+
+
+def _error_message(err: Mapping[str, Any]) -> str:
+    """A short message for pydantic error ``err``. Never uses ``err['input']``."""
+    kind, ctx = err["type"], err.get("ctx", {})
+    if kind in _TYPE_NAMES:
+        message = f"expected {_TYPE_NAMES[kind]}"
+    elif kind in _BOUNDS:
+        op, bound = _BOUNDS[kind]
+        message = f"must be {op} {_num(ctx[bound])}"
+    elif kind == "missing":
+        message = "required"
+    elif kind == "extra_forbidden":
+        message = "unknown field"
+    elif kind == "finite_number":
+        message = "must be a finite number"
+    elif kind in ("too_short", "string_too_short") and ctx.get("min_length") == 1:
+        message = "must not be empty"
+    elif kind == "string_pattern_mismatch" and ctx.get("pattern") == _NAME_PATTERN:
+        message = _NAME_RULE
+    elif kind == "value_error":
+        message = str(ctx["error"])
+    else:
+        message = err["msg"]
+    return f"invalid name: {message}" if err["loc"][-1:] == ("[key]",) else message
+
+
+def _from_validation_error(exc: ValidationError, source: str) -> ConfigError:
+    """Pydantic's errors in the file's own vocabulary (paths and short messages)."""
+    errors = [(_error_path(e["loc"]), _error_message(e)) for e in exc.errors()]
+    return ConfigError(errors, source)
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """Safe loader that refuses duplicate mapping keys instead of keeping the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _parse_yaml(text: str, source: str) -> dict[str, Any]:
+    """YAML → mapping; errors give a line number but no snippet (it might hold a key)."""
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f"line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError([(where, str(exc.problem or exc.context))], source) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([("", f"invalid YAML: {type(exc).__name__}")], source) from None
+    if data is None:
+        raise ConfigError([("", "the configuration is empty")], source)
+    if not isinstance(data, dict):
+        raise ConfigError([("", "the top level must be a mapping of sections")], source)
+    return data
+
+
+def parse_config(
+    text: str, environ: Mapping[str, str] | None = None, source: str = "<string>"
+) -> Config:
+    """Parse and validate YAML ``text``; ``environ`` (default ``os.environ``) resolves keys."""
+    data = _parse_yaml(text, source)
+    context = {"environ": os.environ if environ is None else environ}
+    try:
+        return Config.model_validate(data, context=context)
+    except ValidationError as exc:
+        raise _from_validation_error(exc, source) from None
+    except ConfigError as exc:
+        exc.source = source
+        raise
+
+
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> Config:
+    """Read and validate the YAML file at ``path``."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([("", f"cannot read {path}: {exc}")], str(path)) from None
+    return parse_config(text, environ, source=str(path))
+
+
+def default_config() -> Config:
+    """The demo configuration shipped in the package (``sfq_proxy/demo.yaml``)."""
+    text = resources.files(__package__).joinpath("demo.yaml").read_text(encoding="utf-8")
+    return parse_config(text, environ={}, source="sfq_proxy/demo.yaml")

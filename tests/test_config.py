@@ -1,0 +1,675 @@
+"""Tests of the configuration layer (DESIGN.md §7): loading, errors, secrets, helpers."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from sfq_proxy.config import (
+    ClassSpec,
+    Config,
+    ConfigError,
+    OrgSpec,
+    default_config,
+    load_config,
+    parse_config,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+SECRET = "sk-SECRET-123"
+EXAMPLE_ENV = {
+    "ANALYTICS_KEY": "sk-analytics-prod",
+    "PRODUCT_KEY": "sk-product-prod",
+    "PROVIDER_A_KEY": "sk-provider",
+    "SFQ_ADMIN_KEY": "admin",
+}
+
+
+def base() -> dict[str, Any]:
+    """A small valid config as a dict; tests mutate a fresh copy."""
+    return {
+        "keys": [
+            {"key": "sk-product", "org": "product", "classes": ["interactive", "batch"]},
+            {"key_env": "ANALYTICS_KEY", "org": "analytics", "classes": ["batch"]},
+        ],
+        "orgs": {"product": {"weight": 2}},
+        "pools": {
+            "llama-8b": {
+                "models": ["meta-llama/Llama-3.1-8B-Instruct"],
+                "backends": [
+                    {"url": "http://127.0.0.1:8001", "slots": 32},
+                    {"url": "http://127.0.0.1:8002", "slots": 32},
+                ],
+            },
+            "provider-a": {
+                "models": ["gpt-4o-mini"],
+                "backends": [{"url": "https://provider.example/v1", "slots": 24}],
+            },
+        },
+    }
+
+
+ENV = {"ANALYTICS_KEY": "sk-analytics"}
+
+
+def parse(data: dict[str, Any], environ: dict[str, str] | None = None) -> Config:
+    return parse_config(yaml.safe_dump(data), environ=ENV if environ is None else environ)
+
+
+def error_lines(data: dict[str, Any], environ: dict[str, str] | None = None) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse(data, environ)
+    return str(info.value).splitlines()
+
+
+def text_error_lines(text: str) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, environ={})
+    return str(info.value).splitlines()
+
+
+# --- the shipped configurations -------------------------------------------------------
+
+
+def test_demo_config_loads() -> None:
+    config = default_config()
+    assert (config.listen.host, config.listen.port) == ("127.0.0.1", 8080)
+    assert [k.org for k in config.keys] == ["product", "analytics", "research", "ops"]
+    assert config.keys[3].classes == ["system", "interactive"]
+    pool = config.pools["sim"]
+    assert [(b.url, b.slots, b.name) for b in pool.backends] == [
+        ("http://127.0.0.1:8101", 4, "127.0.0.1:8101"),
+        ("http://127.0.0.1:8102", 4, "127.0.0.1:8102"),
+    ]
+    assert (pool.health.interval_s, pool.health.cooldown_s) == (1, 2)
+    assert (pool.cost.input_weight, pool.cost.output_weight) == (1, 2)
+    assert pool.cost.default_max_tokens == 256
+    assert config.pool_for_model("sim-llama") == "sim"
+    assert config.org("analytics").max_in_flight == 8
+    assert config.flow_weight("product", "interactive") == 12
+    digests = {r.digest for r in config.resolved_keys()}
+    assert hashlib.sha256(b"sk-demo-ops").digest() in digests
+
+
+def test_demo_yaml_has_a_single_copy() -> None:
+    assert (ROOT / "sfq_proxy" / "demo.yaml").is_file()
+    assert not (ROOT / "config" / "demo.yaml").exists()
+
+
+def test_example_config_loads() -> None:
+    config = load_config(ROOT / "config" / "example.yaml", environ=EXAMPLE_ENV)
+    assert set(config.pools) == {"llama-8b", "provider-a"}
+    provider = config.pools["provider-a"]
+    assert provider.upstream_key_env == "PROVIDER_A_KEY"
+    assert provider.rate is not None
+    assert provider.rate.requests_per_minute == 900
+    assert config.pool_for_model("gpt-4o-mini") == "provider-a"
+    assert {k.source for k in config.keys} == {
+        "from env ANALYTICS_KEY",
+        "from env PRODUCT_KEY",
+        "sha256",
+    }
+    assert config.admin_key_env == "SFQ_ADMIN_KEY"
+    assert "sk-analytics-prod" not in config.summary()
+
+
+def test_example_config_needs_its_environment() -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(ROOT / "config" / "example.yaml", environ={})
+    assert str(info.value).splitlines() == [
+        "keys[0].key_env: environment variable ANALYTICS_KEY is not set",
+        "keys[1].key_env: environment variable PRODUCT_KEY is not set",
+    ]
+    assert info.value.source.endswith("example.yaml")
+
+
+# --- defaults -------------------------------------------------------------------------
+
+
+def test_defaults() -> None:
+    config = parse(base())
+    assert (config.listen.host, config.listen.port) == ("127.0.0.1", 8080)
+    assert config.limits.max_body_bytes == 10 * 1024 * 1024
+    assert config.drain_timeout_s == 30
+    assert config.classes == {
+        "system": ClassSpec(priority=True, max_in_flight=4, max_queue_age_s=5),
+        "interactive": ClassSpec(weight=6, max_queue_age_s=45, max_queue_len=1000),
+        "batch": ClassSpec(weight=1, max_queue_age_s=7200, max_queue_len=100000),
+    }
+    pool = config.pools["llama-8b"]
+    assert pool.cost.default_max_tokens == 512
+    assert pool.cost.output_ratio == 1
+    assert pool.health.path == "/health"
+    assert (pool.timeouts.connect_s, pool.timeouts.first_byte_s) == (5, 300)
+    assert (config.retry.max_attempts, config.retry.budget_ratio) == (3, 0.1)
+    assert config.calibration.state_file is None
+    assert config.metrics.max_labelled_orgs == 200
+    assert config.admin_key_env is None
+
+
+def test_classes_section_replaces_defaults() -> None:
+    data = base()
+    data["classes"] = {"interactive": {"weight": 3}, "batch": {}}
+    config = parse(data)
+    assert set(config.classes) == {"interactive", "batch"}
+    assert config.flow_weight("product", "interactive") == 6
+
+
+def test_null_section_means_defaults() -> None:
+    data = base()
+    del data["orgs"]
+    config = parse_config(yaml.safe_dump(data) + "orgs:\nclasses:\n", environ=ENV)
+    assert config.orgs == {}
+    assert set(config.classes) == {"system", "interactive", "batch"}
+
+
+def test_org_flow_weight_and_pool_lookup() -> None:
+    config = parse(base())
+    assert config.org("product").weight == 2
+    assert config.org("nobody") == OrgSpec(weight=1)
+    assert config.org("nobody").max_in_flight is None
+    assert config.flow_weight("product", "interactive") == 12
+    assert config.flow_weight("nobody", "batch") == 1
+    assert config.pool_for_model("meta-llama/Llama-3.1-8B-Instruct") == "llama-8b"
+    assert config.pool_for_model("gpt-4o-mini") == "provider-a"
+    assert config.pool_for_model("unknown") is None
+
+
+def test_backend_url_normalised_and_named() -> None:
+    data = base()
+    data["pools"]["llama-8b"]["backends"] = [
+        {"url": "http://10.0.0.1:8000/", "slots": 1},
+        {"url": "https://api.example/v1/", "slots": 1},
+        {"url": "http://[::1]:9000", "slots": 1, "name": "local"},
+        {"url": "http://gpu-a", "slots": 1},
+    ]
+    backends = parse(data).pools["llama-8b"].backends
+    assert [b.url for b in backends] == [
+        "http://10.0.0.1:8000",
+        "https://api.example/v1",
+        "http://[::1]:9000",
+        "http://gpu-a",
+    ]
+    assert [b.name for b in backends] == ["10.0.0.1:8000", "api.example:443", "local", "gpu-a:80"]
+
+
+def test_sha256_is_normalised_to_lowercase() -> None:
+    data = base()
+    digest = hashlib.sha256(b"sk-ops").hexdigest()
+    data["keys"].append({"key_sha256": digest.upper(), "org": "ops", "classes": ["system"]})
+    assert parse(data).keys[2].key_sha256 == digest
+
+
+def test_config_is_frozen() -> None:
+    config = parse(base())
+    with pytest.raises(ValidationError):
+        config.listen = config.listen  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        config.pools["llama-8b"].backends[0].slots = 1  # type: ignore[misc]
+
+
+# --- keys and secrets -----------------------------------------------------------------
+
+
+def test_resolved_keys_digests_for_all_three_forms() -> None:
+    data = base()
+    data["keys"] = [
+        {"key": "sk-plain", "org": "a", "classes": ["batch"]},
+        {"key_env": "ENV_KEY", "org": "b", "classes": ["interactive", "batch"]},
+        {"key_sha256": hashlib.sha256(b"sk-hashed").hexdigest(), "org": "c", "classes": ["system"]},
+    ]
+    resolved = parse(data, environ={"ENV_KEY": "sk-from-env\n"}).resolved_keys()
+    assert [(r.index, r.org, r.classes) for r in resolved] == [
+        (0, "a", ("batch",)),
+        (1, "b", ("interactive", "batch")),
+        (2, "c", ("system",)),
+    ]
+    assert [r.digest for r in resolved] == [
+        hashlib.sha256(b"sk-plain").digest(),
+        hashlib.sha256(b"sk-from-env").digest(),  # trailing newline of a mounted file dropped
+        hashlib.sha256(b"sk-hashed").digest(),
+    ]
+
+
+def test_environment_is_read_at_load_time_only() -> None:
+    environ = {"ANALYTICS_KEY": "sk-first"}
+    config = parse(base(), environ=environ)
+    environ["ANALYTICS_KEY"] = "sk-second"
+    assert config.resolved_keys()[1].digest == hashlib.sha256(b"sk-first").digest()
+
+
+def test_secrets_never_shown() -> None:
+    data = base()
+    data["keys"][0]["key"] = SECRET
+    data["keys"][1]["key_env"] = "SECRET_ENV"
+    config = parse(data, environ={"SECRET_ENV": SECRET + "-env"})
+    shown = [repr(config), str(config), config.summary(), config.model_dump_json()]
+    shown += [repr(config.model_dump()), repr(config.resolved_keys())]
+    for text in shown:
+        assert SECRET not in text
+    assert "keys[0]: org=product, classes=[interactive, batch] (plain)" in config.summary()
+    assert "keys[1]: org=analytics, classes=[batch] (from env SECRET_ENV)" in config.summary()
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda d: d["keys"][0].update(key_env="X"),  # two sources
+        lambda d: d["keys"][0].update(key_sha256=SECRET),  # a key pasted as a digest
+        lambda d: d["keys"][0].update(org=""),  # another error in the same entry
+        lambda d: d["keys"].append({"key": SECRET, "org": "x", "classes": ["batch"]}),  # dup
+        lambda d: d["keys"][0].update(classes=["gold"]),
+        lambda d: d["keys"][0].update(extra=SECRET),
+        lambda d: d["keys"][0].update(key=[SECRET]),
+        lambda d: d["pools"]["llama-8b"]["backends"][0].update(url=f"http://u:{SECRET}@h"),
+        lambda d: d["pools"]["llama-8b"]["backends"][0].update(url=f"ftp://{SECRET}"),
+    ],
+)
+def test_secrets_never_in_errors(mutate: Callable[[dict[str, Any]], None]) -> None:
+    data = base()
+    data["keys"][0]["key"] = SECRET
+    mutate(data)
+    assert SECRET not in "\n".join(error_lines(data))
+
+
+def test_secret_not_in_yaml_syntax_error() -> None:
+    lines = text_error_lines(f'keys:\n  - {{key: "{SECRET}, org: a}}\n')
+    assert len(lines) == 1
+    assert lines[0].startswith("line ")
+    assert SECRET not in lines[0]
+
+
+# --- errors: exact path and message ---------------------------------------------------
+
+Mutation = Callable[[dict[str, Any]], object]
+
+
+def _locate(data: dict[str, Any], path: str) -> tuple[Any, Any]:
+    """The container holding dotted ``path`` (integers index lists), and the last key."""
+    *parents, last = (int(p) if p.isdigit() else p for p in path.split("."))
+    node: Any = data
+    for part in parents:
+        node = node[part]
+    return node, last
+
+
+def _set(path: str, value: Any) -> Mutation:
+    def mutate(data: dict[str, Any]) -> None:
+        node, last = _locate(data, path)
+        node[last] = value
+
+    return mutate
+
+
+def _delete(path: str) -> Mutation:
+    def mutate(data: dict[str, Any]) -> None:
+        node, last = _locate(data, path)
+        del node[last]
+
+    return mutate
+
+
+ERROR_CASES: list[tuple[str, Mutation, str]] = [
+    # non-positive and out-of-range numbers
+    (
+        "slots 0",
+        _set("pools.llama-8b.backends.1.slots", 0),
+        "pools.llama-8b.backends[1].slots: must be > 0",
+    ),
+    (
+        "slots -3",
+        _set("pools.llama-8b.backends.0.slots", -3),
+        "pools.llama-8b.backends[0].slots: must be > 0",
+    ),
+    ("org weight 0", _set("orgs.product.weight", 0), "orgs.product.weight: must be > 0"),
+    ("org weight < 0", _set("orgs.product.weight", -1.5), "orgs.product.weight: must be > 0"),
+    (
+        "class weight 0",
+        _set("classes", {"batch": {"weight": 0}}),
+        "classes.batch.weight: must be > 0",
+    ),
+    (
+        "infinite weight",
+        _set("orgs.product.weight", float("inf")),
+        "orgs.product.weight: must be a finite number",
+    ),
+    (
+        "output_ratio > 1",
+        _set("pools.llama-8b.cost", {"output_ratio": 1.5}),
+        "pools.llama-8b.cost.output_ratio: must be <= 1",
+    ),
+    (
+        "cooldown < 0",
+        _set("pools.llama-8b.health", {"cooldown_s": -1}),
+        "pools.llama-8b.health.cooldown_s: must be >= 0",
+    ),
+    ("max_attempts 0", _set("retry", {"max_attempts": 0}), "retry.max_attempts: must be >= 1"),
+    ("budget > 1", _set("retry", {"budget_ratio": 2}), "retry.budget_ratio: must be <= 1"),
+    ("port too big", _set("listen", {"port": 70000}), "listen.port: must be <= 65535"),
+    ("rpm 0", _set("orgs.product.rpm", 0), "orgs.product.rpm: must be > 0"),
+    (
+        "max_in_flight 0",
+        _set("orgs.product.max_in_flight", 0),
+        "orgs.product.max_in_flight: must be > 0",
+    ),
+    (
+        "rate 0",
+        _set("pools.provider-a.rate", {"tokens_per_minute": 0}),
+        "pools.provider-a.rate.tokens_per_minute: must be > 0",
+    ),
+    (
+        "both cost weights 0",
+        _set("pools.llama-8b.cost", {"input_weight": 0, "output_weight": 0}),
+        "pools.llama-8b.cost: input_weight and output_weight cannot both be 0",
+    ),
+    # unknown keys at several depths
+    ("unknown top", _set("listne", {}), "listne: unknown field"),
+    ("unknown in pool", _set("pools.llama-8b.model", "x"), "pools.llama-8b.model: unknown field"),
+    (
+        "unknown in backend",
+        _set("pools.llama-8b.backends.1.weight", 2),
+        "pools.llama-8b.backends[1].weight: unknown field",
+    ),
+    (
+        "unknown in cost",
+        _set("pools.llama-8b.cost", {"max_tokens": 5}),
+        "pools.llama-8b.cost.max_tokens: unknown field",
+    ),
+    ("unknown in key", _set("keys.0.team", "x"), "keys[0].team: unknown field"),
+    (
+        "unknown in class",
+        _set("classes", {"batch": {"prio": True}}),
+        "classes.batch.prio: unknown field",
+    ),
+    # wrong types
+    (
+        "slots as string",
+        _set("pools.llama-8b.backends.0.slots", "32"),
+        "pools.llama-8b.backends[0].slots: expected an integer",
+    ),
+    (
+        "slots fractional",
+        _set("pools.llama-8b.backends.0.slots", 2.5),
+        "pools.llama-8b.backends[0].slots: expected an integer",
+    ),
+    (
+        "weight as string",
+        _set("orgs.product.weight", "heavy"),
+        "orgs.product.weight: expected a number",
+    ),
+    (
+        "priority as string",
+        _set("classes", {"batch": {"priority": "yes"}}),
+        "classes.batch.priority: expected true or false",
+    ),
+    (
+        "models not a list",
+        _set("pools.llama-8b.models", "m"),
+        "pools.llama-8b.models: expected a list",
+    ),
+    ("listen not a mapping", _set("listen", [1]), "listen: expected a mapping"),
+    ("orgs not a mapping", _set("orgs", ["product"]), "orgs: expected a mapping"),
+    ("org not a string", _set("keys.0.org", 7), "keys[0].org: expected a string"),
+    # required and non-empty
+    ("no keys", _delete("keys"), "keys: required"),
+    ("empty keys", _set("keys", []), "keys: must not be empty"),
+    ("no pools", _set("pools", {}), "pools: must not be empty"),
+    ("key without org", _delete("keys.0.org"), "keys[0].org: required"),
+    ("key without classes", _set("keys.0.classes", []), "keys[0].classes: must not be empty"),
+    (
+        "pool without models",
+        _set("pools.llama-8b.models", []),
+        "pools.llama-8b.models: must not be empty",
+    ),
+    (
+        "pool without backends",
+        _delete("pools.llama-8b.backends"),
+        "pools.llama-8b.backends: required",
+    ),
+    (
+        "backend without slots",
+        _delete("pools.llama-8b.backends.0.slots"),
+        "pools.llama-8b.backends[0].slots: required",
+    ),
+    (
+        "bad pool name",
+        _set("pools.bad name", {"models": ["x"], "backends": [{"url": "http://h", "slots": 1}]}),
+        "pools.bad name: invalid name: must start with a letter or digit"
+        " and use only letters, digits, '_', '.', '-'",
+    ),
+    # key sources
+    (
+        "two sources",
+        _set("keys.0.key_env", "X"),
+        "keys[0]: needs exactly one of key_env, key, key_sha256 (found key_env, key)",
+    ),
+    ("no source", _delete("keys.0.key"), "keys[0]: needs exactly one of key_env, key, key_sha256"),
+    (
+        "bad hex",
+        _set("keys.1", {"key_sha256": "ab" * 31 + "zz", "org": "a", "classes": ["batch"]}),
+        "keys[1].key_sha256: must be 64 hexadecimal digits (a SHA-256 digest)",
+    ),
+    (
+        "short hex",
+        _set("keys.1", {"key_sha256": "ab", "org": "a", "classes": ["batch"]}),
+        "keys[1].key_sha256: must be 64 hexadecimal digits (a SHA-256 digest)",
+    ),
+    ("empty plain key", _set("keys.0.key", ""), "keys[0].key: must not be empty"),
+    # URLs and health
+    (
+        "ftp url",
+        _set("pools.llama-8b.backends.0.url", "ftp://h"),
+        "pools.llama-8b.backends[0].url: must be an http:// or https:// URL with a host",
+    ),
+    (
+        "url without scheme",
+        _set("pools.llama-8b.backends.0.url", "127.0.0.1:8001"),
+        "pools.llama-8b.backends[0].url: must be an http:// or https:// URL with a host",
+    ),
+    (
+        "url without host",
+        _set("pools.llama-8b.backends.0.url", "http://"),
+        "pools.llama-8b.backends[0].url: must be an http:// or https:// URL with a host",
+    ),
+    (
+        "url bad port",
+        _set("pools.llama-8b.backends.0.url", "http://h:99999"),
+        "pools.llama-8b.backends[0].url: must be a valid http:// or https:// URL",
+    ),
+    (
+        "url credentials",
+        _set("pools.llama-8b.backends.0.url", "http://u:p@h"),
+        "pools.llama-8b.backends[0].url: must not contain credentials; use upstream_key_env",
+    ),
+    (
+        "relative health path",
+        _set("pools.llama-8b.health", {"path": "health"}),
+        "pools.llama-8b.health.path: must start with '/'",
+    ),
+    # cross-field checks
+    (
+        "same url twice",
+        _set("pools.llama-8b.backends.1.url", "http://127.0.0.1:8001/"),
+        "pools.llama-8b.backends[1].url: same url as backends[0]",
+    ),
+    (
+        "same name twice",
+        _set("pools.llama-8b.backends.1.name", "127.0.0.1:8001"),
+        "pools.llama-8b.backends[1].name: same name as backends[0]",
+    ),
+    (
+        "model in two pools",
+        _set("pools.provider-a.models", ["x", "meta-llama/Llama-3.1-8B-Instruct"]),
+        "pools.provider-a.models[1]: model 'meta-llama/Llama-3.1-8B-Instruct'"
+        " is already served by pool 'llama-8b'",
+    ),
+    (
+        "undefined class",
+        _set("keys.0.classes", ["interactive", "gold"]),
+        "keys[0].classes[1]: class 'gold' is not defined",
+    ),
+    (
+        "class dropped by classes:",
+        _set("classes", {"batch": {}}),
+        "keys[0].classes[0]: class 'interactive' is not defined",
+    ),
+    (
+        "unset key_env",
+        _set("keys.1.key_env", "MISSING_KEY"),
+        "keys[1].key_env: environment variable MISSING_KEY is not set",
+    ),
+    (
+        "duplicate plain keys",
+        _set("keys.1", {"key": "sk-product", "org": "x", "classes": ["batch"]}),
+        "keys[1]: duplicates the key of keys[0]",
+    ),
+    (
+        "plain duplicates env",
+        _set("keys.0.key", "sk-analytics"),
+        "keys[1]: duplicates the key of keys[0]",
+    ),
+    (
+        "digest duplicates plain",
+        _set(
+            "keys.1",
+            {
+                "key_sha256": hashlib.sha256(b"sk-product").hexdigest().upper(),
+                "org": "x",
+                "classes": ["batch"],
+            },
+        ),
+        "keys[1]: duplicates the key of keys[0]",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [pytest.param(m, e, id=name) for name, m, e in ERROR_CASES],
+)
+def test_error_path_and_message(mutate: Mutation, expected: str) -> None:
+    data = base()
+    mutate(data)
+    assert error_lines(data) == [expected]
+
+
+def test_empty_key_env_value() -> None:
+    assert error_lines(base(), environ={"ANALYTICS_KEY": " \n"}) == [
+        "keys[1].key_env: environment variable ANALYTICS_KEY is empty"
+    ]
+
+
+def test_several_errors_reported_together() -> None:
+    data = base()
+    data["pools"]["llama-8b"]["backends"][0]["slots"] = 0
+    data["orgs"]["product"]["weight"] = 0
+    data["keys"][0]["colour"] = "red"
+    lines = error_lines(data)
+    assert sorted(lines) == [
+        "keys[0].colour: unknown field",
+        "orgs.product.weight: must be > 0",
+        "pools.llama-8b.backends[0].slots: must be > 0",
+    ]
+
+
+def test_cross_field_errors_reported_together() -> None:
+    data = base()
+    data["keys"][0]["classes"] = ["gold"]
+    data["pools"]["provider-a"]["models"] = ["gpt-4o-mini", "meta-llama/Llama-3.1-8B-Instruct"]
+    assert error_lines(data, environ={}) == [
+        "pools.provider-a.models[1]: model 'meta-llama/Llama-3.1-8B-Instruct' is already "
+        "served by pool 'llama-8b'",
+        "keys[0].classes[0]: class 'gold' is not defined",
+        "keys[1].key_env: environment variable ANALYTICS_KEY is not set",
+    ]
+
+
+def test_error_list_is_structured() -> None:
+    data = base()
+    data["pools"]["llama-8b"]["backends"][1]["slots"] = 0
+    with pytest.raises(ConfigError) as info:
+        parse(data)
+    assert info.value.errors == [("pools.llama-8b.backends[1].slots", "must be > 0")]
+    assert info.value.source == "<string>"
+
+
+# --- YAML-level errors ----------------------------------------------------------------
+
+
+def test_yaml_syntax_error_names_the_line() -> None:
+    text = "listen: {host: 127.0.0.1, port: 8080}\nkeys:\n  - key: a org: b\n"
+    assert text_error_lines(text) == ["line 3: mapping values are not allowed here"]
+
+
+def test_yaml_duplicate_key_is_an_error() -> None:
+    text = "pools: {}\nlisten: {}\npools: {}\n"
+    assert text_error_lines(text) == ["line 3: duplicate key 'pools'"]
+
+
+@pytest.mark.parametrize("text", ["", "   \n", "# only a comment\n", "---\n"])
+def test_empty_file(text: str) -> None:
+    assert text_error_lines(text) == ["the configuration is empty"]
+
+
+@pytest.mark.parametrize("text", ["- a\n- b\n", "just a string\n", "42\n"])
+def test_top_level_must_be_a_mapping(text: str) -> None:
+    assert text_error_lines(text) == ["the top level must be a mapping of sections"]
+
+
+def test_load_config_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "nope.yaml")
+    assert str(info.value).startswith(f"cannot read {tmp_path / 'nope.yaml'}: ")
+
+
+def test_load_config_reads_file(tmp_path: Path) -> None:
+    path = tmp_path / "sfq.yaml"
+    path.write_text(yaml.safe_dump(base()), encoding="utf-8")
+    assert load_config(path, environ=ENV).pool_for_model("gpt-4o-mini") == "provider-a"
+
+
+# --- property tests -------------------------------------------------------------------
+
+positive = st.floats(min_value=1e-6, max_value=1e6, allow_nan=False)
+non_positive = st.floats(max_value=0, allow_nan=False, allow_infinity=False)
+
+
+@given(slots=st.integers(1, 10_000), org_weight=positive, class_weight=positive)
+def test_positive_values_load(slots: int, org_weight: float, class_weight: float) -> None:
+    data = copy.deepcopy(base())
+    data["pools"]["llama-8b"]["backends"][1]["slots"] = slots
+    data["orgs"]["product"]["weight"] = org_weight
+    data["classes"] = {"interactive": {"weight": class_weight}, "batch": {}}
+    config = parse(data)
+    assert config.pools["llama-8b"].backends[1].slots == slots
+    assert config.flow_weight("product", "interactive") == pytest.approx(org_weight * class_weight)
+
+
+@given(
+    field=st.sampled_from(["slots", "org weight", "class weight"]),
+    int_value=st.integers(max_value=0),
+    float_value=non_positive,
+)
+def test_non_positive_values_fail(field: str, int_value: int, float_value: float) -> None:
+    data = copy.deepcopy(base())
+    if field == "slots":
+        data["pools"]["llama-8b"]["backends"][1]["slots"] = int_value
+        expected = "pools.llama-8b.backends[1].slots: must be > 0"
+    elif field == "org weight":
+        data["orgs"]["product"]["weight"] = float_value
+        expected = "orgs.product.weight: must be > 0"
+    else:
+        data["classes"] = {"interactive": {"weight": float_value}, "batch": {}}
+        expected = "classes.interactive.weight: must be > 0"
+    with pytest.raises(ConfigError) as info:
+        parse(data)
+    assert str(info.value).splitlines() == [expected]
