@@ -314,6 +314,8 @@ class Config(_Spec):
     drain_timeout_s: NonNegativeFloat = 30.0
 
     _resolved: tuple[ResolvedKey, ...] = PrivateAttr(default=())
+    _upstream_keys: dict[str, str] = PrivateAttr(default_factory=dict)
+    _admin_digest: bytes | None = PrivateAttr(default=None)
     _pool_by_model: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="before")
@@ -332,6 +334,15 @@ class Config(_Spec):
         errors += _check_key_classes(self.keys, self.classes)
         key_errors, self._resolved = _resolve_keys(self.keys, environ)
         errors += key_errors
+        for name, pool in self.pools.items():
+            if pool.upstream_key_env is not None:
+                path = f"pools.{name}.upstream_key_env"
+                secret = _env_secret(environ, pool.upstream_key_env, path, errors)
+                if secret:
+                    self._upstream_keys[name] = secret
+        if self.admin_key_env is not None:
+            secret = _env_secret(environ, self.admin_key_env, "admin_key_env", errors)
+            self._admin_digest = hashlib.sha256(secret.encode()).digest() if secret else None
         if errors:
             raise ConfigError(errors)
         return self
@@ -347,6 +358,14 @@ class Config(_Spec):
     def pool_for_model(self, model: str) -> str | None:
         """Name of the pool serving ``model``, or None (the front end answers 404)."""
         return self._pool_by_model.get(model)
+
+    def upstream_key(self, pool: str) -> str | None:
+        """The key the proxy sends to ``pool``'s backends (from ``upstream_key_env``)."""
+        return self._upstream_keys.get(pool)
+
+    def admin_digest(self) -> bytes | None:
+        """SHA-256 of the admin key; None when ``admin_key_env`` is not set (admin API off)."""
+        return self._admin_digest
 
     def resolved_keys(self) -> list[ResolvedKey]:
         """The keys in file order, each with the SHA-256 digest of its secret."""
@@ -443,10 +462,8 @@ def _resolve_keys(
         elif key.key is not None:
             digest = hashlib.sha256(key.key.get_secret_value().encode()).digest()
         else:
-            secret = environ.get(str(key.key_env), "").strip()
+            secret = _env_secret(environ, str(key.key_env), f"keys[{i}].key_env", errors)
             if not secret:
-                state = "is empty" if key.key_env in environ else "is not set"
-                errors.append((f"keys[{i}].key_env", f"environment variable {key.key_env} {state}"))
                 continue
             digest = hashlib.sha256(secret.encode()).digest()
         first = first_index.setdefault(digest, i)
@@ -454,6 +471,15 @@ def _resolve_keys(
             errors.append((f"keys[{i}]", f"duplicates the key of keys[{first}]"))
         resolved.append(ResolvedKey(i, key.org, tuple(key.classes), digest))
     return errors, tuple(resolved)
+
+
+def _env_secret(environ: Mapping[str, str], name: str, path: str, errors: _Errors) -> str:
+    """The stripped value of ``name``, or "" after recording why it is unusable at ``path``."""
+    secret = environ.get(name, "").strip()
+    if not secret:
+        state = "is empty" if name in environ else "is not set"
+        errors.append((path, f"environment variable {name} {state}"))
+    return secret
 
 
 def _num(value: float) -> str:

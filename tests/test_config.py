@@ -128,6 +128,8 @@ def test_example_config_needs_its_environment() -> None:
     assert str(info.value).splitlines() == [
         "keys[0].key_env: environment variable ANALYTICS_KEY is not set",
         "keys[1].key_env: environment variable PRODUCT_KEY is not set",
+        "pools.provider-a.upstream_key_env: environment variable PROVIDER_A_KEY is not set",
+        "admin_key_env: environment variable SFQ_ADMIN_KEY is not set",
     ]
     assert info.value.source.endswith("example.yaml")
 
