@@ -1,0 +1,69 @@
+"""Who is calling and as what: the flow (org, class, pool) of a request (DESIGN.md §2).
+
+The org comes only from the API key and the class only from what that key allows; nothing
+a client writes in a header or body can pick its org or raise its class.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from dataclasses import dataclass
+
+from .config import Config, ResolvedKey
+from .errors import ApiError
+
+CLASS_HEADER = "X-Workload-Class"
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    org: str
+    cls: str
+    pool: str
+
+    @property
+    def id(self) -> str:
+        """The flow's name in the fair queue; its order breaks ties between equal meters."""
+        return f"{self.org}/{self.cls}"
+
+
+class Authenticator:
+    """Maps a bearer token to its key entry, comparing digests in constant time."""
+
+    def __init__(self, keys: list[ResolvedKey]) -> None:
+        self._keys = keys
+
+    def identify(self, authorization: str | None) -> ResolvedKey:
+        token = _bearer(authorization)
+        if token is None:
+            raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.")
+        digest = hashlib.sha256(token.encode()).digest()
+        found = None
+        for key in self._keys:  # no early exit: the time taken does not depend on the match
+            if hmac.compare_digest(key.digest, digest):
+                found = key
+        if found is None:
+            raise ApiError(401, "Incorrect API key provided.")
+        return found
+
+
+def classify(config: Config, key: ResolvedKey, requested_class: str | None, model: str) -> Flow:
+    """The flow of a request by ``key`` for ``model``, asking for ``requested_class``."""
+    cls = key.classes[0]
+    if requested_class:
+        if requested_class not in key.classes:
+            raise ApiError(403, f"This key may not use workload class '{requested_class}'.")
+        cls = requested_class
+    pool = config.pool_for_model(model)
+    if pool is None:
+        raise ApiError(404, f"The model '{model}' does not exist or is not served here.")
+    return Flow(org=key.org, cls=cls, pool=pool)
+
+
+def _bearer(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None

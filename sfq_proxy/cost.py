@@ -1,0 +1,78 @@
+"""What a request costs (DESIGN.md §4): ``input_weight·input + output_weight·expected_output``.
+
+The estimate is made once, at admission, and travels with the request: SFQ charges it at
+dispatch and it is never corrected, so the order never depends on what happened later.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from .config import ConfigError, CostSpec
+from .request import InferenceRequest, Kind
+
+
+class Tokenizer(Protocol):
+    def count(self, text: str) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Estimate:
+    input_tokens: int
+    max_tokens: int  # 0 for embeddings, which generate nothing
+    cost: float
+
+
+class CostModel:
+    """One pool's pricing: its token counter and its weights."""
+
+    def __init__(self, spec: CostSpec, path: str = "cost") -> None:
+        """``path`` names ``spec`` in the config, for the error if its tokenizer won't load."""
+        self.spec = spec
+        self._tokenizer = None
+        if spec.tokenizer:
+            try:
+                self._tokenizer = load_tokenizer(spec.tokenizer)
+            except Exception as exc:  # the tokenizers package raises bare Exceptions
+                message = f"cannot load {spec.tokenizer!r}: {exc}"
+                raise ConfigError([(f"{path}.tokenizer", message)]) from exc
+
+    def input_tokens(self, request: InferenceRequest) -> int:
+        text = request.text or ""
+        if self._tokenizer is not None:
+            counted = self._tokenizer.count(text) if text else 0
+        else:
+            counted = math.ceil(len(text) / self.spec.chars_per_token)
+        return counted + request.token_ids
+
+    def estimate(self, request: InferenceRequest) -> Estimate:
+        tokens = self.input_tokens(request)
+        if request.kind is Kind.EMBEDDING:
+            max_tokens = 0
+        else:
+            max_tokens = request.max_tokens or self.spec.default_max_tokens
+        expected_output = max_tokens * self.spec.output_ratio
+        cost = self.spec.input_weight * tokens + self.spec.output_weight * expected_output
+        # floor of one token's worth: an empty prompt still occupies a slot, and SFQ needs > 0
+        return Estimate(input_tokens=tokens, max_tokens=max_tokens, cost=max(cost, 1.0))
+
+
+class _HfTokenizer:
+    def __init__(self, path: str) -> None:
+        try:
+            from tokenizers import Tokenizer as HfTokenizer
+        except ImportError as exc:  # an optional extra: say how to get it
+            raise RuntimeError(
+                "the 'tokenizers' package is not installed; install sfq-proxy[tokenizers]"
+            ) from exc
+        self._tokenizer = HfTokenizer.from_file(path)
+
+    def count(self, text: str) -> int:
+        return len(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+
+def load_tokenizer(path: str) -> Tokenizer:
+    """A local ``tokenizer.json`` (Hugging Face format); nothing is ever downloaded."""
+    return _HfTokenizer(path)

@@ -1,0 +1,46 @@
+"""OpenAI-style errors: every rejection the proxy makes is one of these (DESIGN.md §6)."""
+
+from __future__ import annotations
+
+import math
+
+from aiohttp import web
+
+_TYPES = {
+    400: ("invalid_request_error", "invalid_request"),
+    401: ("authentication_error", "invalid_api_key"),
+    403: ("permission_error", "forbidden"),
+    404: ("invalid_request_error", "model_not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    429: ("rate_limit_error", "rate_limit_exceeded"),
+    502: ("upstream_error", "bad_gateway"),
+    503: ("service_unavailable", "no_healthy_backend"),
+    504: ("timeout_error", "deadline_exceeded"),
+}
+
+
+class ApiError(Exception):
+    """A rejection with its HTTP status; ``code`` refines the reason (e.g. ``queue_full``)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type, default_code = _TYPES.get(status, ("api_error", "error"))
+        self.code = code or default_code
+        self.retry_after = retry_after
+
+    def response(self) -> web.Response:
+        headers = {}
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        body = {"error": {"message": self.message, "type": self.type, "code": self.code}}
+        return web.json_response(body, status=self.status, headers=headers)

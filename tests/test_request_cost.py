@@ -1,0 +1,306 @@
+"""Parsing of request bodies (sfq_proxy.request) and their pricing (sfq_proxy.cost)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from sfq_proxy.config import ConfigError, CostSpec
+from sfq_proxy.cost import CostModel, Estimate
+from sfq_proxy.errors import ApiError
+from sfq_proxy.request import InferenceRequest, Kind, parse
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+def body(**fields: Any) -> bytes:
+    return json.dumps({"model": MODEL, **fields}).encode()
+
+
+def chat(*messages: Any, **fields: Any) -> InferenceRequest:
+    return parse(Kind.CHAT, body(messages=list(messages), **fields))
+
+
+def rejected(kind: Kind, raw: bytes) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse(kind, raw)
+    assert info.value.status == 400
+    assert info.value.code == "invalid_request"
+    return info.value
+
+
+# -- parse: what is read ----------------------------------------------------------------------
+
+
+def test_chat_with_string_contents_joins_their_text() -> None:
+    raw = body(
+        messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello"},
+        ]
+    )
+    req = parse(Kind.CHAT, raw)
+    assert req == InferenceRequest(
+        kind=Kind.CHAT,
+        model=MODEL,
+        stream=False,
+        text="Be brief.Hello",
+        token_ids=0,
+        max_tokens=None,
+        raw=raw,
+    )
+
+
+def test_chat_with_list_of_parts_reads_only_text_parts() -> None:
+    parts = [
+        {"type": "text", "text": "What is "},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "text", "text": "this?"},
+        "not a part",
+    ]
+    req = chat({"role": "user", "content": parts})
+    assert req.text == "What is this?"
+    assert req.token_ids == 0
+
+
+def test_chat_with_none_or_absent_content_counts_as_empty() -> None:
+    req = chat(
+        {"role": "assistant", "content": None, "tool_calls": []},
+        {"role": "tool"},
+        {"role": "user", "content": "ok"},
+    )
+    assert req.text == "ok"
+
+
+def test_stream_true_is_read() -> None:
+    assert chat({"role": "user", "content": "x"}, stream=True).stream is True
+
+
+@pytest.mark.parametrize(
+    ("prompt", "text", "token_ids"),
+    [
+        ("Once upon", "Once upon", 0),
+        (["Once ", "upon"], "Once upon", 0),
+        ([1, 2, 3, 0], "", 4),
+        ([[1, 2], [3], []], "", 3),
+    ],
+    ids=["string", "strings", "token-ids", "lists-of-token-ids"],
+)
+def test_completion_prompt_forms(prompt: Any, text: str, token_ids: int) -> None:
+    req = parse(Kind.COMPLETION, body(prompt=prompt, max_tokens=7))
+    assert (req.kind, req.text, req.token_ids, req.max_tokens) == (
+        Kind.COMPLETION,
+        text,
+        token_ids,
+        7,
+    )
+
+
+def test_embeddings_input_and_no_max_tokens() -> None:
+    req = parse(Kind.EMBEDDING, body(input=["ab", "cd"], max_tokens=99))
+    assert (req.kind, req.text, req.token_ids, req.max_tokens) == (Kind.EMBEDDING, "abcd", 0, None)
+    assert parse(Kind.EMBEDDING, body(input=[5, 6])).token_ids == 2
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, None),
+        ({"max_tokens": 10}, 10),
+        ({"max_completion_tokens": 20}, 20),
+        ({"max_tokens": 10, "max_completion_tokens": 20}, 20),
+        ({"max_tokens": 10, "max_completion_tokens": None}, 10),
+        ({"max_tokens": None}, None),
+    ],
+)
+def test_max_tokens_and_max_completion_tokens(fields: dict[str, Any], expected: int | None) -> None:
+    assert chat({"role": "user", "content": "x"}, **fields).max_tokens == expected
+
+
+# -- parse: every 400 -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        (b"{not json", "JSON"),
+        (b"", "JSON"),
+        (b'{"model": "\xff\xfe"}', "JSON"),
+        (b'[{"model": "m"}]', "JSON object"),
+        (b'"m"', "JSON object"),
+        (b'{"messages": [{"role": "user", "content": "x"}]}', "'model'"),
+        (b'{"model": "", "messages": [{"role": "user", "content": "x"}]}', "'model'"),
+        (b'{"model": 7, "messages": [{"role": "user", "content": "x"}]}', "'model'"),
+        (b'{"model": "m", "stream": "yes", "messages": []}', "'stream'"),
+        (b'{"model": "m", "stream": 1, "messages": [{"content": "x"}]}', "'stream'"),
+        (b'{"model": "m"}', "'messages'"),
+        (b'{"model": "m", "messages": []}', "'messages'"),
+        (b'{"model": "m", "messages": {"role": "user"}}', "'messages'"),
+        (b'{"model": "m", "messages": ["hi"]}', "'messages[0]'"),
+        (
+            b'{"model": "m", "messages": [{"content": "a"}, {"content": 3}]}',
+            "'messages[1].content'",
+        ),
+        (b'{"model": "m", "messages": [{"content": {"text": "a"}}]}', "'messages[0].content'"),
+    ],
+)
+def test_chat_bodies_that_are_400(raw: bytes, needle: str) -> None:
+    assert needle in rejected(Kind.CHAT, raw).message
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        (name, value)
+        for name in ("max_tokens", "max_completion_tokens")
+        for value in (0, -1, 1.5, 8.0, True, "16", [16])
+    ],
+)
+def test_bad_max_tokens_is_400_naming_the_field(name: str, value: Any) -> None:
+    raw = body(messages=[{"role": "user", "content": "x"}], **{name: value})
+    assert f"'{name}'" in rejected(Kind.CHAT, raw).message
+
+
+def test_bad_max_completion_tokens_is_400_even_with_a_good_max_tokens() -> None:
+    raw = body(messages=[{"content": "x"}], max_tokens=5, max_completion_tokens=0)
+    assert "'max_completion_tokens'" in rejected(Kind.CHAT, raw).message
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [[], ["a", 1], [1, [2]], [[1], "a"], [-1], [True], [[1.5]], 3, None, {"text": "a"}],
+    ids=repr,
+)
+def test_bad_prompt_is_400(prompt: Any) -> None:
+    assert "'prompt'" in rejected(Kind.COMPLETION, body(prompt=prompt)).message
+
+
+def test_missing_prompt_and_input_are_400() -> None:
+    assert "'prompt' is required" in rejected(Kind.COMPLETION, body()).message
+    assert "'input' is required" in rejected(Kind.EMBEDDING, body(prompt="x")).message
+    assert "'input'" in rejected(Kind.EMBEDDING, body(input=[{"a": 1}])).message
+
+
+@pytest.mark.parametrize("text", [None, 5])
+def test_non_string_text_part_is_400(text: Any) -> None:
+    raw = body(messages=[{"role": "user", "content": [{"type": "text", "text": text}]}])
+    assert "'messages[0].content'" in rejected(Kind.CHAT, raw).message
+
+
+def test_deeply_nested_json_is_400() -> None:
+    assert "JSON" in rejected(Kind.CHAT, b"[" * 100_000).message
+
+
+# -- CostModel.estimate -----------------------------------------------------------------------
+
+
+def completion(prompt: Any, **fields: Any) -> InferenceRequest:
+    return parse(Kind.COMPLETION, body(prompt=prompt, **fields))
+
+
+@pytest.mark.parametrize(
+    ("chars", "chars_per_token", "tokens"),
+    [(0, 4.0, 0), (1, 4.0, 1), (4, 4.0, 1), (5, 4.0, 2), (8, 4.0, 2), (10, 2.5, 4), (11, 2.5, 5)],
+)
+def test_input_tokens_from_text_length_rounds_up(
+    chars: int, chars_per_token: float, tokens: int
+) -> None:
+    model = CostModel(CostSpec(chars_per_token=chars_per_token))
+    assert model.input_tokens(completion("x" * chars)) == tokens
+
+
+def test_token_ids_are_counted_exactly() -> None:
+    model = CostModel(CostSpec(chars_per_token=4.0))
+    assert model.input_tokens(completion([[1, 2, 3], [4, 5]])) == 5
+    assert model.estimate(completion(list(range(13)), max_tokens=1)) == Estimate(13, 1, 14.0)
+
+
+def test_chat_text_length_counts_every_message() -> None:
+    model = CostModel(CostSpec())
+    req = chat({"content": "abcd"}, {"content": "efgh"}, {"content": "i"})
+    assert model.input_tokens(req) == 3  # ceil(9 / 4)
+
+
+def test_default_max_tokens_applies_when_request_sets_none() -> None:
+    model = CostModel(CostSpec(default_max_tokens=300))
+    assert model.estimate(completion("x" * 8)) == Estimate(2, 300, 302.0)
+    assert model.estimate(completion("x" * 8, max_tokens=10)) == Estimate(2, 10, 12.0)
+
+
+def test_weights_and_output_ratio() -> None:
+    spec = CostSpec(input_weight=0.5, output_weight=3.0, output_ratio=0.25, chars_per_token=2.0)
+    estimate = CostModel(spec).estimate(completion("x" * 20, max_completion_tokens=100))
+    # 0.5 * 10 + 3 * 100 * 0.25
+    assert estimate == Estimate(input_tokens=10, max_tokens=100, cost=80.0)
+
+
+def test_zero_input_weight_prices_output_only() -> None:
+    spec = CostSpec(input_weight=0.0, output_weight=2.0)
+    assert CostModel(spec).estimate(completion("x" * 400, max_tokens=5)).cost == 10.0
+
+
+def test_embeddings_cost_input_only() -> None:
+    spec = CostSpec(input_weight=2.0, output_weight=5.0, default_max_tokens=512)
+    req = parse(Kind.EMBEDDING, body(input="x" * 40))
+    assert CostModel(spec).estimate(req) == Estimate(input_tokens=10, max_tokens=0, cost=20.0)
+
+
+@pytest.mark.parametrize(
+    ("kind", "fields"),
+    [(Kind.EMBEDDING, {"input": ""}), (Kind.COMPLETION, {"prompt": "", "max_tokens": 1})],
+)
+def test_cost_floor_is_one(kind: Kind, fields: dict[str, Any]) -> None:
+    spec = CostSpec(input_weight=1.0, output_weight=0.5, output_ratio=0.5)
+    estimate = CostModel(spec).estimate(parse(kind, body(**fields)))
+    assert estimate.input_tokens == 0
+    assert estimate.cost == 1.0
+
+
+# -- tokenizer --------------------------------------------------------------------------------
+
+WORDS = ["[UNK]", "the", "quick", "brown", "fox", "jumps"]
+
+
+@pytest.fixture
+def tokenizer_path(tmp_path: Path) -> Path:
+    """A tiny word-level Hugging Face tokenizer.json, built here: nothing is downloaded."""
+    vocab = {word: i for i, word in enumerate(WORDS)}
+    tokenizer = Tokenizer(WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tokenizer.save(str(path))
+    return path
+
+
+def test_tokenizer_counts_input_tokens(tokenizer_path: Path) -> None:
+    model = CostModel(CostSpec(tokenizer=str(tokenizer_path), output_weight=2.0))
+    text = "the quick brown fox jumps"  # 25 characters: 7 tokens at 4 chars/token
+    assert model.input_tokens(completion(text)) == 5
+    assert CostModel(CostSpec()).input_tokens(completion(text)) == 7
+    assert model.estimate(completion(text, max_tokens=10)) == Estimate(5, 10, 25.0)
+
+
+def test_tokenizer_counts_unknown_words_and_adds_token_ids(tokenizer_path: Path) -> None:
+    model = CostModel(CostSpec(tokenizer=str(tokenizer_path)))
+    assert model.input_tokens(chat({"content": "the zebra"}, {"content": " jumps, high"})) == 5
+    assert model.input_tokens(completion([1, 2, 3])) == 3
+    assert model.input_tokens(completion("")) == 0
+
+
+def test_missing_tokenizer_fails_at_construction(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match="No such file"):
+        CostModel(CostSpec(tokenizer=str(tmp_path / "absent.json")))
+
+
+def test_missing_tokenizer_error_names_the_path(tmp_path: Path) -> None:
+    path = tmp_path / "absent.json"
+    with pytest.raises(
+        ConfigError, match=r"^pools\.p\.cost\.tokenizer: cannot load '.*absent\.json'"
+    ):
+        CostModel(CostSpec(tokenizer=str(path)), "pools.p.cost")
