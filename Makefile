@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) bench/sfq_core.py
+	$(VENV)/bin/sfq-proxy demo --traffic
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -1,0 +1,65 @@
+"""The ``sfq-proxy`` command: serve, check-config, demo, sim-backend."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from . import simbackend
+from .config import Config, ConfigError, load_config
+from .demo import demo
+from .server import run, serve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="sfq-proxy", description="Fair-share reverse proxy for OpenAI-compatible LLM servers."
+    )
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="run the proxy")
+    p.add_argument("--config", required=True, help="YAML configuration file")
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("check-config", help="validate a configuration and summarise it")
+    p.add_argument("config", help="YAML configuration file")
+    p.set_defaults(func=_check_config)
+
+    p = sub.add_parser("demo", help="the proxy on its built-in config and simulated backends")
+    p.add_argument(
+        "--traffic", action="store_true", help="also play three teams' traffic and print shares"
+    )
+    p.set_defaults(func=lambda args: run(lambda: demo(traffic=args.traffic)) or 0)
+
+    simbackend.add_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _load(path: str) -> Config:
+    """The config at ``path``, or exit with every error and its path."""
+    try:
+        return load_config(path)
+    except ConfigError as err:
+        sys.exit(f"{path}: invalid configuration:\n{err}")
+    except OSError as err:
+        sys.exit(f"{path}: {err.strerror}")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    config = _load(args.config)
+    try:
+        run(lambda: serve(config))
+    except ConfigError as err:  # found when building the app: a tokenizer that won't load
+        sys.exit(f"{args.config}: invalid configuration:\n{err}")
+    return 0
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    print(_load(args.config).summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""One pool at run time: the async shell around its scheduler, and its health probes.
+
+The scheduler decides; this module only turns its decisions into resolved futures and
+its health rules into probes, so every ordering decision stays in sans-I/O code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import aiohttp
+
+from .config import PoolSpec
+from .cost import CostModel
+from .placement import Backend, Placement
+from .scheduler import Scheduler, Ticket
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+class Pool:
+    def __init__(self, name: str, spec: PoolSpec, clock: Clock, upstream_key: str | None) -> None:
+        self.name = name
+        self.spec = spec
+        self.clock = clock
+        self.placement = Placement(spec.backends)
+        self.scheduler = Scheduler(self.placement)
+        self.cost = CostModel(spec.cost, f"pools.{name}.cost")
+        self.upstream_key = upstream_key
+
+    async def acquire(self, ticket: Ticket) -> Backend:
+        """Wait in the fair queue until ``ticket`` is given a backend slot.
+
+        If the waiting task is cancelled (its client went away) the ticket leaves the
+        queue uncharged, or, if it was dispatched in that same instant, frees its slot.
+        """
+        future: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
+        ticket.payload = future
+        self._start(self.scheduler.submit(ticket))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            if not self.scheduler.cancel(ticket) and ticket.backend is not None:
+                self.release(ticket)
+            raise
+
+    def release(self, ticket: Ticket) -> None:
+        """The request holding a slot is over (done, failed or cancelled)."""
+        self._start(self.scheduler.finish(ticket))
+
+    def report_failure(self, backend: Backend) -> None:
+        """Passive health: a connection failure or 5xx takes the backend out for a cooldown."""
+        if backend.healthy:
+            log.warning("pool %s: backend %s marked down", self.name, backend.name)
+        self.placement.mark_down(backend, self.clock() + self.spec.health.cooldown_s)
+
+    async def probe_forever(self, session: aiohttp.ClientSession) -> None:
+        """Active health: GET the health path of every backend each interval."""
+        health = self.spec.health
+        while True:
+            await asyncio.gather(*(self._probe(session, b) for b in self.placement.backends))
+            await asyncio.sleep(health.interval_s)
+
+    async def _probe(self, session: aiohttp.ClientSession, backend: Backend) -> None:
+        url = backend.url + self.spec.health.path
+        limit = aiohttp.ClientTimeout(total=self.spec.health.timeout_s)
+        try:
+            async with session.get(url, timeout=limit) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            ok = False
+        if not ok:
+            self.report_failure(backend)
+        elif self.placement.mark_up(backend, self.clock()):
+            log.warning("pool %s: backend %s is back", self.name, backend.name)
+            self._start(self.scheduler.pump())
+
+    def _start(self, tickets: list[Ticket]) -> None:
+        """Wake the requests that were just dispatched."""
+        for ticket in tickets:
+            future = ticket.payload
+            if future.done():  # cancelled in the instant it was dispatched: give the slot back
+                self.release(ticket)
+            else:
+                future.set_result(ticket.backend)

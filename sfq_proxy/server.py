@@ -1,0 +1,66 @@
+"""Run the proxy: listen, and on SIGTERM/SIGINT drain in-flight requests, then close."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+
+from .app import build_app
+from .config import Config
+
+
+@contextlib.asynccontextmanager
+async def running(config: Config, **app_options: Any) -> AsyncIterator[web.AppRunner]:
+    """The proxy listening on ``config.listen`` until the block exits, then drained.
+
+    On exit it stops accepting connections at once and gives in-flight requests (queued
+    ones included) up to ``drain_timeout_s`` to finish before closing them.
+    """
+    runner = web.AppRunner(
+        build_app(config, **app_options),
+        shutdown_timeout=config.drain_timeout_s,
+        handler_cancellation=True,  # a client that leaves cancels its handler: queue exit, abort
+        access_log=None,
+    )
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.listen.host, config.listen.port).start()
+        yield runner
+    finally:
+        await runner.cleanup()
+
+
+def bound_url(runner: web.AppRunner) -> str:
+    host, port = runner.addresses[0][:2]
+    return f"http://{host}:{port}"
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGTERM or SIGINT."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+def run(main: Callable[[], Any]) -> None:
+    """``asyncio.run`` on uvloop when it is installed."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main())
+    else:
+        uvloop.run(main())
+
+
+async def serve(config: Config) -> None:
+    async with running(config) as runner:
+        print(f"sfq-proxy listening on {bound_url(runner)}", flush=True)
+        await wait_for_signal()
+        print("sfq-proxy draining…", flush=True)

@@ -1,0 +1,856 @@
+"""A simulated vLLM server: the OpenAI-compatible HTTP surface plus a toy engine model.
+
+The proxy's demo and end-to-end tests need a backend that looks like vLLM *from a load
+balancer's point of view*: same endpoints and JSON shapes, a bounded batch with a FIFO
+waiting queue behind it, prefill and per-token decode latency that grows with batch size,
+client disconnects aborting work, and fault knobs.  No GPU, no model: the "generated" text is
+a seeded pseudo-random word sequence, one word per token, so a run is reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import random
+import socket
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from http import HTTPStatus
+from typing import Any, Literal, Protocol
+
+from aiohttp import web
+
+from .server import run, wait_for_signal
+
+__all__ = [
+    "Faults",
+    "RequestRecord",
+    "SimBackend",
+    "SimConfig",
+    "SimStats",
+    "add_parser",
+    "estimate_prompt_tokens",
+]
+
+Kind = Literal["chat", "completions"]
+Outcome = Literal["completed", "aborted", "failed"]
+
+DEFAULT_MODEL = "sim-llama"
+_HTTP_STATUSES = frozenset(s.value for s in HTTPStatus)
+# Chat templates wrap every message in role markers; vLLM's Llama-3 template adds about four.
+MESSAGE_OVERHEAD_TOKENS = 4
+_WORDS = (
+    "the", "model", "answers", "with", "plain", "words", "so", "that", "tests", "can",
+    "count", "tokens", "easily", "while", "fair", "queueing", "keeps", "every", "user",
+    "happy", "and", "latency", "stays", "low",
+)  # fmt: skip
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any], chars_per_token: float = 4.0) -> int:
+    """Token count of a request's prompt, from characters alone (no tokenizer).
+
+    Uses ``messages`` (chat) if present, else ``prompt`` (completions).  The proxy estimates
+    with the same rule, so both sides agree on request sizes.  Raises ValueError on a shape
+    vLLM would reject.
+    """
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("'messages' must be a non-empty list")
+        return sum(
+            MESSAGE_OVERHEAD_TOKENS + _ceil_tokens(_message_chars(m), chars_per_token)
+            for m in messages
+        )
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return _ceil_tokens(len(prompt), chars_per_token)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+        return len(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return sum(_ceil_tokens(len(p), chars_per_token) for p in prompt)
+    raise ValueError("'prompt' must be a string, a list of strings or a list of token ids")
+
+
+def _ceil_tokens(chars: int, chars_per_token: float) -> int:
+    return math.ceil(chars / chars_per_token)
+
+
+def _message_chars(message: object) -> int:
+    """Characters of a chat message's text; non-text parts (images, …) count as nothing."""
+    if not isinstance(message, dict):
+        raise ValueError("each message must be an object")
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return len(content or "")
+    if isinstance(content, list):
+        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if all(isinstance(t, str) for t in texts):
+            return sum(len(t) for t in texts)
+    raise ValueError("message 'content' must be a string or a list of content parts")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Engine model parameters.
+
+    Defaults approximate vLLM serving an 8B bf16 model on one H100-class GPU: 256 sequences
+    per batch (vLLM's default ``max_num_seqs``), ~10k prompt tokens/s of prefill and ~80
+    tokens/s per sequence when decoding alone, falling off linearly as the batch grows.
+    """
+
+    models: Sequence[str] = (DEFAULT_MODEL,)
+    max_num_seqs: int = 256
+    prefill_tokens_per_s: float = 10_000.0
+    decode_tokens_per_s: float = 80.0
+    batch_slowdown: float = 0.01
+    time_scale: float = 1.0
+    max_model_len: int = 8192
+    chars_per_token: float = 4.0
+    output_mode: Literal["max", "random"] = "max"
+    default_max_tokens: int = 256
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "models", tuple(self.models))
+        if not self.models:
+            raise ValueError("at least one model name is required")
+        if self.output_mode not in ("max", "random"):
+            raise ValueError("output_mode must be 'max' or 'random'")
+        positive = (
+            "max_num_seqs",
+            "prefill_tokens_per_s",
+            "decode_tokens_per_s",
+            "time_scale",
+            "max_model_len",
+            "chars_per_token",
+            "default_max_tokens",
+        )
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.batch_slowdown < 0:
+            raise ValueError("batch_slowdown must be >= 0")
+
+    def prefill_seconds(self, prompt_tokens: int) -> float:
+        """Wall time of a prompt's prefill, which also yields the first output token."""
+        return prompt_tokens / self.prefill_tokens_per_s / self.time_scale
+
+    def decode_interval(self, running: int) -> float:
+        """Per-sequence time between two output tokens when ``running`` sequences share a batch."""
+        slowdown = 1.0 + self.batch_slowdown * max(running - 1, 0)
+        return slowdown / self.decode_tokens_per_s / self.time_scale
+
+
+@dataclass
+class Faults:
+    """Fault-injection knobs, read on every request so they can change at runtime.
+
+    Set fields directly (``sim.faults.fail_rate = 1.0``), except ``refuse_connections``, which
+    needs socket work: use ``pause_listening``/``resume_listening``, ``update_faults`` or
+    ``POST /sim/faults``.
+    """
+
+    fail_rate: float = 0.0
+    fail_status: int = 503
+    die_after_tokens: int | None = None
+    refuse_connections: bool = False
+    health_status: int = 200
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.fail_rate <= 1.0:
+            raise ValueError("fail_rate must be within [0, 1]")
+        for status in (self.fail_status, self.health_status):
+            if not isinstance(status, int) or status < 200 or status not in _HTTP_STATUSES:
+                raise ValueError(f"{status!r} is not a final HTTP status code")
+        die = self.die_after_tokens
+        if die is not None and (not isinstance(die, int) or die < 0):
+            raise ValueError("die_after_tokens must be None or an int >= 0")
+        if not isinstance(self.refuse_connections, bool):
+            raise ValueError("refuse_connections must be a bool")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One valid generation request, as the engine saw it.  Times are time.monotonic()."""
+
+    index: int  # arrival order, == position in SimStats.log
+    user: str | None
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    had_authorization: bool
+    arrived_at: float
+    started_at: float | None = None  # got a batch slot (None: failed or aborted while waiting)
+    ended_at: float | None = None
+    completion_tokens: int = 0
+    outcome: Outcome | None = None  # None while in flight
+
+
+@dataclass
+class SimStats:
+    """Counters and per-request log; ``running``/``waiting`` are live gauges."""
+
+    requests_seen: int = 0
+    completed: int = 0
+    aborted: int = 0
+    failed_injected: int = 0
+    max_concurrent: int = 0
+    running: int = 0
+    waiting: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    log: list[RequestRecord] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """Zero everything but the live gauges; requests still in flight count when they end."""
+        fresh = SimStats(
+            running=self.running,
+            waiting=self.waiting,
+            max_concurrent=self.running + self.waiting,
+        )
+        for f in fields(self):
+            setattr(self, f.name, getattr(fresh, f.name))
+
+
+class _FifoSlots:
+    """Counting semaphore granting strictly in arrival order, like vLLM's FCFS scheduler.
+
+    Written out because asyncio.Semaphore's fairness is an implementation detail (it was not
+    FIFO before Python 3.11.1).  A released slot is handed straight to the oldest waiter.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self._free = capacity
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def acquire(self) -> None:
+        if self._free and not self._waiters:
+            self._free -= 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # the slot was handed over just before the cancel landed
+            else:
+                with contextlib.suppress(ValueError):  # release() may have dropped it
+                    self._waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._free += 1
+
+
+class _ApiError(Exception):
+    """A request vLLM would refuse before scheduling it."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+    def response(self) -> web.Response:
+        return _error_response(self.status, self.message)
+
+
+class _InjectedDeath(Exception):
+    """die_after_tokens was reached: the "server" crashes mid-generation."""
+
+
+def _error_response(status: int, message: str) -> web.Response:
+    """OpenAI-style error body, with vLLM's exception-class-like ``type``."""
+    err_type = {400: "BadRequestError", 404: "NotFoundError"}.get(status)
+    if err_type is None:
+        phrase = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
+        err_type = phrase if phrase.endswith("Error") else phrase + "Error"
+    error = {"message": message, "type": err_type, "param": None, "code": status}
+    return web.json_response({"error": error}, status=status)
+
+
+@dataclass(frozen=True)
+class _GenRequest:
+    """A validated generation request, reduced to what the engine and the log need."""
+
+    kind: Kind
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    user: str | None
+
+
+def _parse_generation(kind: Kind, body: object, cfg: SimConfig) -> _GenRequest:
+    """Validate like vLLM does before scheduling; raises _ApiError (400/404)."""
+    if not isinstance(body, dict):
+        raise _ApiError(400, "Request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _ApiError(400, "Field 'model' is required and must be a string")
+    prompt_field = "messages" if kind == "chat" else "prompt"
+    if prompt_field not in body:
+        raise _ApiError(400, f"Field '{prompt_field}' is required")
+    if model not in cfg.models:
+        raise _ApiError(404, f"The model `{model}` does not exist.")
+    try:
+        prompt_tokens = estimate_prompt_tokens(
+            {prompt_field: body[prompt_field]}, cfg.chars_per_token
+        )
+    except ValueError as exc:
+        raise _ApiError(400, str(exc)) from exc
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise _ApiError(400, "'stream' must be a boolean")
+    options = body.get("stream_options") or {}
+    user = body.get("user")
+    return _GenRequest(
+        kind=kind,
+        model=model,
+        prompt_tokens=prompt_tokens,
+        max_tokens=_resolve_max_tokens(body, prompt_tokens, prompt_field, cfg),
+        stream=stream,
+        include_usage=stream and isinstance(options, dict) and bool(options.get("include_usage")),
+        user=user if isinstance(user, str) else None,
+    )
+
+
+def _resolve_max_tokens(
+    body: dict[str, Any], prompt_tokens: int, prompt_field: str, cfg: SimConfig
+) -> int:
+    """The output budget, checked against the context window as vLLM does."""
+    requested = body.get("max_completion_tokens")
+    if requested is None:
+        requested = body.get("max_tokens")
+    room = cfg.max_model_len - prompt_tokens
+    if requested is None:
+        if room < 1:
+            raise _ApiError(
+                400,
+                f"This model's maximum context length is {cfg.max_model_len} "
+                f"tokens, but the {prompt_field} use {prompt_tokens} tokens.",
+            )
+        return min(cfg.default_max_tokens, room)
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise _ApiError(400, f"max_tokens must be a positive integer, got {requested!r}")
+    if requested > room:
+        raise _ApiError(
+            400,
+            f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the "
+            f"{prompt_field}, {requested} in the completion). Please reduce the length of the "
+            f"{prompt_field} or completion.",
+        )
+    return requested
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A request's predetermined answer plus the OpenAI/vLLM response shapes for it."""
+
+    gen: _GenRequest
+    id: str
+    created: int
+    tokens: tuple[str, ...]
+
+    @property
+    def finish_reason(self) -> str:
+        return "length" if len(self.tokens) == self.gen.max_tokens else "stop"
+
+    def usage(self) -> dict[str, int]:
+        prompt, completion = self.gen.prompt_tokens, len(self.tokens)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def choice(self, text: str, finish: str | None, *, chunk: bool, role: bool = False) -> dict:
+        if self.gen.kind == "completions":
+            body: dict[str, Any] = {"text": text}
+        elif chunk:
+            body = {"delta": {"role": "assistant", "content": text} if role else {"content": text}}
+        else:
+            body = {"message": {"role": "assistant", "content": text}}
+        return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
+
+    def envelope(self, choices: list[dict], *, chunk: bool, usage: bool = False) -> dict:
+        if self.gen.kind == "completions":
+            obj = "text_completion"
+        else:
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+        out: dict[str, Any] = {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.gen.model,
+            "choices": choices,
+        }
+        if usage:
+            out["usage"] = self.usage()
+        return out
+
+
+class _Sink(Protocol):
+    """Where a sequence's tokens go: an SSE stream, or a buffer for one JSON answer."""
+
+    async def start(self, request: web.Request) -> None: ...
+    async def token(self, text: str) -> None: ...
+    async def finish(self) -> web.StreamResponse: ...
+
+
+class _SseSink:
+    """Sends each token as its own SSE event the moment it exists, so TTFT is real."""
+
+    def __init__(self, plan: _Plan) -> None:
+        self._plan = plan
+        self._sent = 0
+        self._response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream; charset=utf-8"}
+        )
+
+    async def start(self, request: web.Request) -> None:
+        # Headers go out before queueing, as with vLLM, whose response starts on admission.
+        await self._response.prepare(request)
+
+    async def token(self, text: str) -> None:
+        plan = self._plan
+        if self._sent == 0 and plan.gen.kind == "chat":
+            await self._send(
+                plan.envelope([plan.choice("", None, chunk=True, role=True)], chunk=True)
+            )
+        self._sent += 1
+        finish = plan.finish_reason if self._sent == len(plan.tokens) else None
+        await self._send(plan.envelope([plan.choice(text, finish, chunk=True)], chunk=True))
+
+    async def finish(self) -> web.StreamResponse:
+        if self._plan.gen.include_usage:
+            await self._send(self._plan.envelope([], chunk=True, usage=True))
+        await self._response.write(b"data: [DONE]\n\n")
+        return self._response
+
+    async def _send(self, event: dict) -> None:
+        data = json.dumps(event, separators=(",", ":"))
+        await self._response.write(f"data: {data}\n\n".encode())
+
+
+class _JsonSink:
+    """Collects the tokens and answers with one completion object at the end."""
+
+    def __init__(self, plan: _Plan) -> None:
+        self._plan = plan
+        self._parts: list[str] = []
+
+    async def start(self, request: web.Request) -> None:
+        pass
+
+    async def token(self, text: str) -> None:
+        self._parts.append(text)
+
+    async def finish(self) -> web.StreamResponse:
+        plan = self._plan
+        choice = plan.choice("".join(self._parts), plan.finish_reason, chunk=False)
+        return web.json_response(plan.envelope([choice], chunk=False, usage=True))
+
+
+def _drop_connection(request: web.Request) -> web.Response:
+    """Close the socket under a request; the returned response can no longer be delivered.
+
+    aiohttp then fails to write it, takes that as a client disconnect and stays quiet.
+    """
+    if request.transport is not None:
+        request.transport.close()
+    return web.Response(status=500)
+
+
+def _listen_socket(host: str, port: int) -> socket.socket:
+    """A bound socket; owning it (rather than TCPSite) lets us re-listen on the same port."""
+    family, type_, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class SimBackend:
+    """The simulated server.  ``start()`` it, or use ``async with SimBackend(cfg) as sim``."""
+
+    def __init__(self, config: SimConfig | None = None) -> None:
+        self.config = config or SimConfig()
+        self.stats = SimStats()
+        self.faults = Faults()
+        self._rng = random.Random(self.config.seed)
+        self._slots = _FifoSlots(self.config.max_num_seqs)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._busy: set[object] = set()  # aiohttp protocols (connections) handling a request
+        self._created = int(time.time())
+        self._runner: web.AppRunner | None = None
+        self._site: web.SockSite | None = None
+        self._host = "127.0.0.1"
+        self._port = 0
+
+    # ----------------------------------------------------------------- lifecycle
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen on host:port (0 = ephemeral) and return the base URL."""
+        sock = _listen_socket(host, port)
+        self._host, self._port = host, sock.getsockname()[1]
+        # aiohttp (3.9+) cancels a handler when its client goes away only if asked to.  Without
+        # it a non-streaming request would hold its batch slot to the end, unlike in vLLM.
+        self._runner = web.AppRunner(
+            self._make_app(), handler_cancellation=True, shutdown_timeout=1.0, access_log=None
+        )
+        await self._runner.setup()
+        self._site = web.SockSite(self._runner, sock)
+        await self._site.start()
+        return self.url
+
+    async def stop(self) -> None:
+        """Abort every running or waiting sequence, then close sockets and connections."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self._runner = self._site = None
+
+    async def __aenter__(self) -> SimBackend:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self._host}]" if ":" in self._host else self._host
+        return f"http://{host}:{self._port}"
+
+    async def pause_listening(self) -> None:
+        """Act like a server that went away: refuse new connects and hang up idle keep-alives.
+
+        Requests already in flight still get their answer, then their connection closes.
+        Without dropping idle keep-alive connections, a client's pool would hide the fault.
+        """
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+        if self._runner is not None and self._runner.server is not None:
+            for conn in self._runner.server.connections:
+                # close() finishes the current response first, but leaves an idle socket open
+                # (aiohttp 3.14), so idle connections need force_close().
+                if conn in self._busy:
+                    conn.close()
+                else:
+                    conn.force_close()
+        self.faults.refuse_connections = True
+
+    async def resume_listening(self) -> None:
+        """Listen again on the same port after pause_listening()."""
+        if self._site is None and self._runner is not None:
+            self._site = web.SockSite(self._runner, _listen_socket(self._host, self._port))
+            await self._site.start()
+        self.faults.refuse_connections = False
+
+    async def update_faults(self, **changes: Any) -> Faults:
+        """Validate and apply fault knobs together (ValueError/TypeError if any is bad)."""
+        refuse = changes.pop("refuse_connections", self.faults.refuse_connections)
+        faults = replace(self.faults, refuse_connections=refuse, **changes)
+        self.faults = faults
+        await (self.pause_listening() if refuse else self.resume_listening())
+        return faults
+
+    # ----------------------------------------------------------------- HTTP surface
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(middlewares=[self._track_busy])
+        app.add_routes(
+            [
+                web.post("/v1/chat/completions", self._chat),
+                web.post("/v1/completions", self._completions),
+                web.get("/v1/models", self._models),
+                web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
+                web.get("/sim/stats", self._get_stats),
+                web.get("/sim/faults", self._get_faults),
+                web.post("/sim/faults", self._post_faults),
+                web.post("/sim/reset", self._reset),
+            ]
+        )
+        return app
+
+    @web.middleware
+    async def _track_busy(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        """Remember which connections are mid-request, for pause_listening()."""
+        self._busy.add(request.protocol)  # HTTP/1.1: one request at a time per connection
+        try:
+            return await handler(request)
+        finally:
+            self._busy.discard(request.protocol)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        data = [
+            {
+                "id": m,
+                "object": "model",
+                "created": self._created,
+                "owned_by": "vllm",
+                "root": m,
+                "parent": None,
+                "max_model_len": self.config.max_model_len,
+            }
+            for m in self.config.models
+        ]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response(status=self.faults.health_status)
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        """vLLM's scheduler gauges; like vLLM, labelled with the first served model name."""
+        label = f'{{model_name="{self.config.models[0]}"}}'
+        s = self.stats
+        series = [
+            ("vllm:num_requests_running", "gauge", "Requests in the running batch.", s.running),
+            ("vllm:num_requests_waiting", "gauge", "Requests waiting for a batch slot.", s.waiting),
+            ("vllm:prompt_tokens_total", "counter", "Prefilled prompt tokens.", s.prompt_tokens),
+            ("vllm:generation_tokens_total", "counter", "Generated tokens.", s.completion_tokens),
+        ]
+        lines = []
+        for name, kind, help_text, value in series:
+            lines += [
+                f"# HELP {name} {help_text}",
+                f"# TYPE {name} {kind}",
+                f"{name}{label} {float(value)}",
+            ]
+        return web.Response(
+            body=("\n".join(lines) + "\n").encode(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def _get_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(asdict(self.stats))
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(asdict(self.faults))
+
+    async def _post_faults(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            faults = await self.update_faults(**body)
+        except (ValueError, TypeError) as exc:
+            return _error_response(400, f"Invalid faults: {exc}")
+        return web.json_response(asdict(faults))
+
+    async def _reset(self, request: web.Request) -> web.Response:
+        self.stats.reset()
+        return web.json_response(asdict(self.stats))
+
+    # ----------------------------------------------------------------- generation
+
+    async def _generate(self, request: web.Request, kind: Kind) -> web.StreamResponse:
+        """Validate, maybe inject a failure, then run the sequence into a stream or JSON sink."""
+        try:
+            body = await request.json()
+        except (ValueError, RecursionError):  # RecursionError: absurdly nested JSON
+            return _error_response(400, "Request body is not valid JSON")
+        try:
+            gen = _parse_generation(kind, body, self.config)
+        except _ApiError as exc:
+            return exc.response()
+        rec = self._admit(request, gen)
+        if self._draw_failure():
+            self._finish(rec, "failed")
+            return _error_response(self.faults.fail_status, "Injected failure (fail_rate)")
+        plan = self._plan(gen)
+        sink: _Sink = _SseSink(plan) if gen.stream else _JsonSink(plan)
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            await sink.start(request)
+            await self._run(rec, plan, sink.token)
+            response = await sink.finish()
+        except _InjectedDeath:
+            self._finish(rec, "failed")
+            return _drop_connection(request)
+        except ConnectionError:  # the peer vanished before aiohttp could cancel us
+            self._finish(rec, "aborted")
+            return _drop_connection(request)
+        except asyncio.CancelledError:  # client disconnect (handler_cancellation) or stop()
+            self._finish(rec, "aborted")
+            raise
+        finally:
+            self._tasks.discard(task)
+        self._finish(rec, "completed")
+        return response
+
+    def _admit(self, request: web.Request, gen: _GenRequest) -> RequestRecord:
+        stats = self.stats
+        rec = RequestRecord(
+            index=len(stats.log),
+            user=gen.user,
+            model=gen.model,
+            prompt_tokens=gen.prompt_tokens,
+            max_tokens=gen.max_tokens,
+            stream=gen.stream,
+            had_authorization="Authorization" in request.headers,
+            arrived_at=time.monotonic(),
+        )
+        stats.log.append(rec)
+        stats.requests_seen += 1
+        stats.prompt_tokens += gen.prompt_tokens
+        return rec
+
+    def _finish(self, rec: RequestRecord, outcome: Outcome) -> None:
+        rec.outcome, rec.ended_at = outcome, time.monotonic()
+        if outcome == "completed":
+            self.stats.completed += 1
+        elif outcome == "aborted":
+            self.stats.aborted += 1
+        else:
+            self.stats.failed_injected += 1
+
+    def _draw_failure(self) -> bool:
+        # No draw at rate 0, so enabling the knob is the only thing that shifts the RNG stream.
+        rate = self.faults.fail_rate
+        return rate > 0 and self._rng.random() < rate
+
+    def _plan(self, gen: _GenRequest) -> _Plan:
+        """Fix the whole answer at arrival, so it depends only on seed and arrival order."""
+        if self.config.output_mode == "random":
+            n_tokens = self._rng.randint(1, gen.max_tokens)
+        else:
+            n_tokens = gen.max_tokens
+        text_seed = self._rng.getrandbits(128)
+        words = random.Random(text_seed).choices(_WORDS, k=n_tokens)
+        prefix = "chatcmpl" if gen.kind == "chat" else "cmpl"
+        return _Plan(
+            gen=gen,
+            id=f"{prefix}-{text_seed:032x}",
+            created=int(time.time()),
+            tokens=tuple(w if i == 0 else " " + w for i, w in enumerate(words)),
+        )
+
+    async def _run(
+        self, rec: RequestRecord, plan: _Plan, emit: Callable[[str], Awaitable[None]]
+    ) -> None:
+        """Wait for a batch slot, prefill (yields token 1), then decode one token at a time."""
+        cfg = self.config
+        async with self._batch_slot(rec):
+            await asyncio.sleep(cfg.prefill_seconds(plan.gen.prompt_tokens))
+            for i, token in enumerate(plan.tokens):
+                if i:
+                    await asyncio.sleep(cfg.decode_interval(self.stats.running))
+                if i == self.faults.die_after_tokens:
+                    raise _InjectedDeath
+                await emit(token)
+                rec.completion_tokens += 1
+                self.stats.completion_tokens += 1
+
+    @contextlib.asynccontextmanager
+    async def _batch_slot(self, rec: RequestRecord) -> AsyncIterator[None]:
+        """Hold one of max_num_seqs places, queueing FIFO for it; keeps the gauges exact."""
+        stats = self.stats
+        stats.waiting += 1
+        stats.max_concurrent = max(stats.max_concurrent, stats.waiting + stats.running)
+        try:
+            await self._slots.acquire()
+        finally:
+            stats.waiting -= 1
+        stats.running += 1
+        rec.started_at = time.monotonic()
+        try:
+            yield
+        finally:
+            stats.running -= 1
+            self._slots.release()
+
+
+# --------------------------------------------------------------------- CLI
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``sim-backend``: run a simulated vLLM server until SIGINT/SIGTERM."""
+    d = SimConfig()
+    p = subparsers.add_parser(
+        "sim-backend",
+        help="run a simulated vLLM (OpenAI-compatible) server",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--model",
+        dest="models",
+        action="append",
+        help=f"served model name, repeatable (default: {DEFAULT_MODEL})",
+    )
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--prefill-tokens-per-s", type=float, default=d.prefill_tokens_per_s)
+    p.add_argument("--decode-tokens-per-s", type=float, default=d.decode_tokens_per_s)
+    p.add_argument("--batch-slowdown", type=float, default=d.batch_slowdown)
+    p.add_argument("--time-scale", type=float, default=d.time_scale)
+    p.add_argument("--output-mode", choices=("max", "random"), default=d.output_mode)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.set_defaults(func=run_from_args)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Entry point of ``sim-backend``; blocks until SIGINT/SIGTERM, returns the exit code."""
+    config = SimConfig(
+        models=args.models or (DEFAULT_MODEL,),
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        decode_tokens_per_s=args.decode_tokens_per_s,
+        batch_slowdown=args.batch_slowdown,
+        time_scale=args.time_scale,
+        output_mode=args.output_mode,
+        seed=args.seed,
+    )
+    run(lambda: _serve_until_signal(config, args.host, args.port))
+    return 0
+
+
+async def _serve_until_signal(config: SimConfig, host: str, port: int) -> None:
+    sim = SimBackend(config)
+    url = await sim.start(host, port)
+    print(f"sim-backend serving {', '.join(config.models)} at {url}", flush=True)
+    try:
+        await wait_for_signal()
+    finally:
+        await sim.stop()

@@ -1,0 +1,106 @@
+"""End-to-end test helpers: real simulated LLM servers and a real proxy on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import openai
+import yaml
+
+from sfq_proxy.app import PROXY, Proxy
+from sfq_proxy.config import Config, parse_config
+from sfq_proxy.server import bound_url, running
+from sfq_proxy.sfq import FairQueue
+from sfq_proxy.simbackend import SimBackend, SimConfig
+
+MODEL = "sim-llama"
+KEYS = {"A": "sk-test-org-a", "B": "sk-test-org-b", "C": "sk-test-org-c"}
+
+
+def proxy_config(
+    backend_urls: list[str],
+    *,
+    slots: int = 4,
+    pool: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+    **overrides: Any,
+) -> Config:
+    """A config with orgs A, B, C (keys in ``KEYS``) and one pool ``sim`` of ``backend_urls``.
+
+    ``pool`` adds settings to the pool, ``overrides`` replaces top-level sections.
+    """
+    data: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "keys": [
+            {"key": KEYS["A"], "org": "A", "classes": ["batch", "interactive"]},
+            {"key": KEYS["B"], "org": "B", "classes": ["batch"]},
+            {"key": KEYS["C"], "org": "C", "classes": ["interactive"]},
+        ],
+        "pools": {
+            "sim": {
+                "models": [MODEL],
+                "health": {"interval_s": 0.1, "cooldown_s": 0.2, "timeout_s": 5},
+                "timeouts": {"connect_s": 1, "first_byte_s": 10},
+                "backends": [{"url": url, "slots": slots} for url in backend_urls],
+                **(pool or {}),
+            }
+        },
+        "drain_timeout_s": 5,
+    }
+    data.update(overrides)
+    return parse_config(yaml.safe_dump(data), environ=environ or {})
+
+
+@dataclass(frozen=True)
+class Served:
+    """A running proxy: where it listens, and its live state for white-box assertions."""
+
+    url: str
+    state: Proxy
+
+    def queue(self, pool: str = "sim") -> FairQueue[Any]:
+        return self.state.pools[pool].scheduler.queue
+
+
+class Lab:
+    """Starts simulated backends and proxies; stops them all when the test ends."""
+
+    def __init__(self, stack: contextlib.AsyncExitStack) -> None:
+        self._stack = stack
+
+    async def backend(self, port: int = 0, **options: Any) -> SimBackend:
+        options = {"models": [MODEL], "time_scale": 50.0, **options}
+        sim = SimBackend(SimConfig(**options))
+        await sim.start(host="127.0.0.1", port=port)
+        self._stack.push_async_callback(sim.stop)
+        return sim
+
+    async def proxy(self, config: Config, **app_options: Any) -> Served:
+        runner = await self._stack.enter_async_context(running(config, **app_options))
+        return Served(url=bound_url(runner), state=runner.app[PROXY])
+
+    def client(self, served: Served, org: str = "A", **options: Any) -> openai.AsyncOpenAI:
+        client = openai.AsyncOpenAI(
+            base_url=f"{served.url}/v1", api_key=KEYS[org], max_retries=0, **options
+        )
+        self._stack.push_async_callback(client.close)
+        return client
+
+    async def http(self) -> aiohttp.ClientSession:
+        session = aiohttp.ClientSession()
+        self._stack.push_async_callback(session.close)
+        return session
+
+
+async def eventually(predicate: Callable[[], bool], within: float = 2.0) -> None:
+    """Poll ``predicate`` (state in another server) until it holds; fail after ``within`` s."""
+    for _ in range(round(within / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"still false after {within} s: {predicate}")

@@ -1,0 +1,137 @@
+"""The ``sfq-proxy`` command line, run as a real subprocess (serve is left to end-to-end tests)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "config" / "example.yaml"
+EXAMPLE_ENV = {  # the variables config/example.yaml says it needs
+    "ANALYTICS_KEY": "sk-analytics-SECRET-1",
+    "PRODUCT_KEY": "sk-product-SECRET-2",
+    "PROVIDER_A_KEY": "sk-provider-SECRET-3",
+    "SFQ_ADMIN_KEY": "admin-SECRET-4",
+}
+PLAIN_SECRET = "sk-plain-SECRET-5"
+
+
+def sfq_proxy(
+    *args: str | Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if k not in EXAMPLE_ENV}
+    return subprocess.run(
+        [sys.executable, "-m", "sfq_proxy.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**base, **(env or {})},
+        timeout=60,
+        check=False,
+    )
+
+
+def write_config(tmp_path: Path, slots: int = 4, name: str = "bad.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(
+        f"""
+keys:
+  - {{key: {PLAIN_SECRET}, org: product, classes: [interactive]}}
+pools:
+  llama-8b:
+    models: [meta-llama/Llama-3.1-8B-Instruct]
+    backends:
+      - {{url: "http://127.0.0.1:8001", slots: {slots}}}
+""",
+        encoding="utf-8",
+    )
+    return path
+
+
+def test_help_lists_every_command() -> None:
+    result = sfq_proxy("--help")
+    assert result.returncode == 0
+    assert result.stdout.startswith("usage: sfq-proxy")
+    for command in ("serve", "check-config", "demo", "sim-backend"):
+        assert f"    {command}" in result.stdout
+
+
+def test_no_command_is_a_usage_error() -> None:
+    result = sfq_proxy()
+    assert result.returncode == 2
+    assert "required: COMMAND" in result.stderr
+
+
+def test_check_config_of_the_example_summarises_it_without_secrets() -> None:
+    result = sfq_proxy("check-config", "config/example.yaml", env=EXAMPLE_ENV)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    out = result.stdout
+    assert out.startswith("listen 0.0.0.0:8080 ")
+    assert "pool llama-8b: models [meta-llama/Llama-3.1-8B-Instruct]\n" in out
+    assert "pool provider-a: models [gpt-4o-mini]\n" in out
+    assert "  backend gpu-b: http://10.0.0.12:8000, 32 slots\n" in out
+    assert "  keys[0]: org=analytics, classes=[batch] (from env ANALYTICS_KEY)\n" in out
+    assert "  keys[2]: org=ops, classes=[system, interactive] (sha256)\n" in out
+    assert "  product/interactive/llama-8b: 12\n" in out
+    for secret in EXAMPLE_ENV.values():
+        assert secret not in out
+
+
+def test_check_config_of_the_example_without_its_env_names_the_variables() -> None:
+    result = sfq_proxy("check-config", EXAMPLE)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert f"{EXAMPLE}: invalid configuration:" in result.stderr
+    assert "keys[0].key_env: environment variable ANALYTICS_KEY is not set" in result.stderr
+    assert "keys[1].key_env: environment variable PRODUCT_KEY is not set" in result.stderr
+
+
+def test_check_config_of_a_valid_file_never_prints_its_plain_key(tmp_path: Path) -> None:
+    result = sfq_proxy("check-config", write_config(tmp_path, name="ok.yaml"))
+    assert result.returncode == 0, result.stderr
+    assert "  keys[0]: org=product, classes=[interactive] (plain)\n" in result.stdout
+    assert PLAIN_SECRET not in result.stdout + result.stderr
+
+
+def test_check_config_of_a_bad_file_names_the_path_and_the_file(tmp_path: Path) -> None:
+    path = write_config(tmp_path, slots=0)
+    result = sfq_proxy("check-config", path)
+    assert result.returncode != 0
+    assert result.stdout == ""
+    assert f"{path}: invalid configuration:" in result.stderr
+    assert "pools.llama-8b.backends[0].slots: must be > 0" in result.stderr
+    assert "bad.yaml" in result.stderr
+    assert PLAIN_SECRET not in result.stderr
+
+
+def test_check_config_of_a_missing_file_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "absent.yaml"
+    result = sfq_proxy("check-config", path)
+    assert result.returncode != 0
+    assert result.stdout == ""
+    assert f"cannot read {path}" in result.stderr
+    assert "No such file or directory" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("keys: [\n", "line "),
+        ("", "the configuration is empty"),
+        ("- a\n- b\n", "the top level must be a mapping"),
+    ],
+    ids=["yaml-syntax", "empty", "not-a-mapping"],
+)
+def test_check_config_of_unparsable_yaml(tmp_path: Path, text: str, needle: str) -> None:
+    path = tmp_path / "broken.yaml"
+    path.write_text(text, encoding="utf-8")
+    result = sfq_proxy("check-config", path)
+    assert result.returncode == 1
+    assert needle in result.stderr
+    assert "Traceback" not in result.stderr

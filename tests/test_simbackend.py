@@ -1,0 +1,554 @@
+"""End-to-end tests of the simulated vLLM backend, over real sockets.
+
+The openai SDK is the client wherever the behaviour is visible through it; raw aiohttp or
+raw sockets are used for wire-level details (SSE framing, error bodies, disconnects).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections.abc import AsyncIterable, AsyncIterator, Callable
+from typing import Any, TypeVar
+
+import aiohttp
+import openai
+import pytest
+
+from sfq_proxy.simbackend import SimBackend, SimConfig, add_parser, estimate_prompt_tokens
+
+T = TypeVar("T")
+MODEL = "sim-llama"
+# 12 characters → 3 tokens, plus the per-message overhead of 4.
+MESSAGES = [{"role": "user", "content": "hello world!"}]
+MESSAGES_TOKENS = 7
+
+
+def make_config(**overrides: Any) -> SimConfig:
+    """Fast engine: 40 tok/s decode sped up 200x, so a 100-token answer takes ~15 ms."""
+    base: dict[str, Any] = {
+        "models": [MODEL],
+        "max_num_seqs": 4,
+        "prefill_tokens_per_s": 4000.0,
+        "decode_tokens_per_s": 40.0,
+        "batch_slowdown": 0.02,
+        "time_scale": 200.0,
+        "max_model_len": 1024,
+        "default_max_tokens": 20,
+    }
+    return SimConfig(**{**base, **overrides})
+
+
+def slow_config(**overrides: Any) -> SimConfig:
+    """Real-time engine (25 ms per token): long answers outlive the test unless aborted."""
+    return make_config(time_scale=1.0, **overrides)
+
+
+def chat_body(max_tokens: int = 5, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, **extra}
+
+
+async def eventually(predicate: Callable[[], bool], within: float = 1.0) -> None:
+    """Wait until predicate() holds; fail after ``within`` seconds."""
+    deadline = asyncio.get_running_loop().time() + within
+    while asyncio.get_running_loop().time() < deadline:
+        if predicate():
+            return
+        await asyncio.sleep(0.002)
+    assert predicate(), "condition not reached in time"
+
+
+async def drain(source: AsyncIterable[T], into: list[T]) -> None:
+    """Collect items until the source ends or raises; what arrived stays in ``into``."""
+    async for item in source:
+        into.append(item)
+
+
+async def raw_post(port: int, path: str, body: dict[str, Any]) -> asyncio.StreamWriter:
+    """Send a request over a bare socket, so the test decides exactly when it hangs up."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: sim\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    writer.write(head.encode() + data)
+    await writer.drain()
+    return writer
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[SimBackend]:
+    async with SimBackend(make_config()) as backend:
+        yield backend
+
+
+@pytest.fixture
+async def client(sim: SimBackend) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        yield session
+
+
+# ------------------------------------------------------------------- engine model, pure
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        ({"messages": [{"role": "user", "content": "abcd"}]}, 1 + 4),
+        ({"messages": [{"role": "user", "content": "abcde"}]}, 2 + 4),
+        ({"messages": [{"role": "system", "content": ""}, {"role": "user", "content": "ab"}]}, 9),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "abcdefgh"},
+                            {"type": "image_url", "image_url": {}},
+                            {"type": "text", "text": "ij"},
+                        ],
+                    }
+                ]
+            },
+            3 + 4,
+        ),
+        ({"messages": [{"role": "assistant", "content": None}]}, 4),
+        ({"prompt": "abcdefghi"}, 3),
+        ({"prompt": [5, 6, 7]}, 3),
+        ({"prompt": ["abcd", "abcde"]}, 3),
+    ],
+)
+def test_estimate_prompt_tokens(body: dict[str, Any], expected: int) -> None:
+    assert estimate_prompt_tokens(body) == expected
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"messages": []},
+        {"messages": "hi"},
+        {"messages": ["hi"]},
+        {"messages": [{"role": "user", "content": 3}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": None}]}]},
+        {"prompt": []},
+        {"prompt": 3},
+        {"prompt": [1, "a"]},
+        {},
+    ],
+)
+def test_estimate_prompt_tokens_rejects_bad_shapes(body: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        estimate_prompt_tokens(body)
+
+
+def test_timing_model() -> None:
+    cfg = SimConfig(prefill_tokens_per_s=1000.0, decode_tokens_per_s=50.0, batch_slowdown=0.1,
+                    time_scale=2.0)  # fmt: skip
+    assert cfg.prefill_seconds(500) == pytest.approx(0.25)
+    assert cfg.decode_interval(1) == pytest.approx(0.01)
+    assert cfg.decode_interval(11) == pytest.approx(0.02)  # a bigger batch decodes slower
+
+
+# ------------------------------------------------------------------- OpenAI surface
+
+
+async def test_chat_non_streaming(sim: SimBackend, client: openai.AsyncOpenAI) -> None:
+    resp = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=5, user="alice"
+    )
+    assert resp.id.startswith("chatcmpl-")
+    assert resp.object == "chat.completion"
+    assert resp.model == MODEL
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant"
+    assert len(choice.message.content.split()) == 5
+    assert choice.finish_reason == "length"
+    assert resp.usage is not None
+    assert resp.usage.model_dump(
+        include={"prompt_tokens", "completion_tokens", "total_tokens"}
+    ) == {
+        "prompt_tokens": MESSAGES_TOKENS,
+        "completion_tokens": 5,
+        "total_tokens": MESSAGES_TOKENS + 5,
+    }
+    (rec,) = sim.stats.log
+    assert (rec.user, rec.model, rec.outcome, rec.had_authorization) == (
+        "alice",
+        MODEL,
+        "completed",
+        True,
+    )
+    assert rec.arrived_at <= rec.started_at <= rec.ended_at
+    assert (sim.stats.completed, sim.stats.prompt_tokens, sim.stats.completion_tokens) == (1, 7, 5)
+
+
+async def test_chat_streaming_with_usage(client: openai.AsyncOpenAI) -> None:
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = chunks[1:-1]
+    assert len(content) == 6  # one event per token
+    assert all(c.usage is None for c in content)
+    assert [c.choices[0].finish_reason for c in content] == [None] * 5 + ["length"]
+    text = "".join(c.choices[0].delta.content for c in content)
+    assert len(text.split()) == 6
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (MESSAGES_TOKENS, 6)
+
+
+async def test_streaming_wire_format_without_usage(
+    sim: SimBackend, http: aiohttp.ClientSession
+) -> None:
+    async with http.post(sim.url + "/v1/chat/completions", json=chat_body(3, stream=True)) as r:
+        assert r.status == 200
+        assert r.content_type == "text/event-stream"
+        raw = (await r.read()).decode()
+    events = raw.split("\n\n")
+    assert events[-1] == ""
+    assert events[-2] == "data: [DONE]"
+    payloads = [json.loads(e.removeprefix("data: ")) for e in events[:-2]]
+    assert all(e.startswith("data: {") for e in events[:-2])
+    assert len(payloads) == 4  # role chunk + 3 tokens, and no usage chunk
+    assert all("usage" not in p and len(p["choices"]) == 1 for p in payloads)
+    assert sim.stats.log[0].had_authorization is False
+
+
+async def test_completions_non_streaming(client: openai.AsyncOpenAI) -> None:
+    resp = await client.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=4)
+    assert resp.id.startswith("cmpl-")
+    assert resp.object == "text_completion"
+    assert len(resp.choices[0].text.split()) == 4
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage is not None
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (3, 4)
+    assert resp.usage.total_tokens == 7
+
+
+async def test_completions_streaming(client: openai.AsyncOpenAI) -> None:
+    stream = await client.completions.create(
+        model=MODEL, prompt="abcdefgh", max_tokens=3, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = [chunk async for chunk in stream]
+    assert {c.object for c in chunks} == {"text_completion"}
+    assert len("".join(c.choices[0].text for c in chunks[:-1]).split()) == 3
+    assert chunks[-2].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == []
+    assert chunks[-1].usage is not None
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (2, 3)
+
+
+async def test_max_completion_tokens_and_default(client: openai.AsyncOpenAI) -> None:
+    resp = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_completion_tokens=2
+    )
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens == 2
+    resp = await client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens == 20  # default_max_tokens
+    # The default shrinks to what is left of the context window.
+    resp = await client.completions.create(model=MODEL, prompt=list(range(1020)))
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens == 4
+
+
+async def test_models_health_metrics(sim: SimBackend, http: aiohttp.ClientSession) -> None:
+    async with http.get(sim.url + "/v1/models") as r:
+        models = await r.json()
+    assert models["object"] == "list"
+    assert [(m["id"], m["object"]) for m in models["data"]] == [(MODEL, "model")]
+    async with http.get(sim.url + "/health") as r:
+        assert (r.status, await r.read()) == (200, b"")
+    sim.faults.health_status = 503
+    async with http.get(sim.url + "/health") as r:
+        assert r.status == 503
+    async with http.get(sim.url + "/metrics") as r:
+        assert r.content_type == "text/plain"
+        metrics = await r.text()
+    assert f'vllm:num_requests_running{{model_name="{MODEL}"}} 0.0' in metrics
+    assert f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0.0' in metrics
+
+
+async def test_models_via_sdk(client: openai.AsyncOpenAI) -> None:
+    assert [m.id async for m in client.models.list()] == [MODEL]
+
+
+# ------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/chat/completions", b"{not json"),
+        ("/v1/chat/completions", b"[1, 2]"),
+        ("/v1/chat/completions", b"[" * 100_000 + b"]" * 100_000),
+        ("/v1/chat/completions", {"messages": MESSAGES}),
+        ("/v1/chat/completions", {"model": MODEL}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}),
+        ("/v1/completions", {"model": MODEL, "messages": MESSAGES}),
+        ("/v1/chat/completions", chat_body(0)),
+        ("/v1/chat/completions", chat_body(-3)),
+        ("/v1/chat/completions", chat_body("5")),
+        ("/v1/chat/completions", chat_body(2.5)),
+        ("/v1/chat/completions", chat_body(True)),
+        ("/v1/chat/completions", chat_body(1024 - MESSAGES_TOKENS + 1)),
+        ("/v1/completions", {"model": MODEL, "prompt": list(range(1024))}),
+        ("/v1/chat/completions", chat_body(stream="yes")),
+    ],
+)
+async def test_bad_requests_are_400(
+    sim: SimBackend, http: aiohttp.ClientSession, path: str, body: bytes | dict[str, Any]
+) -> None:
+    kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+    async with http.post(sim.url + path, **kwargs) as r:
+        assert r.status == 400
+        error = (await r.json())["error"]
+    assert error["type"] == "BadRequestError"
+    assert error["code"] == 400
+    assert error["message"]
+    assert sim.stats.requests_seen == 0
+
+
+async def test_unknown_model_is_404(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as info:
+        await client.chat.completions.create(model="nope", messages=MESSAGES)
+    assert info.value.status_code == 404
+    assert "nope" in info.value.message
+
+
+async def test_context_overflow_via_sdk(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 1024"):
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1020)
+
+
+# ------------------------------------------------------------------- scheduling
+
+
+async def test_max_num_seqs_is_respected_and_fifo(http: aiohttp.ClientSession) -> None:
+    async with SimBackend(make_config(max_num_seqs=2)) as sim:
+
+        async def one(i: int) -> int:
+            body = chat_body(60, user=f"u{i}")
+            async with http.post(sim.url + "/v1/chat/completions", json=body) as r:
+                await r.read()
+                return r.status
+
+        seen: list[tuple[int, int]] = []
+        jobs = asyncio.gather(*(one(i) for i in range(10)))
+        while not jobs.done():
+            seen.append((sim.stats.running, sim.stats.waiting))
+            await asyncio.sleep(0.0005)
+        assert await jobs == [200] * 10
+
+    assert max(running for running, _ in seen) == 2
+    assert max(waiting for _, waiting in seen) > 0
+    stats = sim.stats
+    assert (stats.completed, stats.running, stats.waiting) == (10, 0, 0)
+    assert stats.max_concurrent > 2
+    log = stats.log
+    starts = [rec.started_at for rec in log]
+    assert starts == sorted(starts)  # FIFO: slots are granted in arrival order
+    for rec in log:  # at no instant more than two sequences hold a slot
+        overlapping = [o for o in log if o.started_at <= rec.started_at < o.ended_at]
+        assert len(overlapping) <= 2
+
+
+async def test_stream_disconnect_aborts_and_frees_slot(http: aiohttp.ClientSession) -> None:
+    async with SimBackend(slow_config(max_num_seqs=1)) as sim:
+        long = await http.post(sim.url + "/v1/chat/completions", json=chat_body(1000, stream=True))
+        await long.content.readline()  # the first event: the sequence is running
+
+        async def short() -> int:
+            async with http.post(sim.url + "/v1/chat/completions", json=chat_body(2)) as r:
+                await r.read()
+                return r.status
+
+        queued = asyncio.create_task(short())
+        await eventually(lambda: sim.stats.waiting == 1)
+        long.close()
+        await eventually(lambda: sim.stats.aborted == 1, within=1.0)
+        assert await asyncio.wait_for(queued, 1.0) == 200
+        assert [rec.outcome for rec in sim.stats.log] == ["aborted", "completed"]
+        assert 0 < sim.stats.log[0].completion_tokens < 1000
+
+
+async def test_non_streaming_disconnect_aborts_running_and_waiting() -> None:
+    async with SimBackend(slow_config(max_num_seqs=1)) as sim:
+        running = await raw_post(sim.port, "/v1/chat/completions", chat_body(1000))
+        await eventually(lambda: sim.stats.running == 1)
+        waiting = await raw_post(sim.port, "/v1/completions",
+                                 {"model": MODEL, "prompt": "x", "max_tokens": 5})  # fmt: skip
+        await eventually(lambda: sim.stats.waiting == 1)
+
+        waiting.close()
+        await eventually(lambda: sim.stats.aborted == 1 and sim.stats.waiting == 0)
+        assert sim.stats.log[1].started_at is None
+        running.close()
+        await eventually(lambda: sim.stats.aborted == 2 and sim.stats.running == 0)
+        assert sim.stats.log[0].outcome == "aborted"
+
+
+async def test_stop_aborts_inflight_sequences(http: aiohttp.ClientSession) -> None:
+    sim = SimBackend(slow_config())
+    await sim.start()
+    resp = await http.post(sim.url + "/v1/chat/completions", json=chat_body(1000, stream=True))
+    await resp.content.readline()
+    await asyncio.wait_for(sim.stop(), 2.0)
+    with pytest.raises(aiohttp.ClientPayloadError):
+        await resp.read()
+    assert (sim.stats.aborted, sim.stats.running) == (1, 0)
+
+
+# ------------------------------------------------------------------- faults
+
+
+async def test_fail_rate(sim: SimBackend, client: openai.AsyncOpenAI) -> None:
+    sim.faults.fail_rate = 1.0
+    with pytest.raises(openai.APIStatusError) as info:
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+    assert info.value.status_code == 503
+    assert isinstance(info.value.body, dict)
+    assert info.value.body["code"] == 503
+    assert info.value.body["message"]
+    assert (sim.stats.requests_seen, sim.stats.failed_injected) == (1, 1)
+    assert sim.stats.log[0].outcome == "failed"
+
+
+async def test_die_after_tokens_streaming(sim: SimBackend, http: aiohttp.ClientSession) -> None:
+    sim.faults.die_after_tokens = 3
+    lines: list[bytes] = []
+    async with http.post(sim.url + "/v1/chat/completions", json=chat_body(10, stream=True)) as r:
+        with pytest.raises(aiohttp.ClientPayloadError):  # the chunked body never finishes
+            await drain(r.content, lines)
+    events = [json.loads(line[6:]) for line in lines if line.startswith(b"data: {")]
+    assert [e["choices"][0]["delta"].get("role") for e in events] == ["assistant", None, None, None]
+    assert (sim.stats.failed_injected, sim.stats.log[0].outcome) == (1, "failed")
+
+
+async def test_die_after_tokens_via_sdk(sim: SimBackend, client: openai.AsyncOpenAI) -> None:
+    sim.faults.die_after_tokens = 2
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=10, stream=True
+    )
+    chunks: list[Any] = []
+    with pytest.raises(openai.APIConnectionError):
+        await drain(stream, chunks)
+    assert len("".join(c.choices[0].delta.content for c in chunks).split()) == 2
+    with pytest.raises(openai.APIConnectionError):  # non-streaming: hung up, no response
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10)
+    assert sim.stats.failed_injected == 2
+    sim.faults.die_after_tokens = 10  # never reached by a 10-token answer
+    resp = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10)
+    assert resp.choices[0].finish_reason == "length"
+
+
+async def test_refuse_connections(sim: SimBackend, http: aiohttp.ClientSession) -> None:
+    async with http.get(sim.url + "/health") as r:  # leaves an idle keep-alive connection
+        assert r.status == 200
+    port = sim.port
+    await sim.pause_listening()
+    assert sim.faults.refuse_connections is True
+    with pytest.raises(aiohttp.ClientConnectorError):  # the pooled connection was dropped too
+        async with http.get(sim.url + "/health"):
+            pass
+    await sim.resume_listening()
+    assert sim.port == port
+    async with http.get(sim.url + "/health") as r:
+        assert r.status == 200
+
+
+async def test_faults_over_http(sim: SimBackend, http: aiohttp.ClientSession) -> None:
+    async with http.post(sim.url + "/sim/faults", json={"refuse_connections": True}) as r:
+        assert r.status == 200  # the request that closes the door still gets its answer
+        assert (await r.json())["refuse_connections"] is True
+    with pytest.raises(aiohttp.ClientConnectorError):
+        await http.get(sim.url + "/health")
+    await sim.update_faults(refuse_connections=False, fail_status=500)
+    async with http.post(sim.url + "/sim/faults", json={"fail_rate": 1.0}) as r:
+        assert (await r.json())["fail_rate"] == 1.0
+    async with http.post(sim.url + "/v1/chat/completions", json=chat_body()) as r:
+        assert r.status == 500
+        assert (await r.json())["error"]["code"] == 500
+    for bad in ({"fail_rate": 2}, {"bogus": 1}, {"die_after_tokens": -1}, {"fail_status": 599}):
+        async with http.post(sim.url + "/sim/faults", json=bad) as r:
+            assert r.status == 400
+    assert sim.faults.fail_rate == 1.0
+
+
+async def test_stats_endpoint_and_reset(sim: SimBackend, http: aiohttp.ClientSession) -> None:
+    async with http.post(sim.url + "/v1/chat/completions", json=chat_body(3, user="bob")) as r:
+        assert r.status == 200
+    async with http.get(sim.url + "/sim/stats") as r:
+        stats = await r.json()
+    assert (stats["requests_seen"], stats["completed"], stats["completion_tokens"]) == (1, 1, 3)
+    assert stats["log"][0]["user"] == "bob"
+    assert stats["log"][0]["outcome"] == "completed"
+    async with http.post(sim.url + "/sim/reset") as r:
+        assert r.status == 200
+    assert (sim.stats.requests_seen, sim.stats.completed, sim.stats.log) == (0, 0, [])
+
+
+# ------------------------------------------------------------------- determinism
+
+
+async def _random_mode_outputs(seed: int) -> list[tuple[str, int, str]]:
+    async with (
+        SimBackend(make_config(output_mode="random", seed=seed)) as sim,
+        openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0) as client,
+    ):
+        outputs = []
+        for _ in range(8):
+            resp = await client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=30
+            )
+            assert resp.usage is not None
+            outputs.append(
+                (resp.choices[0].message.content, resp.usage.completion_tokens,
+                 resp.choices[0].finish_reason)
+            )  # fmt: skip
+        return outputs
+
+
+async def test_same_seed_same_outputs() -> None:
+    first, again, other = await asyncio.gather(*(_random_mode_outputs(s) for s in (7, 7, 8)))
+    assert first == again
+    assert first != other
+    lengths = [n for _, n, _ in first]
+    assert all(1 <= n <= 30 for n in lengths)
+    assert len(set(lengths)) > 1
+    assert all(len(text.split()) == n for text, n, _ in first)
+    assert all(reason == ("length" if n == 30 else "stop") for _, n, reason in first)
+
+
+# ------------------------------------------------------------------- CLI
+
+
+def test_cli_parser() -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["sim-backend", "--port", "9000", "--model", "a", "--model", "b", "--max-num-seqs", "3",
+         "--time-scale", "10", "--output-mode", "random", "--seed", "5"]
+    )  # fmt: skip
+    assert (args.port, args.models, args.max_num_seqs) == (9000, ["a", "b"], 3)
+    assert (args.time_scale, args.output_mode, args.seed) == (10.0, "random", 5)
+    assert callable(args.func)
