@@ -7,7 +7,7 @@ from collections import Counter
 
 import openai
 import pytest
-from e2e import MODEL, Lab, Served, eventually, proxy_config
+from e2e import KEYS, MODEL, Lab, Served, eventually, proxy_config
 
 from sfq_proxy.app import PROXY
 from sfq_proxy.server import bound_url, running
@@ -244,3 +244,47 @@ async def test_upstream_key_replaces_the_client_key(lab: Lab) -> None:
     served = await lab.proxy(config)
     await lab.client(served).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
     assert sim.stats.log[0].had_authorization
+
+
+async def test_a_backend_that_keeps_dying_costs_max_attempts_then_502(lab: Lab) -> None:
+    sim = await lab.backend()
+    served = await lab.proxy(proxy_config([sim.url]))
+    sim.faults.die_after_tokens = 1  # hangs up before answering a non-streamed request
+    with pytest.raises(openai.InternalServerError) as info:
+        await lab.client(served).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5)
+    assert info.value.status_code == 502
+    assert sim.stats.requests_seen == 3  # retry.max_attempts, each dispatched (and charged)
+
+
+async def test_first_byte_timeout_is_504(lab: Lab) -> None:
+    sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=10.0)  # 100 ms per token
+    served = await lab.proxy(proxy_config([sim.url], pool={"timeouts": {"first_byte_s": 0.2}}))
+    with pytest.raises(openai.APIStatusError) as info:
+        await lab.client(served).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20)
+    assert info.value.status_code == 504
+    await eventually(lambda: sim.stats.aborted == 1)  # the upstream request was closed
+
+
+async def test_no_key_appears_in_metrics_or_admin_state(lab: Lab) -> None:
+    sim = await lab.backend()
+    config = proxy_config([sim.url], admin_key_env="ADMIN", environ={"ADMIN": "sk-admin-XYZ"})
+    served = await lab.proxy(config)
+    for org in "ABC":
+        await lab.client(served, org).chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=1
+        )
+    http = await lab.http()
+    async with http.get(f"{served.url}/metrics") as r:
+        metrics = await r.text()
+    async with http.get(
+        f"{served.url}/admin/state", headers={"Authorization": "Bearer sk-admin-XYZ"}
+    ) as r:
+        assert r.status == 200
+        state = await r.json()
+    async with http.get(f"{served.url}/admin/state", headers={"Authorization": "Bearer no"}) as r:
+        assert r.status == 401
+    assert state["pools"]["sim"]["backends"][0]["slots"] == 4
+    assert 'sfq_requests_total{class="batch",org="A",outcome="completed",pool="sim"} 1.0' in metrics
+    for secret in [*KEYS.values(), "sk-admin-XYZ"]:
+        assert secret not in metrics
+        assert secret not in str(state)
