@@ -591,6 +591,7 @@ class SimBackend:
             [
                 web.post("/v1/chat/completions", self._chat),
                 web.post("/v1/completions", self._completions),
+                web.post("/v1/embeddings", self._embeddings),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
@@ -618,6 +619,34 @@ class SimBackend:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completions")
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        """Deterministic 8-dimensional vectors, one per input, with a correct ``usage``."""
+        try:
+            body = json.loads(await request.read())
+            inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+            if inputs and all(isinstance(x, int) for x in inputs):
+                inputs = [inputs]
+            tokens = [
+                len(x) if isinstance(x, list) else _ceil_tokens(len(x), self.config.chars_per_token)
+                for x in inputs
+            ]
+        except (ValueError, KeyError, TypeError):
+            return _error_response(400, "'input' must be a string, strings or token ids")
+        if body.get("model") not in self.config.models:
+            return _error_response(404, f"The model `{body.get('model')}` does not exist.")
+        data = [
+            {
+                "object": "embedding",
+                "index": i,
+                "embedding": [((i + 1) * k % 7) / 7 for k in range(8)],
+            }
+            for i in range(len(inputs))
+        ]
+        usage = {"prompt_tokens": sum(tokens), "total_tokens": sum(tokens)}
+        return web.json_response(
+            {"object": "list", "data": data, "model": body["model"], "usage": usage}
+        )
 
     async def _models(self, request: web.Request) -> web.Response:
         data = [

@@ -288,3 +288,14 @@ async def test_no_key_appears_in_metrics_or_admin_state(lab: Lab) -> None:
     for secret in [*KEYS.values(), "sk-admin-XYZ"]:
         assert secret not in metrics
         assert secret not in str(state)
+
+
+async def test_embeddings_are_relayed_and_cost_their_input_only(lab: Lab) -> None:
+    sim = await lab.backend()
+    served = await lab.proxy(proxy_config([sim.url]))
+    reply = await lab.client(served).embeddings.create(model=MODEL, input=["x" * 40, "y" * 20])
+    assert [d.index for d in reply.data] == [0, 1]
+    assert reply.usage.prompt_tokens == 15
+    labels = {"org": "A", "class": "batch", "pool": "sim"}
+    charged = served.state.metrics.registry.get_sample_value("sfq_cost_charged_total", labels)
+    assert charged == 15  # input_weight 1 × 60 chars / 4; no output
