@@ -63,34 +63,7 @@ class Proxy:
         self.metrics.requests.labels(*labels, outcome).inc()
 
     def state(self) -> dict[str, Any]:
-        return {
-            name: {
-                "virtual_time": pool.scheduler.queue.virtual_time,
-                "queued": len(pool.scheduler.queue),
-                "running": pool.scheduler.running,
-                "flows": [
-                    {
-                        "flow": v.flow,
-                        "meter": v.meter,
-                        "lag": v.lag,
-                        "queued": v.backlog,
-                        "eligible": v.eligible,
-                    }
-                    for v in pool.scheduler.queue.flows()
-                ],
-                "backends": [
-                    {
-                        "name": b.name,
-                        "url": b.url,
-                        "slots": b.slots,
-                        "in_flight": b.in_flight,
-                        "healthy": b.healthy,
-                    }
-                    for b in pool.placement.backends
-                ],
-            }
-            for name, pool in self.pools.items()
-        }
+        return {name: pool.state() for name, pool in self.pools.items()}
 
 
 PROXY = web.AppKey("proxy", Proxy)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
@@ -20,6 +22,7 @@ from .scheduler import Scheduler, Ticket
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+RECENT_DISPATCHES = 1000  # how many of the last dispatches /admin/state shows, oldest first
 
 
 class Pool:
@@ -31,6 +34,7 @@ class Pool:
         self.scheduler = Scheduler(self.placement)
         self.cost = CostModel(spec.cost, f"pools.{name}.cost")
         self.upstream_key = upstream_key
+        self.recent: deque[tuple[str, str]] = deque(maxlen=RECENT_DISPATCHES)  # (flow, backend)
 
     async def acquire(self, ticket: Ticket) -> Backend:
         """Wait in the fair queue until ``ticket`` is given a backend slot.
@@ -79,9 +83,41 @@ class Pool:
             log.warning("pool %s: backend %s is back", self.name, backend.name)
             self._start(self.scheduler.pump())
 
+    def state(self) -> dict[str, Any]:
+        """This pool in ``/admin/state``: what the operator needs to see who waits, and why."""
+        queue = self.scheduler.queue
+        return {
+            "virtual_time": queue.virtual_time,
+            "queued": len(queue),
+            "running": self.scheduler.running,
+            "flows": [
+                {
+                    "flow": v.flow,
+                    "meter": v.meter,
+                    "lag": v.lag,
+                    "queued": v.backlog,
+                    "eligible": v.eligible,
+                }
+                for v in queue.flows()
+            ],
+            "backends": [
+                {
+                    "name": b.name,
+                    "url": b.url,
+                    "slots": b.slots,
+                    "in_flight": b.in_flight,
+                    "healthy": b.healthy,
+                }
+                for b in self.placement.backends
+            ],
+            "recent_dispatches": [{"flow": f, "backend": b} for f, b in self.recent],
+        }
+
     def _start(self, tickets: list[Ticket]) -> None:
         """Wake the requests that were just dispatched."""
         for ticket in tickets:
+            assert ticket.backend is not None
+            self.recent.append((ticket.flow, ticket.backend.name))
             future = ticket.payload
             if future.done():  # cancelled in the instant it was dispatched: give the slot back
                 self.release(ticket)

@@ -284,6 +284,11 @@ async def test_no_key_appears_in_metrics_or_admin_state(lab: Lab) -> None:
     async with http.get(f"{served.url}/admin/state", headers={"Authorization": "Bearer no"}) as r:
         assert r.status == 401
     assert state["pools"]["sim"]["backends"][0]["slots"] == 4
+    assert [d["flow"] for d in state["pools"]["sim"]["recent_dispatches"]] == [
+        "A/batch",
+        "B/batch",
+        "C/interactive",
+    ]
     assert 'sfq_requests_total{class="batch",org="A",outcome="completed",pool="sim"} 1.0' in metrics
     for secret in [*KEYS.values(), "sk-admin-XYZ"]:
         assert secret not in metrics
