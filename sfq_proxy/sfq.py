@@ -74,45 +74,56 @@ class FairQueue(Generic[T]):
 
     # -- the operations -------------------------------------------------------------------
 
-    def push(self, flow: str, item: T, cost: float, weight: float = 1.0) -> None:
-        """Queue ``item`` at the tail of ``flow``; its charge ``cost / weight`` is fixed now."""
+    def push(
+        self, flow: str, item: T, cost: float, weight: float = 1.0, *, front: bool = False
+    ) -> None:
+        """Queue ``item`` in ``flow``; its charge ``cost / weight`` is fixed now.
+
+        ``front`` puts it at the head of its flow (a retry, which is its flow's oldest
+        request); it still waits for its flow's turn by meter like any other.
+        """
         charge = _charge_units(cost, weight)
         state = self._flows.get(flow)
         if state is None:
             state = self._flows[flow] = _Flow(meter=self._v)
         if not state.queue:
             state.meter = max(state.meter, self._v)
-        state.queue.append((item, charge))
+        if front:
+            state.queue.appendleft((item, charge))
+        else:
+            state.queue.append((item, charge))
         self._queued += 1
         if state.entry < 0 and flow not in self._ineligible:
             self._enter(flow, state)
 
+    def peek(self) -> tuple[str, T] | None:
+        """What ``pop`` would return now, changing nothing that can be observed."""
+        head = self._head()
+        return None if head is None else (head[0], head[1].queue[0][0])
+
     def pop(self) -> tuple[str, T] | None:
         """Dispatch the head of the eligible flow with the smallest meter, charging it now."""
+        head = self._head()
+        if head is None:
+            return None
+        flow, state = head
         heap = self._heap
-        while heap:
-            meter, flow, seq = heap[0]
-            state = self._flows.get(flow)
-            if state is None or state.entry != seq:
-                heapq.heappop(heap)  # stale: the flow was charged, emptied or made ineligible
-                continue
-            self._v = meter
-            item, charge = state.queue.popleft()
-            state.meter = meter + charge
-            self._max_meter = max(self._max_meter, state.meter)
-            self._queued -= 1
-            if state.queue:
-                self._seq += 1
-                state.entry = self._seq
-                heapq.heapreplace(heap, (state.meter, flow, self._seq))
-            else:
-                state.entry = -1
-                heapq.heappop(heap)
-                self._after_drain()
-            if self._renormalize_at is not None and self._v >= self._renormalize_at:
-                self._renormalize()
-            return flow, item
-        return None
+        self._v = state.meter
+        item, charge = state.queue.popleft()
+        state.meter += charge
+        self._max_meter = max(self._max_meter, state.meter)
+        self._queued -= 1
+        if state.queue:
+            self._seq += 1
+            state.entry = self._seq
+            heapq.heapreplace(heap, (state.meter, flow, self._seq))
+        else:
+            state.entry = -1
+            heapq.heappop(heap)
+            self._after_drain()
+        if self._renormalize_at is not None and self._v >= self._renormalize_at:
+            self._renormalize()
+        return flow, item
 
     def remove(self, flow: str, item: T) -> bool:
         """Cancel a queued ``item`` (the first equal to it): it leaves uncharged."""
@@ -192,6 +203,17 @@ class FairQueue(Generic[T]):
         )
 
     # -- internals --------------------------------------------------------------------------
+
+    def _head(self) -> tuple[str, _Flow[T]] | None:
+        """The flow whose live entry tops the heap, dropping stale entries on the way."""
+        heap = self._heap
+        while heap:
+            _, flow, seq = heap[0]
+            state = self._flows.get(flow)
+            if state is not None and state.entry == seq:
+                return flow, state
+            heapq.heappop(heap)  # stale: the flow was charged, emptied or made ineligible
+        return None
 
     def _enter(self, flow: str, state: _Flow[T]) -> None:
         self._seq += 1

@@ -12,13 +12,16 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Literal, Protocol
 
-Op = tuple[Any, ...]  # ("push", flow, cost) | ("pop",) | ("remove", flow, k) | ("elig", flow, ok)
+# ("push", flow, cost) | ("front", flow, cost) | ("pop",) | ("remove", flow, k) | ("elig", flow, ok)
+Op = tuple[Any, ...]
 
 
 class QueueLike(Protocol):
     virtual_time: Any
 
-    def push(self, flow: str, item: Any, cost: float, weight: float = 1.0) -> None: ...
+    def push(
+        self, flow: str, item: Any, cost: float, weight: float = 1.0, *, front: bool = False
+    ) -> None: ...
     def pop(self) -> tuple[str, Any] | None: ...
     def remove(self, flow: str, item: Any) -> bool: ...
     def set_eligible(self, flow: str, ok: bool) -> None: ...
@@ -47,7 +50,9 @@ class ReferenceSFQ:
     def virtual_time(self) -> Fraction:
         return self.v
 
-    def push(self, flow: str, item: Any, cost: float, weight: float = 1.0) -> None:
+    def push(
+        self, flow: str, item: Any, cost: float, weight: float = 1.0, *, front: bool = False
+    ) -> None:
         charge = Fraction(cost) / Fraction(weight)
         queue = self.q.setdefault(flow, deque())
         if not queue:
@@ -55,7 +60,7 @@ class ReferenceSFQ:
             self.S[flow] = self.v if self.join == "reset" else max(old, self.v)
         if self.charge_at == "push":
             self.S[flow] += charge
-        queue.append((item, charge))
+        (queue.appendleft if front else queue.append)((item, charge))
 
     def pop(self) -> tuple[str, Any] | None:
         ready = [f for f, q in self.q.items() if q and f not in self.ineligible]
@@ -121,11 +126,12 @@ def run(queue: QueueLike, ops: list[Op], weights: dict[str, float]) -> Trace:
     ineligible: set[str] = set()
     for index, op in enumerate(ops):
         kind = op[0]
-        if kind == "push":
+        if kind in ("push", "front"):
             _, flow, cost = op
             charge = Fraction(cost) / Fraction(weights[flow])
-            queue.push(flow, index, cost, weights[flow])
-            mirror[flow].append((index, charge))
+            front = kind == "front"
+            queue.push(flow, index, cost, weights[flow], front=front)
+            (mirror[flow].appendleft if front else mirror[flow].append)((index, charge))
             trace.max_charge[flow] = max(trace.max_charge.get(flow, Fraction(0)), charge)
         elif kind == "pop":
             got = queue.pop()

@@ -23,7 +23,7 @@ costs = st.integers(1, 64).map(lambda k: k / 4)
 weight_maps = st.fixed_dictionaries({f: st.sampled_from([0.5, 1.0, 2.0, 4.0]) for f in FLOWS})
 op = st.one_of(
     st.tuples(st.just("push"), st.sampled_from(FLOWS), costs),
-    st.tuples(st.just("push"), st.sampled_from(FLOWS), costs),
+    st.tuples(st.just("front"), st.sampled_from(FLOWS), costs),
     st.tuples(st.just("pop")),
     st.tuples(st.just("pop")),
     st.tuples(st.just("remove"), st.sampled_from(FLOWS), st.integers(0, 50)),
@@ -100,7 +100,7 @@ def test_same_operations_same_dispatch_order(ops: list[Op], weights: dict[str, f
 def test_every_request_leaves_exactly_once(ops: list[Op], weights: dict[str, float]) -> None:
     q: FairQueue[int] = FairQueue()
     run(q, ops, weights)  # checks FIFO per flow and the queue length at every step
-    pushed = {i for i, o in enumerate(ops) if o[0] == "push"}
+    pushed = {i for i, o in enumerate(ops) if o[0] in ("push", "front")}
     for flow in FLOWS:
         q.set_eligible(flow, True)
     drained = []
@@ -109,6 +109,32 @@ def test_every_request_leaves_exactly_once(ops: list[Op], weights: dict[str, flo
     assert len(q) == 0
     assert len(drained) == len(set(drained))
     assert set(drained) <= pushed
+
+
+class PeekingQueue(FairQueue[int]):
+    """Checks before every pop that ``peek`` announced exactly what ``pop`` returns."""
+
+    def pop(self) -> tuple[str, int] | None:
+        announced = self.peek()
+        got = super().pop()
+        assert got == announced
+        return got
+
+
+@fast
+@given(ops=op_lists, weights=weight_maps)
+def test_peek_announces_pop_and_changes_nothing(ops: list[Op], weights: dict[str, float]) -> None:
+    assert run(PeekingQueue(), ops, weights) == run(FairQueue(), ops, weights)
+
+
+def test_front_push_is_next_in_its_flow_but_waits_for_the_flows_turn() -> None:
+    q: FairQueue[str] = FairQueue()
+    q.push("a", "a1", 1.0)
+    q.push("a", "a2", 1.0)
+    q.push("b", "b1", 1.0)
+    assert q.pop() == ("a", "a1")
+    q.push("a", "a1-retry", 1.0, front=True)
+    assert [q.pop() for _ in range(3)] == [("b", "b1"), ("a", "a1-retry"), ("a", "a2")]
 
 
 # -- the five regression properties of §7.5 ---------------------------------------------------
