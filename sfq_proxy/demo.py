@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from .app import PROXY, Proxy
 from .config import Config, default_config
+from .proxy import PROXY, Proxy
 from .server import bound_url, running, wait_for_signal
 from .simbackend import SimBackend, SimConfig
 

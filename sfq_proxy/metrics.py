@@ -42,6 +42,14 @@ class Metrics:
             FLOW_LABELS,
             registry=self.registry,
         )
+        self.retries = Counter(
+            "sfq_retries", "Requests sent again, by what failed (unreachable or the status)",
+            [*FLOW_LABELS, "reason"], registry=self.registry,
+        )  # fmt: skip
+        self.retry_refusals = Counter(
+            "sfq_retry_budget_refusals", "Retries refused because the flow's budget was spent",
+            FLOW_LABELS, registry=self.registry,
+        )  # fmt: skip
         self.registry.register(_StateCollector(pools))
 
 

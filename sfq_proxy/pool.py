@@ -14,8 +14,10 @@ from typing import Any
 
 import aiohttp
 
-from .config import PoolSpec
+from .config import Config
 from .cost import CostModel
+from .errors import ApiError
+from .limits import Rate
 from .placement import Backend, Placement
 from .scheduler import Scheduler, Ticket
 
@@ -26,27 +28,50 @@ RECENT_DISPATCHES = 1000  # how many of the last dispatches /admin/state shows, 
 
 
 class Pool:
-    def __init__(self, name: str, spec: PoolSpec, clock: Clock, upstream_key: str | None) -> None:
+    def __init__(self, name: str, config: Config, clock: Clock) -> None:
         self.name = name
-        self.spec = spec
+        self.spec = spec = config.pools[name]
         self.clock = clock
         self.placement = Placement(spec.backends)
-        self.scheduler = Scheduler(self.placement)
+        rate = spec.rate
+        self.scheduler = Scheduler(
+            self.placement,
+            org_caps={o: s.max_in_flight for o, s in config.orgs.items() if s.max_in_flight},
+            class_caps={c: s.max_in_flight for c, s in config.classes.items() if s.max_in_flight},
+            # a provider's rate paces dispatch, so queued work waits instead of meeting 429s
+            rate=Rate.of(rate.requests_per_minute, rate.tokens_per_minute) if rate else None,
+        )
         self.cost = CostModel(spec.cost, f"pools.{name}.cost")
-        self.upstream_key = upstream_key
+        self.upstream_key = config.upstream_key(name)
         self.recent: deque[tuple[str, str]] = deque(maxlen=RECENT_DISPATCHES)  # (flow, backend)
+        self._timer: asyncio.TimerHandle | None = None
 
-    async def acquire(self, ticket: Ticket) -> Backend:
-        """Wait in the fair queue until ``ticket`` is given a backend slot.
+    async def acquire(
+        self,
+        ticket: Ticket,
+        *,
+        expires_at: float | None = None,
+        expiry: ApiError | None = None,
+        front: bool = False,
+    ) -> Backend:
+        """Wait in line until ``ticket`` is given a backend slot.
 
-        If the waiting task is cancelled (its client went away) the ticket leaves the
-        queue uncharged, or, if it was dispatched in that same instant, frees its slot.
+        At ``expires_at`` (on this pool's clock) a ticket still waiting leaves the queue
+        uncharged and ``expiry`` is raised. If the waiting task is cancelled (its client went
+        away) the ticket leaves uncharged too, or, if it was dispatched in that same
+        instant, frees its slot. ``front`` queues a retry at the head of its flow.
         """
         future: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
         ticket.payload = future
-        self._start(self.scheduler.submit(ticket))
+        self._run(self.scheduler.submit(ticket, self.clock(), front=front))
+        delay = None if expires_at is None else max(0.0, expires_at - self.clock())
         try:
-            return await future
+            async with asyncio.timeout(delay):
+                return await future
+        except TimeoutError:
+            if self.scheduler.cancel(ticket) or ticket.backend is None:
+                raise expiry or ApiError(504, "Deadline passed in the queue.") from None
+            return ticket.backend  # dispatched in the very instant its deadline passed
         except asyncio.CancelledError:
             if not self.scheduler.cancel(ticket) and ticket.backend is not None:
                 self.release(ticket)
@@ -54,7 +79,7 @@ class Pool:
 
     def release(self, ticket: Ticket) -> None:
         """The request holding a slot is over (done, failed or cancelled)."""
-        self._start(self.scheduler.finish(ticket))
+        self._run(self.scheduler.finish(ticket, self.clock()))
 
     def report_failure(self, backend: Backend) -> None:
         """Passive health: a connection failure or 5xx takes the backend out for a cooldown."""
@@ -81,14 +106,14 @@ class Pool:
             self.report_failure(backend)
         elif self.placement.mark_up(backend, self.clock()):
             log.warning("pool %s: backend %s is back", self.name, backend.name)
-            self._start(self.scheduler.pump())
+            self._run(self.scheduler.pump(self.clock()))
 
     def state(self) -> dict[str, Any]:
         """This pool in ``/admin/state``: what the operator needs to see who waits, and why."""
         queue = self.scheduler.queue
         return {
             "virtual_time": queue.virtual_time,
-            "queued": len(queue),
+            "queued": self.scheduler.queued(),
             "running": self.scheduler.running,
             "flows": [
                 {
@@ -112,6 +137,19 @@ class Pool:
             ],
             "recent_dispatches": [{"flow": f, "backend": b} for f, b in self.recent],
         }
+
+    def _run(self, tickets: list[Ticket]) -> None:
+        """Carry out the scheduler's decisions: wake the dispatched, and come back when the
+        pool's rate will allow the next dispatch."""
+        self._start(tickets)
+        wake_at = self.scheduler.wake_at
+        if wake_at is not None and self._timer is None:
+            delay = max(0.0, wake_at - self.clock())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._run(self.scheduler.pump(self.clock()))
 
     def _start(self, tickets: list[Ticket]) -> None:
         """Wake the requests that were just dispatched."""

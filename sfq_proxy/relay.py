@@ -13,7 +13,7 @@ from .pool import Pool
 from .request import InferenceRequest
 
 # Upstream response headers worth passing on; hop-by-hop and length headers are not.
-_PASS_HEADERS = ("Content-Type", "X-Request-Id")
+_PASS_HEADERS = ("Content-Type", "X-Request-Id", "Retry-After")
 
 
 class UpstreamUnreachable(Exception):

@@ -1,54 +1,96 @@
-"""One pool's dispatch decisions: the fair queue in front of placement. No I/O, no clock.
+"""One pool's dispatch decisions: strict band, then SFQ, then placement. No I/O, no clock.
 
 Like httpcore's connection pool, it only changes state and *returns* what to do (which
-ticket goes to which backend); the async shell in ``dispatch.py`` carries it out. The
-simulator drives this same class in virtual time.
+tickets go to which backends); the async shell in ``pool.py`` carries it out, and passes
+the time in. The simulator can drive this same class in virtual time.
+
+Three limits act here and are never mixed up: the fair queue sets each flow's *share*,
+``max_in_flight`` caps an org's or a class's *concurrency* (a capped flow is made
+ineligible and keeps its place), and a provider pool's token buckets pace the *rate*.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .limits import Rate
 from .placement import Backend, Placement
 from .sfq import FairQueue
+
+NO_CAP = 1 << 62
 
 
 @dataclass(eq=False, slots=True)
 class Ticket:
     """A request's place in line. ``payload`` is whatever the shell needs to resume it."""
 
-    flow: str
+    org: str
+    cls: str
     cost: float
-    weight: float
+    weight: float = 1.0
+    tokens: float = 0.0  # estimated tokens, for a provider pool's tokens-per-minute pacing
+    priority: bool = False  # in the strict band: FIFO before every SFQ flow, never charged
     payload: Any = None
     backend: Backend | None = field(default=None, repr=False)
     dispatches: int = 0  # how many times it was sent (a retry is sent again, charged again)
+
+    @property
+    def flow(self) -> str:
+        """The flow's name in the fair queue; its order breaks ties between equal meters."""
+        return f"{self.org}/{self.cls}"
 
 
 class Scheduler:
     """Dispatch one request at a time while a healthy backend has a free slot.
 
-    The head of the fairest flow waits for a slot rather than letting another flow
-    overtake it: the order is always the one the meters explain.
+    The next request is the oldest of the strict band whose class is under its cap, else
+    the head of the fairest eligible flow. It waits for a slot (or for the pool's rate)
+    rather than letting another overtake it: the order is always the one the meters explain.
     """
 
-    def __init__(self, placement: Placement) -> None:
+    def __init__(
+        self,
+        placement: Placement,
+        *,
+        org_caps: Mapping[str, int] | None = None,
+        class_caps: Mapping[str, int] | None = None,
+        rate: Rate | None = None,
+    ) -> None:
         self.placement = placement
         self.queue: FairQueue[Ticket] = FairQueue()
+        self.band: deque[Ticket] = deque()
         self.running = 0
+        self.wake_at: float | None = None  # when the rate allows the next dispatch
+        self._rate = rate
+        self._org_caps = dict(org_caps or {})
+        self._class_caps = dict(class_caps or {})
+        self._org_running: Counter[str] = Counter()
+        self._class_running: Counter[str] = Counter()
+        # ("org" | "class", name) of each cap → the flows it applies to that may be queued
+        self._capped_flows: dict[tuple[str, str], set[str]] = {}
 
-    def submit(self, ticket: Ticket) -> list[Ticket]:
-        """Queue ``ticket`` in its flow; returns the tickets dispatched as a result."""
-        self.queue.push(ticket.flow, ticket, ticket.cost, ticket.weight)
-        return list(self._dispatch())
+    def submit(self, ticket: Ticket, now: float, *, front: bool = False) -> list[Ticket]:
+        """Queue ``ticket`` (at its flow's head if ``front``); returns what got dispatched."""
+        if ticket.priority:
+            (self.band.appendleft if front else self.band.append)(ticket)
+        else:
+            self._track(ticket)
+            self.queue.push(ticket.flow, ticket, ticket.cost, ticket.weight, front=front)
+        return list(self._dispatch(now))
 
     def cancel(self, ticket: Ticket) -> bool:
         """Take a still-queued ticket out, uncharged; False if it was not queued."""
-        return self.queue.remove(ticket.flow, ticket)
+        if not ticket.priority:
+            return self.queue.remove(ticket.flow, ticket)
+        if ticket in self.band:
+            self.band.remove(ticket)
+            return True
+        return False
 
-    def finish(self, ticket: Ticket) -> list[Ticket]:
+    def finish(self, ticket: Ticket, now: float) -> list[Ticket]:
         """A dispatched ticket is done (or failed): free its slot and dispatch more."""
         backend = ticket.backend
         if backend is None:
@@ -56,20 +98,82 @@ class Scheduler:
         ticket.backend = None
         self.placement.release(backend)
         self.running -= 1
-        return list(self._dispatch())
+        self._org_running[ticket.org] -= 1
+        self._class_running[ticket.cls] -= 1
+        self._refresh(ticket)
+        return list(self._dispatch(now))
 
-    def pump(self) -> list[Ticket]:
-        """Dispatch what capacity allows now (after a backend came back, say)."""
-        return list(self._dispatch())
+    def pump(self, now: float) -> list[Ticket]:
+        """Dispatch what capacity allows now (a backend came back, the rate refilled)."""
+        return list(self._dispatch(now))
 
-    def _dispatch(self) -> Iterator[Ticket]:
+    def queued(self) -> int:
+        return len(self.queue) + len(self.band)
+
+    def waiting(self, ticket: Ticket) -> int:
+        """How many requests wait ahead of ``ticket`` in its own line (its flow, or its
+        class in the band): what ``max_queue_len`` caps."""
+        if ticket.priority:
+            return sum(t.cls == ticket.cls for t in self.band)
+        return self.queue.backlog(ticket.flow)
+
+    def _dispatch(self, now: float) -> Iterator[Ticket]:
+        self.wake_at = None
         while (backend := self.placement.choose()) is not None:
-            popped = self.queue.pop()
-            if popped is None:
+            ticket = self._band_next() or _item(self.queue.peek())
+            if ticket is None:
                 return
-            ticket = popped[1]
+            if self._rate is not None:
+                wait = self._rate.wait(ticket.tokens, now)
+                if wait > 0:
+                    self.wake_at = now + wait
+                    return
+                self._rate.take(ticket.tokens, now)
+            if ticket.priority:
+                self.band.remove(ticket)
+            else:
+                self.queue.pop()
             self.placement.acquire(backend)
             ticket.backend = backend
             ticket.dispatches += 1
             self.running += 1
+            self._org_running[ticket.org] += 1
+            self._class_running[ticket.cls] += 1
+            self._refresh(ticket)
             yield ticket
+
+    def _band_next(self) -> Ticket | None:
+        """The oldest band ticket whose class is under its cap."""
+        for ticket in self.band:
+            if self._class_running[ticket.cls] < self._class_caps.get(ticket.cls, NO_CAP):
+                return ticket
+        return None
+
+    def _track(self, ticket: Ticket) -> None:
+        """Remember a capped org's or class's flow, and skip it now if it is at its cap."""
+        for cap in self._caps_of(ticket):
+            self._capped_flows.setdefault(cap, set()).add(ticket.flow)
+        if not self._under_caps(ticket.org, ticket.cls):
+            self.queue.set_eligible(ticket.flow, False)
+
+    def _refresh(self, ticket: Ticket) -> None:
+        """After ``ticket``'s org or class gained or lost a running request."""
+        for cap in self._caps_of(ticket):
+            flows = self._capped_flows.get(cap, set())
+            for flow in list(flows):
+                org, cls = flow.split("/", 1)
+                self.queue.set_eligible(flow, self._under_caps(org, cls))
+                if not self.queue.backlog(flow) and self.queue.is_eligible(flow):
+                    flows.discard(flow)  # re-tracked when it queues again
+
+    def _caps_of(self, ticket: Ticket) -> list[tuple[str, str]]:
+        caps = [("org", ticket.org)] if ticket.org in self._org_caps else []
+        return caps + ([("class", ticket.cls)] if ticket.cls in self._class_caps else [])
+
+    def _under_caps(self, org: str, cls: str) -> bool:
+        org_ok = self._org_running[org] < self._org_caps.get(org, NO_CAP)
+        return org_ok and self._class_running[cls] < self._class_caps.get(cls, NO_CAP)
+
+
+def _item(peeked: tuple[str, Ticket] | None) -> Ticket | None:
+    return None if peeked is None else peeked[1]

@@ -13,8 +13,8 @@ import aiohttp
 import openai
 import yaml
 
-from sfq_proxy.app import PROXY, Proxy
 from sfq_proxy.config import Config, parse_config
+from sfq_proxy.proxy import PROXY, Proxy
 from sfq_proxy.server import bound_url, running
 from sfq_proxy.sfq import FairQueue
 from sfq_proxy.simbackend import SimBackend, SimConfig

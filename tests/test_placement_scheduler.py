@@ -141,19 +141,19 @@ def test_free_slots_counts_healthy_backends_only() -> None:
 # -- Scheduler --------------------------------------------------------------------------------
 
 
-def ticket(flow: str, cost: float = 1.0, weight: float = 1.0, payload: str = "") -> Ticket:
-    return Ticket(flow=flow, cost=cost, weight=weight, payload=payload or flow)
+def ticket(org: str, cost: float = 1.0, weight: float = 1.0, payload: str = "") -> Ticket:
+    return Ticket(org=org, cls="batch", cost=cost, weight=weight, payload=payload or org)
 
 
 def test_submit_dispatches_only_while_slots_are_free() -> None:
     sched = Scheduler(placement(1, 1))
     a, b = sched.placement.backends
     t1, t2, t3 = ticket("x"), ticket("x"), ticket("y")
-    assert sched.submit(t1) == [t1]
+    assert sched.submit(t1, 0.0) == [t1]
     assert t1.backend is a
-    assert sched.submit(t2) == [t2]
+    assert sched.submit(t2, 0.0) == [t2]
     assert t2.backend is b
-    assert sched.submit(t3) == []
+    assert sched.submit(t3, 0.0) == []
     assert t3.backend is None
     assert (t1.dispatches, t2.dispatches, t3.dispatches) == (1, 1, 0)
     assert sched.running == 2
@@ -164,30 +164,30 @@ def test_finish_frees_the_slot_and_dispatches_in_sfq_order() -> None:
     sched = Scheduler(placement(1))
     (backend,) = sched.placement.backends
     blocker, a1, a2, b1 = ticket("z"), ticket("a"), ticket("a"), ticket("b")
-    assert sched.submit(blocker) == [blocker]
+    assert sched.submit(blocker, 0.0) == [blocker]
     for t in (a1, a2, b1):
-        assert sched.submit(t) == []
-    assert sched.finish(blocker) == [a1]  # a and b tie; flow id breaks it
+        assert sched.submit(t, 0.0) == []
+    assert sched.finish(blocker, 0.0) == [a1]  # a and b tie; flow id breaks it
     assert blocker.backend is None
     assert a1.backend is backend
     # a was charged for a1, so b goes before a's backlog although it arrived last
-    assert sched.finish(a1) == [b1]
-    assert sched.finish(b1) == [a2]
-    assert sched.finish(a2) == []
+    assert sched.finish(a1, 0.0) == [b1]
+    assert sched.finish(b1, 0.0) == [a2]
+    assert sched.finish(a2, 0.0) == []
     assert (sched.running, backend.in_flight, len(sched.queue)) == (0, 0, 0)
 
 
 def test_weights_and_costs_order_dispatch() -> None:
     sched = Scheduler(placement(1))
     blocker = ticket("z", cost=1000)
-    sched.submit(blocker)
+    sched.submit(blocker, 0.0)
     heavy = [ticket("heavy", cost=3.0, payload=f"h{i}") for i in range(3)]
     light = [ticket("light", cost=1.0, payload=f"l{i}") for i in range(4)]
     for t in heavy + light:
-        sched.submit(t)
+        sched.submit(t, 0.0)
     order: list[str] = []
     running = blocker
-    while dispatched := sched.finish(running):
+    while dispatched := sched.finish(running, 0.0):
         (running,) = dispatched
         order.append(running.payload)
     # SFQ start tags: heavy 0,3,6; light 0,1,2,3 (ties broken by flow id)
@@ -197,19 +197,19 @@ def test_weights_and_costs_order_dispatch() -> None:
 def test_finish_of_a_ticket_without_slot_raises() -> None:
     sched = Scheduler(placement(1))
     with pytest.raises(RuntimeError, match="holds no slot"):
-        sched.finish(ticket("a"))
+        sched.finish(ticket("a"), 0.0)
 
 
 def test_cancel_queued_ticket_is_never_dispatched() -> None:
     sched = Scheduler(placement(1))
     first, cancelled, kept = ticket("a"), ticket("b"), ticket("c")
-    sched.submit(first)
-    sched.submit(cancelled)
-    sched.submit(kept)
+    sched.submit(first, 0.0)
+    sched.submit(cancelled, 0.0)
+    sched.submit(kept, 0.0)
     assert sched.cancel(cancelled) is True
     assert sched.cancel(cancelled) is False
-    assert sched.finish(first) == [kept]
-    assert sched.finish(kept) == []
+    assert sched.finish(first, 0.0) == [kept]
+    assert sched.finish(kept, 0.0) == []
     assert cancelled.dispatches == 0
     assert cancelled.backend is None
 
@@ -217,17 +217,17 @@ def test_cancel_queued_ticket_is_never_dispatched() -> None:
 def test_cancel_of_a_dispatched_ticket_is_false_and_keeps_its_slot() -> None:
     sched = Scheduler(placement(1))
     t = ticket("a")
-    sched.submit(t)
+    sched.submit(t, 0.0)
     assert sched.cancel(t) is False
     assert t.backend is sched.placement.backends[0]
     assert sched.running == 1
-    assert sched.finish(t) == []
+    assert sched.finish(t, 0.0) == []
 
 
 def test_cancel_of_a_never_submitted_ticket_is_false() -> None:
     sched = Scheduler(placement(1))
-    sched.submit(ticket("a"))
-    sched.submit(ticket("a"))
+    sched.submit(ticket("a"), 0.0)
+    sched.submit(ticket("a"), 0.0)
     assert sched.cancel(ticket("a")) is False
     assert len(sched.queue) == 1
 
@@ -237,13 +237,13 @@ def test_nothing_is_dispatched_while_no_backend_is_free() -> None:
     a, b = sched.placement.backends
     sched.placement.mark_down(a, until=5.0)
     t1, t2, t3 = ticket("x"), ticket("y"), ticket("z")
-    assert sched.submit(t1) == [t1]
+    assert sched.submit(t1, 0.0) == [t1]
     assert t1.backend is b
-    assert sched.submit(t2) == []
-    assert sched.submit(t3) == []
-    assert sched.pump() == []
+    assert sched.submit(t2, 0.0) == []
+    assert sched.submit(t3, 0.0) == []
+    assert sched.pump(0.0) == []
     assert sched.placement.mark_up(a, now=4.0) is False
-    assert sched.pump() == []
+    assert sched.pump(0.0) == []
     assert (t2.dispatches, t3.dispatches) == (0, 0)
 
 
@@ -253,19 +253,19 @@ def test_pump_after_a_backend_comes_back() -> None:
     sched.placement.mark_down(a, until=5.0)
     t1, t2, t3 = ticket("x"), ticket("y"), ticket("x")
     for t in (t1, t2, t3):
-        assert sched.submit(t) == []
+        assert sched.submit(t, 0.0) == []
     assert sched.placement.mark_up(a, now=5.0) is True
-    assert sched.pump() == [t1, t2]
+    assert sched.pump(0.0) == [t1, t2]
     assert (t1.backend, t2.backend, t3.backend) == (a, a, None)
-    assert sched.pump() == []
+    assert sched.pump(0.0) == []
 
 
 def test_a_finished_ticket_resubmitted_is_dispatched_again() -> None:
     sched = Scheduler(placement(1))
     t = ticket("a")
-    sched.submit(t)
-    sched.finish(t)
-    assert sched.submit(t) == [t]
+    sched.submit(t, 0.0)
+    sched.finish(t, 0.0)
+    assert sched.submit(t, 0.0) == [t]
     assert t.dispatches == 2
 
 
@@ -273,13 +273,13 @@ def test_finish_on_a_down_backend_frees_the_slot_but_dispatches_elsewhere() -> N
     sched = Scheduler(placement(1, 1))
     a, b = sched.placement.backends
     t1, t2, t3 = ticket("x"), ticket("y"), ticket("z")
-    sched.submit(t1)
-    sched.submit(t2)
-    sched.submit(t3)
+    sched.submit(t1, 0.0)
+    sched.submit(t2, 0.0)
+    sched.submit(t3, 0.0)
     sched.placement.mark_down(a, until=1.0)
-    assert sched.finish(t1) == []
+    assert sched.finish(t1, 0.0) == []
     assert a.in_flight == 0
-    assert sched.finish(t2) == [t3]
+    assert sched.finish(t2, 0.0) == [t3]
     assert t3.backend is b
 
 
@@ -357,11 +357,11 @@ def test_random_operations_keep_slots_and_tickets_consistent(
                 t = ticket(flow, cost=float(cost))
                 model.submits[id(t)] = 1
                 model.queued.append(t)
-                accept(sched, model, sched.submit(t))
+                accept(sched, model, sched.submit(t, 0.0))
             case ("finish" | "retry" as what, int(i)) if model.running:
                 t = model.running.pop(i % len(model.running))
                 done_on = t.backend
-                dispatched = sched.finish(t)
+                dispatched = sched.finish(t, 0.0)
                 assert t.backend is None
                 assert t not in dispatched
                 assert done_on is not None
@@ -369,7 +369,7 @@ def test_random_operations_keep_slots_and_tickets_consistent(
                 if what == "retry":
                     model.submits[id(t)] += 1
                     model.queued.append(t)
-                    accept(sched, model, sched.submit(t))
+                    accept(sched, model, sched.submit(t, 0.0))
             case ("cancel", int(i)) if model.queued:
                 t = model.queued.pop(i % len(model.queued))
                 assert sched.cancel(t) is True
@@ -386,7 +386,7 @@ def test_random_operations_keep_slots_and_tickets_consistent(
                 expected = not backend.healthy and model.now >= backend.down_until
                 assert sched.placement.mark_up(backend, model.now) is expected
                 if expected:
-                    accept(sched, model, sched.pump())
+                    accept(sched, model, sched.pump(0.0))
             case ("pump",):
-                accept(sched, model, sched.pump())
+                accept(sched, model, sched.pump(0.0))
         check(sched, model)

@@ -9,7 +9,7 @@ import openai
 import pytest
 from e2e import KEYS, MODEL, Lab, Served, eventually, proxy_config
 
-from sfq_proxy.app import PROXY
+from sfq_proxy.proxy import PROXY
 from sfq_proxy.server import bound_url, running
 from sfq_proxy.simbackend import SimBackend
 
@@ -248,12 +248,16 @@ async def test_upstream_key_replaces_the_client_key(lab: Lab) -> None:
 
 async def test_a_backend_that_keeps_dying_costs_max_attempts_then_502(lab: Lab) -> None:
     sim = await lab.backend()
-    served = await lab.proxy(proxy_config([sim.url]))
-    sim.faults.die_after_tokens = 1  # hangs up before answering a non-streamed request
+    retry = {"max_attempts": 3, "budget_ratio": 1.0, "backoff_base_s": 0.01}
+    served = await lab.proxy(proxy_config([sim.url], retry=retry))
+    client = lab.client(served)
+    for _ in range(4):  # recent requests, so the retry budget (1.0 × requests) has room
+        await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    await sim.update_faults(die_after_tokens=1)  # hangs up before answering
     with pytest.raises(openai.InternalServerError) as info:
         await lab.client(served).chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5)
     assert info.value.status_code == 502
-    assert sim.stats.requests_seen == 3  # retry.max_attempts, each dispatched (and charged)
+    assert sim.stats.requests_seen == 4 + 3  # retry.max_attempts, each dispatched (and charged)
 
 
 async def test_first_byte_timeout_is_504(lab: Lab) -> None:

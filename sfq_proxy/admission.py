@@ -1,0 +1,68 @@
+"""Whether a request may wait at all, and whether a failed one may try again (DESIGN §5–6).
+
+Sans-I/O: the caller passes the time. Checked in this order, so that a rejected request
+never spends rate tokens: a duplicate ``Idempotency-Key`` (409), a full flow queue (429),
+then the org's and the pool's token buckets (429 with the wait as ``Retry-After``).
+"""
+
+from __future__ import annotations
+
+from .classify import Flow
+from .config import Config
+from .errors import ApiError
+from .limits import Rate, RetryBudget
+
+
+class Admission:
+    def __init__(self, config: Config) -> None:
+        self._config = config
+        self._org_rates = {
+            org: Rate.of(spec.rpm, spec.tpm)
+            for org, spec in config.orgs.items()
+            if spec.rpm or spec.tpm
+        }
+        # a provider pool's intake is held to its rate here; its dispatch is paced too
+        self._pool_rates = {
+            name: Rate.of(spec.rate.requests_per_minute, spec.rate.tokens_per_minute)
+            for name, spec in config.pools.items()
+            if spec.rate
+        }
+        self._budgets: dict[str, RetryBudget] = {}
+        self._active: set[tuple[str, str]] = set()  # (org, Idempotency-Key) queued or running
+
+    def admit(
+        self, flow: Flow, tokens: float, queued: int, idempotency_key: str | None, now: float
+    ) -> None:
+        """Admit a request of ``flow`` (whose queue holds ``queued``) or raise the rejection."""
+        if idempotency_key is not None and (flow.org, idempotency_key) in self._active:
+            raise ApiError(409, "A request with this Idempotency-Key is already queued or running.")
+        cap = self._config.classes[flow.cls].max_queue_len
+        if cap is not None and queued >= cap:
+            raise ApiError(
+                429, f"The queue of flow {flow.id} is full ({cap}).", code="queue_full",
+                retry_after=1.0,
+            )  # fmt: skip
+        rates = [r for r in (self._org_rates.get(flow.org), self._pool_rates.get(flow.pool)) if r]
+        wait = max((rate.wait(tokens, now) for rate in rates), default=0.0)
+        if wait > 0:
+            raise ApiError(429, "Rate limit reached.", code="rate_limited", retry_after=wait)
+        for rate in rates:
+            rate.take(tokens, now)
+        self._budget(flow.id).record_request(now)
+        if idempotency_key is not None:
+            self._active.add((flow.org, idempotency_key))
+
+    def done(self, flow: Flow, idempotency_key: str | None) -> None:
+        """The admitted request is over, whatever its outcome."""
+        if idempotency_key is not None:
+            self._active.discard((flow.org, idempotency_key))
+
+    def may_retry(self, flow: Flow, now: float) -> bool:
+        """Spend one retry from the flow's budget, if it has one left."""
+        return self._budget(flow.id).try_retry(now)
+
+    def _budget(self, flow_id: str) -> RetryBudget:
+        budget = self._budgets.get(flow_id)
+        if budget is None:
+            budget = self._budgets[flow_id] = RetryBudget(self._config.retry.budget_ratio)
+        return budget

@@ -1,0 +1,90 @@
+"""Rate limits and the retry budget: token buckets and a sliding window. No I/O, no clock.
+
+Share, concurrency and rate are three different limits (the Russian article): weights set
+the share, ``max_in_flight`` the concurrency (in the scheduler), and these set the rate.
+Every method takes ``now`` from the caller's clock, so tests and the simulator drive time.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """``per_minute`` tokens a minute, bursting up to a minute's worth; starts full."""
+
+    per_minute: float
+    level: float = field(init=False)
+    updated: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.level = self.per_minute
+
+    def wait(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` tokens are there (0 when they are there now)."""
+        self._refill(now)
+        missing = min(amount, self.per_minute) - self.level  # an oversized take needs a full bucket
+        return max(0.0, missing * 60.0 / self.per_minute)
+
+    def take(self, amount: float, now: float) -> None:
+        """Take ``amount`` tokens (callers check ``wait`` first); an oversized one empties it."""
+        self._refill(now)
+        self.level -= min(amount, self.per_minute)
+
+    def _refill(self, now: float) -> None:
+        if now > self.updated:
+            gained = (now - self.updated) * self.per_minute / 60.0
+            self.level = min(self.per_minute, self.level + gained)
+            self.updated = now
+
+
+@dataclass(slots=True)
+class Rate:
+    """A request-per-minute and a token-per-minute bucket that admit or wait together."""
+
+    requests: TokenBucket | None
+    tokens: TokenBucket | None
+
+    @classmethod
+    def of(cls, requests_per_minute: float | None, tokens_per_minute: float | None) -> Rate:
+        return cls(
+            TokenBucket(requests_per_minute) if requests_per_minute else None,
+            TokenBucket(tokens_per_minute) if tokens_per_minute else None,
+        )
+
+    def wait(self, tokens: float, now: float) -> float:
+        waits = [b.wait(n, now) for b, n in self._buckets(tokens)]
+        return max(waits, default=0.0)
+
+    def take(self, tokens: float, now: float) -> None:
+        for bucket, amount in self._buckets(tokens):
+            bucket.take(amount, now)
+
+    def _buckets(self, tokens: float) -> list[tuple[TokenBucket, float]]:
+        pairs = [(self.requests, 1.0), (self.tokens, tokens)]
+        return [(bucket, amount) for bucket, amount in pairs if bucket is not None]
+
+
+@dataclass(slots=True)
+class RetryBudget:
+    """Retries may not exceed ``ratio`` of the requests of the last ``window_s`` seconds."""
+
+    ratio: float
+    window_s: float = 60.0
+    _requests: deque[float] = field(default_factory=deque)
+    _retries: deque[float] = field(default_factory=deque)
+
+    def record_request(self, now: float) -> None:
+        self._requests.append(now)
+
+    def try_retry(self, now: float) -> bool:
+        """Spend one retry if the budget allows it now."""
+        for times in (self._requests, self._retries):
+            while times and times[0] <= now - self.window_s:
+                times.popleft()
+        if len(self._retries) + 1 > self.ratio * len(self._requests):
+            return False
+        self._retries.append(now)
+        return True

@@ -1,0 +1,69 @@
+"""What every handler shares at run time: config, pools, admission, metrics, the session."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from .admission import Admission
+from .classify import Authenticator, Flow
+from .config import Config
+from .metrics import Metrics
+from .pool import Pool
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class Proxy:
+    """The running proxy; ``/admin/state`` is its repr."""
+
+    config: Config
+    pools: dict[str, Pool]
+    auth: Authenticator
+    admission: Admission
+    metrics: Metrics
+    clock: Clock
+    session: aiohttp.ClientSession | None = None
+    _probes: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @classmethod
+    def from_config(cls, config: Config, clock: Clock) -> Proxy:
+        pools = {name: Pool(name, config, clock) for name in config.pools}
+        return cls(
+            config=config,
+            pools=pools,
+            auth=Authenticator(config.resolved_keys()),
+            admission=Admission(config),
+            metrics=Metrics(pools),
+            clock=clock,
+        )
+
+    async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
+        """One pooled keep-alive session to the backends, and the health probes."""
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        self._probes = [
+            asyncio.create_task(p.probe_forever(self.session)) for p in self.pools.values()
+        ]
+        yield
+        for task in self._probes:
+            task.cancel()
+        await asyncio.gather(*self._probes, return_exceptions=True)
+        await self.session.close()
+
+    def count(self, flow: Flow | None, outcome: str) -> None:
+        labels = (flow.org, flow.cls, flow.pool) if flow else ("", "", "")
+        self.metrics.requests.labels(*labels, outcome).inc()
+
+    def state(self) -> dict[str, Any]:
+        return {name: pool.state() for name, pool in self.pools.items()}
+
+
+PROXY = web.AppKey("proxy", Proxy)
+FLOW = web.RequestKey("flow", Flow)
