@@ -13,30 +13,37 @@ from dataclasses import dataclass, field
 
 @dataclass(slots=True)
 class TokenBucket:
-    """``per_minute`` tokens a minute, bursting up to a minute's worth; starts full."""
+    """``per_minute`` tokens a minute, bursting up to ``burst_s`` seconds' worth; starts full.
+
+    A take larger than the burst waits for a full bucket and leaves it in debt, so the
+    average rate still holds for requests bigger than one burst.
+    """
 
     per_minute: float
+    burst_s: float = 60.0
+    capacity: float = field(init=False)
     level: float = field(init=False)
     updated: float = 0.0
 
     def __post_init__(self) -> None:
-        self.level = self.per_minute
+        self.capacity = max(1.0, self.per_minute * self.burst_s / 60.0)
+        self.level = self.capacity
 
     def wait(self, amount: float, now: float) -> float:
-        """Seconds until ``amount`` tokens are there (0 when they are there now)."""
+        """Seconds until ``amount`` tokens may be taken (0 when they may be taken now)."""
         self._refill(now)
-        missing = min(amount, self.per_minute) - self.level  # an oversized take needs a full bucket
+        missing = min(amount, self.capacity) - self.level
         return max(0.0, missing * 60.0 / self.per_minute)
 
     def take(self, amount: float, now: float) -> None:
-        """Take ``amount`` tokens (callers check ``wait`` first); an oversized one empties it."""
+        """Take ``amount`` tokens; callers check ``wait`` first."""
         self._refill(now)
-        self.level -= min(amount, self.per_minute)
+        self.level -= amount
 
     def _refill(self, now: float) -> None:
         if now > self.updated:
             gained = (now - self.updated) * self.per_minute / 60.0
-            self.level = min(self.per_minute, self.level + gained)
+            self.level = min(self.capacity, self.level + gained)
             self.updated = now
 
 
@@ -48,10 +55,16 @@ class Rate:
     tokens: TokenBucket | None
 
     @classmethod
-    def of(cls, requests_per_minute: float | None, tokens_per_minute: float | None) -> Rate:
+    def of(
+        cls,
+        requests_per_minute: float | None,
+        tokens_per_minute: float | None,
+        burst_s: float = 60.0,
+    ) -> Rate:
+        """Buckets for the limits that are set; ``burst_s`` is how much may go at once."""
         return cls(
-            TokenBucket(requests_per_minute) if requests_per_minute else None,
-            TokenBucket(tokens_per_minute) if tokens_per_minute else None,
+            TokenBucket(requests_per_minute, burst_s) if requests_per_minute else None,
+            TokenBucket(tokens_per_minute, burst_s) if tokens_per_minute else None,
         )
 
     def wait(self, tokens: float, now: float) -> float:

@@ -38,8 +38,11 @@ class Pool:
             self.placement,
             org_caps={o: s.max_in_flight for o, s in config.orgs.items() if s.max_in_flight},
             class_caps={c: s.max_in_flight for c, s in config.classes.items() if s.max_in_flight},
-            # a provider's rate paces dispatch, so queued work waits instead of meeting 429s
-            rate=Rate.of(rate.requests_per_minute, rate.tokens_per_minute) if rate else None,
+            # a provider's rate paces dispatch, so queued work waits instead of meeting its
+            # 429s; providers enforce per-minute limits over seconds, so the burst is 1 s
+            rate=Rate.of(rate.requests_per_minute, rate.tokens_per_minute, burst_s=1.0)
+            if rate
+            else None,
         )
         self.cost = CostModel(spec.cost, f"pools.{name}.cost")
         self.upstream_key = config.upstream_key(name)

@@ -29,7 +29,8 @@ async def running(config: Config, **app_options: Any) -> AsyncIterator[web.AppRu
     )
     await runner.setup()
     try:
-        await web.TCPSite(runner, config.listen.host, config.listen.port).start()
+        # a deep accept backlog: a burst of new clients waits to be admitted, not refused
+        await web.TCPSite(runner, config.listen.host, config.listen.port, backlog=1024).start()
         yield runner
     finally:
         await runner.cleanup()

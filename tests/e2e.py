@@ -20,7 +20,7 @@ from sfq_proxy.sfq import FairQueue
 from sfq_proxy.simbackend import SimBackend, SimConfig
 
 MODEL = "sim-llama"
-KEYS = {"A": "sk-test-org-a", "B": "sk-test-org-b", "C": "sk-test-org-c"}
+KEYS = {"A": "sk-test-org-a", "B": "sk-test-org-b", "C": "sk-test-org-c", "OPS": "sk-test-ops"}
 
 
 def proxy_config(
@@ -41,6 +41,7 @@ def proxy_config(
             {"key": KEYS["A"], "org": "A", "classes": ["batch", "interactive"]},
             {"key": KEYS["B"], "org": "B", "classes": ["batch"]},
             {"key": KEYS["C"], "org": "C", "classes": ["interactive"]},
+            {"key": KEYS["OPS"], "org": "ops", "classes": ["system", "interactive"]},
         ],
         "pools": {
             "sim": {
@@ -73,6 +74,7 @@ class Lab:
 
     def __init__(self, stack: contextlib.AsyncExitStack) -> None:
         self._stack = stack
+        self._clients: dict[tuple[str, str], openai.AsyncOpenAI] = {}
 
     async def backend(self, port: int = 0, **options: Any) -> SimBackend:
         options = {"models": [MODEL], "time_scale": 50.0, **options}
@@ -86,10 +88,16 @@ class Lab:
         return Served(url=bound_url(runner), state=runner.app[PROXY])
 
     def client(self, served: Served, org: str = "A", **options: Any) -> openai.AsyncOpenAI:
+        """An SDK client with ``org``'s key; one per (proxy, org) unless options are given."""
+        cache_key = (served.url, org)
+        if not options and cache_key in self._clients:
+            return self._clients[cache_key]
         client = openai.AsyncOpenAI(
             base_url=f"{served.url}/v1", api_key=KEYS[org], max_retries=0, **options
         )
         self._stack.push_async_callback(client.close)
+        if not options:
+            self._clients[cache_key] = client
         return client
 
     async def http(self) -> aiohttp.ClientSession:
