@@ -27,7 +27,7 @@ class Admission:
             for name, spec in config.pools.items()
             if spec.rate
         }
-        self._budgets: dict[str, RetryBudget] = {}
+        self._budgets: dict[Flow, RetryBudget] = {}
         self._active: set[tuple[str, str]] = set()  # (org, Idempotency-Key) queued or running
 
     def admit(
@@ -48,7 +48,7 @@ class Admission:
             raise ApiError(429, "Rate limit reached.", code="rate_limited", retry_after=wait)
         for rate in rates:
             rate.take(tokens, now)
-        self._budget(flow.id).record_request(now)
+        self._budget(flow).record_request(now)
         if idempotency_key is not None:
             self._active.add((flow.org, idempotency_key))
 
@@ -59,10 +59,10 @@ class Admission:
 
     def may_retry(self, flow: Flow, now: float) -> bool:
         """Spend one retry from the flow's budget, if it has one left."""
-        return self._budget(flow.id).try_retry(now)
+        return self._budget(flow).try_retry(now)
 
-    def _budget(self, flow_id: str) -> RetryBudget:
-        budget = self._budgets.get(flow_id)
+    def _budget(self, flow: Flow) -> RetryBudget:
+        budget = self._budgets.get(flow)
         if budget is None:
-            budget = self._budgets[flow_id] = RetryBudget(self._config.retry.budget_ratio)
+            budget = self._budgets[flow] = RetryBudget(self._config.retry.budget_ratio)
         return budget

@@ -97,7 +97,7 @@ class RetryBudget:
         for times in (self._requests, self._retries):
             while times and times[0] <= now - self.window_s:
                 times.popleft()
-        if len(self._retries) + 1 > self.ratio * len(self._requests):
+        if len(self._retries) + 1 > self.ratio * len(self._requests) + 1e-9:  # 0.29·100 ≈ 28.99…
             return False
         self._retries.append(now)
         return True
