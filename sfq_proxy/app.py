@@ -7,6 +7,7 @@ is an :class:`ApiError`, turned into an OpenAI-style JSON error by the middlewar
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import time
@@ -16,10 +17,11 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .accesslog import REQUEST_ID_HEADER
 from .config import Config
 from .errors import ApiError
 from .inference import handler
-from .proxy import FLOW, PROXY, Clock, Proxy
+from .proxy import FLOW, PROXY, RECORD, Clock, Proxy
 from .request import Kind
 
 
@@ -41,16 +43,40 @@ def build_app(config: Config, *, clock: Clock = time.monotonic) -> web.Applicati
 
 @web.middleware
 async def _errors(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
-    """Every rejection leaves as an OpenAI-style JSON error, aiohttp's own included."""
+    """Every rejection leaves as an OpenAI-style JSON error, aiohttp's own included, and
+    every finished inference request is counted once, by its outcome."""
+    proxy = request.app[PROXY]
     try:
-        return await handler(request)
+        response = await handler(request)
     except ApiError as err:
-        request.app[PROXY].count(request.get(FLOW), f"rejected_{err.code}")
-        return err.response()
+        response = err.response()
+        _count(proxy, request, "rejected" if err.reason else "failed", err.reason)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         return ApiError(exc.status, exc.reason).response()
+    except asyncio.CancelledError:
+        record = request.get(RECORD)
+        if record is not None:
+            _count(proxy, request, record.outcome or "cancelled_queued")
+        raise
+    else:
+        record = request.get(RECORD)
+        if record is not None and record.outcome:
+            _count(proxy, request, record.outcome)
+    if RECORD in request and not response.prepared:
+        response.headers[REQUEST_ID_HEADER] = request[RECORD].request_id
+    return response
+
+
+def _count(proxy: Proxy, request: web.Request, outcome: str, reason: str | None = None) -> None:
+    flow = request.get(FLOW)
+    record = request.get(RECORD)
+    org = flow.org if flow else (record.org or "" if record else "")
+    key = (org, flow.cls, flow.pool) if flow else (org, "", "")
+    proxy.metrics.count(key, "requests", outcome)
+    if reason:
+        proxy.metrics.count(key, "rejections", reason)
 
 
 async def _models(request: web.Request) -> web.Response:

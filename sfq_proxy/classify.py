@@ -23,6 +23,11 @@ class Flow:
     pool: str
 
     @property
+    def key(self) -> tuple[str, str, str]:
+        """Its labels in the metrics: (org, class, pool)."""
+        return self.org, self.cls, self.pool
+
+    @property
     def id(self) -> str:
         """The flow's name in the fair queue; its order breaks ties between equal meters."""
         return f"{self.org}/{self.cls}"

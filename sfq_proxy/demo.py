@@ -99,13 +99,7 @@ async def _client(
 
 def _charged(proxy: Proxy) -> dict[str, float]:
     """Cost charged so far per flow, read from the proxy's own metrics."""
-    totals: dict[str, float] = defaultdict(float)
-    for metric in proxy.metrics.cost_charged.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                labels = sample.labels
-                totals[f"{labels['org']}/{labels['class']}"] += sample.value
-    return totals
+    return {f"{org}/{cls}": v for (org, cls, _), v in proxy.metrics.totals("cost_charged").items()}
 
 
 def _report(

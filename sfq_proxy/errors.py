@@ -12,12 +12,20 @@ _TYPES = {
     403: ("permission_error", "forbidden"),
     404: ("invalid_request_error", "model_not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    409: ("invalid_request_error", "conflict"),
     413: ("invalid_request_error", "request_too_large"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
     502: ("upstream_error", "bad_gateway"),
     503: ("service_unavailable", "no_healthy_backend"),
     504: ("timeout_error", "deadline_exceeded"),
 }
+
+
+# Why a request was refused, for the metrics; an error without one is a failure to serve.
+_REASONS = {400: "invalid", 401: "auth", 403: "auth", 404: "invalid", 405: "invalid",
+            409: "invalid", 413: "invalid", 503: "no_backend"}  # fmt: skip
+_REASONS_BY_CODE = {"rate_limited": "rate", "queue_full": "queue_full",
+                    "queue_age": "queue_age", "deadline": "deadline"}  # fmt: skip
 
 
 class ApiError(Exception):
@@ -37,6 +45,11 @@ class ApiError(Exception):
         self.type, default_code = _TYPES.get(status, ("api_error", "error"))
         self.code = code or default_code
         self.retry_after = retry_after
+
+    @property
+    def reason(self) -> str | None:
+        """The rejection reason (auth, rate, queue_full, …), or None for a failure."""
+        return _REASONS_BY_CODE.get(self.code) or _REASONS.get(self.status)
 
     def response(self) -> web.Response:
         headers = {}

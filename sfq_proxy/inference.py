@@ -13,13 +13,15 @@ import asyncio
 import contextlib
 import math
 import random
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from .accesslog import AccessRecord
 from .classify import CLASS_HEADER, Flow, classify
 from .errors import ApiError
-from .proxy import FLOW, PROXY, Proxy
-from .relay import UpstreamUnreachable, forward
+from .proxy import FLOW, PROXY, RECORD, Proxy
+from .relay import Relayed, UpstreamUnreachable, forward
 from .request import InferenceRequest, Kind, parse
 from .scheduler import Ticket
 
@@ -28,39 +30,60 @@ TIMEOUT_HEADER = "X-Request-Timeout"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 
-def handler(kind: Kind):
+def handler(kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handle(request: web.Request) -> web.StreamResponse:
         proxy = request.app[PROXY]
-        key = proxy.auth.identify(request.headers.get("Authorization"))
-        inference = parse(kind, await _read_body(request, proxy.config.limits.max_body_bytes))
-        flow = classify(proxy.config, key, request.headers.get(CLASS_HEADER), inference.model)
-        request[FLOW] = flow
-        timeout = _client_timeout(request)
-        pool = proxy.pools[flow.pool]
-        if not pool.placement.any_healthy():
-            cooldown = pool.spec.health.cooldown_s
-            raise ApiError(503, f"Pool '{flow.pool}' has no healthy backend.", retry_after=cooldown)
-        estimate = pool.cost.estimate(inference)
-        cls = proxy.config.classes[flow.cls]
-        ticket = Ticket(
-            org=flow.org,
-            cls=flow.cls,
-            cost=estimate.cost,
-            weight=proxy.config.flow_weight(flow.org, flow.cls),
-            tokens=estimate.input_tokens + estimate.max_tokens,
-            priority=cls.priority,
-        )
-        queued = pool.scheduler.waiting(ticket)
-        idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
-        now = proxy.clock()
-        proxy.admission.admit(flow, ticket.tokens, queued, idempotency_key, now)
+        record = request[RECORD] = AccessRecord.for_request(request.headers)
         try:
-            expires_at, expiry = _deadline(now, cls.max_queue_age_s, timeout)
-            return await _serve(proxy, request, ticket, inference, expires_at, expiry)
+            return await _admit_and_serve(proxy, request, kind, record)
+        except ApiError as err:
+            record.status = err.status
+            record.outcome = "rejected" if err.reason else "failed"
+            raise
+        except asyncio.CancelledError:
+            record.outcome = record.outcome or "cancelled_queued"
+            raise
         finally:
-            proxy.admission.done(flow, idempotency_key)
+            record.emit()
 
     return handle
+
+
+async def _admit_and_serve(
+    proxy: Proxy, request: web.Request, kind: Kind, record: AccessRecord
+) -> web.StreamResponse:
+    key = proxy.auth.identify(request.headers.get("Authorization"))
+    record.org = key.org
+    inference = parse(kind, await _read_body(request, proxy.config.limits.max_body_bytes))
+    record.model = inference.model
+    flow = classify(proxy.config, key, request.headers.get(CLASS_HEADER), inference.model)
+    request[FLOW] = flow
+    record.cls, record.pool = flow.cls, flow.pool
+    timeout = _client_timeout(request)
+    pool = proxy.pools[flow.pool]
+    if not pool.placement.any_healthy():
+        cooldown = pool.spec.health.cooldown_s
+        raise ApiError(503, f"Pool '{flow.pool}' has no healthy backend.", retry_after=cooldown)
+    estimate = pool.cost.estimate(inference)
+    cls = proxy.config.classes[flow.cls]
+    ticket = Ticket(
+        org=flow.org,
+        cls=flow.cls,
+        cost=estimate.cost,
+        weight=proxy.config.flow_weight(flow.org, flow.cls),
+        tokens=estimate.input_tokens + estimate.max_tokens,
+        priority=cls.priority,
+    )
+    record.cost = estimate.cost
+    queued = pool.scheduler.waiting(ticket)
+    idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
+    now = proxy.clock()
+    proxy.admission.admit(flow, ticket.tokens, queued, idempotency_key, now)
+    try:
+        expires_at, expiry = _deadline(now, cls.max_queue_age_s, timeout)
+        return await _serve(proxy, request, ticket, inference, expires_at, expiry)
+    finally:
+        proxy.admission.done(flow, idempotency_key)
 
 
 async def _serve(
@@ -72,56 +95,81 @@ async def _serve(
     expiry: ApiError | None,
 ) -> web.StreamResponse:
     flow: Flow = request[FLOW]
+    record: AccessRecord = request[RECORD]
     pool = proxy.pools[flow.pool]
-    labels = (flow.org, flow.cls, flow.pool)
+    key = flow.key
+    metrics = proxy.metrics
     retry = proxy.config.retry
     assert proxy.session is not None
-    response: web.StreamResponse | None = None
+    relayed: Relayed | None = None
     for attempt in range(1, retry.max_attempts + 1):
         queued_at = proxy.clock()
-        try:
-            backend = await pool.acquire(
-                ticket, expires_at=expires_at, expiry=expiry, front=attempt > 1
-            )
-        except asyncio.CancelledError:
-            proxy.count(flow, "cancelled_queued")
-            raise
-        proxy.metrics.queue_wait.labels(*labels).observe(proxy.clock() - queued_at)
+        backend = await pool.acquire(
+            ticket, expires_at=expires_at, expiry=expiry, front=attempt > 1
+        )
+        waited = proxy.clock() - queued_at
+        record.queue_wait_s += waited
+        record.backend = backend.name
+        metrics.observe(key, "queue_wait_seconds", waited)
         if not ticket.priority:
-            proxy.metrics.cost_charged.labels(*labels).inc(ticket.cost / ticket.weight)
+            metrics.count(key, "cost_charged", amount=ticket.cost / ticket.weight)
         try:
-            response = await forward(proxy.session, pool, backend, request, inference)
+            relayed = await forward(
+                proxy.session, pool, backend, request, inference, record.request_id
+            )
         except UpstreamUnreachable:
-            response = None
+            relayed = None
         except asyncio.CancelledError:
-            proxy.count(flow, "cancelled_running")
+            record.outcome = "cancelled_running"
             raise
         finally:
             pool.release(ticket)
-        if response is not None and response.status not in RETRYABLE:
+        status = None if relayed is None else relayed.response.status
+        if relayed is not None:
+            metrics.first_byte(flow.pool, backend.name, relayed.first_byte_s)
+        if status is not None and status not in RETRYABLE:
             break
-        reason = "unreachable" if response is None else str(response.status)
-        delay = _backoff(attempt, retry.backoff_base_s, retry.backoff_max_s, response)
+        delay = _backoff(attempt, retry.backoff_base_s, retry.backoff_max_s, relayed)
         if attempt == retry.max_attempts:
             break
         if expires_at is not None and proxy.clock() + delay >= expires_at:
             break
         if not proxy.admission.may_retry(flow, proxy.clock()):
-            proxy.metrics.retry_refusals.labels(*labels).inc()
+            metrics.count(key, "retry_budget_refusals")
             break
-        proxy.metrics.retries.labels(*labels, reason).inc()
+        metrics.count(key, "retries", "unreachable" if status is None else str(status))
+        record.retries += 1
         await asyncio.sleep(delay)
-    if response is None:
-        proxy.count(flow, "failed")
+    if relayed is None:
         raise ApiError(502, f"No backend of pool '{flow.pool}' could be reached.")
-    proxy.count(flow, "completed" if response.status < 400 else f"upstream_{response.status}")
-    return response
+    _account(proxy, flow, record, relayed)
+    return relayed.response
 
 
-def _backoff(attempt: int, base: float, cap: float, response: web.StreamResponse | None) -> float:
+def _account(proxy: Proxy, flow: Flow, record: AccessRecord, relayed: Relayed) -> None:
+    """What the answer tells the metrics and the access log."""
+    status = relayed.response.status
+    record.status, record.upstream_s = status, relayed.upstream_s
+    record.prompt_tokens, record.completion_tokens = (
+        relayed.prompt_tokens,
+        relayed.completion_tokens,
+    )
+    key, metrics = flow.key, proxy.metrics
+    if status < 400:
+        record.outcome = "completed"
+    else:
+        record.outcome = "upstream_error"
+        metrics.count(key, "upstream_errors", str(status))
+    if relayed.first_chunk_s is not None:
+        metrics.observe(key, "time_to_first_token_seconds", relayed.first_chunk_s)
+    metrics.count(key, "prompt_tokens", amount=relayed.prompt_tokens or 0)
+    metrics.count(key, "completion_tokens", amount=relayed.completion_tokens or 0)
+
+
+def _backoff(attempt: int, base: float, cap: float, relayed: Relayed | None) -> float:
     """Full jitter (uniform in [0, min(cap, base·2^(attempt−1))]), at least the Retry-After."""
     delay = random.uniform(0.0, min(cap, base * 2 ** (attempt - 1)))
-    retry_after = response.headers.get("Retry-After") if response is not None else None
+    retry_after = relayed.response.headers.get("Retry-After") if relayed is not None else None
     if retry_after is not None:
         with contextlib.suppress(ValueError):  # an HTTP date: not worth parsing here
             delay = max(delay, float(retry_after))

@@ -1,84 +1,232 @@
-"""Prometheus metrics (prefix ``sfq_``) on a registry of the proxy's own.
+"""Prometheus metrics (prefix ``sfq_``): who gets the GPUs, who waits, and why.
 
-Event counts are recorded as they happen; levels (queue lengths, in-flight, health,
-virtual time) are read from the live state at scrape time, so they can never drift.
+Per-flow events are kept in plain dicts and rendered at scrape time, so that orgs can be
+*folded*: at most ``max_labelled_orgs`` orgs carry their own ``org`` label; when another
+needs one, the least recently active org's series are added into ``org="other"`` and
+removed, so a flood of keys cannot blow up Prometheus and ``other`` only ever grows.
+Levels (queue length, in flight, meter lag, health) are read from the live state at
+scrape time: a flow's gauges vanish when the fair queue forgets it.
 """
 
 from __future__ import annotations
 
+import bisect
+from collections import Counter, OrderedDict
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from .pool import Pool
 
-FLOW_LABELS = ("org", "class", "pool")
+FLOW_LABELS = ["org", "class", "pool"]
+OTHER = "other"
 # 10 ms to 1 h, about three buckets per decade, so p50/p95/p99 resolve at every scale
 WAIT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 150, 300, 900, 1800, 3600)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+# counter name → (help, name of its extra label or None)
+COUNTERS = {
+    "requests": ("Finished requests by outcome: completed, rejected, cancelled_queued, "
+                 "cancelled_running, upstream_error, failed", "outcome"),
+    "rejections": ("Requests refused before being queued or while queued, by reason", "reason"),
+    "upstream_errors": ("Error answers of backends passed to clients, by status", "status"),
+    "cost_charged": ("Estimated cost charged at dispatch (share: its rate per flow)", None),
+    "prompt_tokens": ("Prompt tokens the backends reported using", None),
+    "completion_tokens": ("Completion tokens the backends reported generating", None),
+    "retries": ("Requests sent again, by what failed (unreachable or the status)", "reason"),
+    "retry_budget_refusals": ("Retries refused because the flow's budget was spent", None),
+}  # fmt: skip
+HISTOGRAMS = {
+    "queue_wait_seconds": ("Time from admission (or a retry) to dispatch", WAIT_BUCKETS),
+    "time_to_first_token_seconds": ("Dispatch to the first streamed chunk", LATENCY_BUCKETS),
+}
+
+Key = tuple[str, str, str]  # (org, class, pool) as labelled
 
 
-class Metrics:
-    def __init__(self, pools: Mapping[str, Pool]) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "sfq_requests",
-            "Requests by outcome (completed, rejected_<reason>, cancelled_queued, "
-            "cancelled_running, upstream_<status>, failed)",
-            [*FLOW_LABELS, "outcome"],
-            registry=self.registry,
-        )
-        self.queue_wait = Histogram(
-            "sfq_queue_wait_seconds",
-            "Time from admission to dispatch",
-            FLOW_LABELS,
-            buckets=WAIT_BUCKETS,
-            registry=self.registry,
-        )
-        self.cost_charged = Counter(
-            "sfq_cost_charged",
-            "Estimated cost charged at dispatch",
-            FLOW_LABELS,
-            registry=self.registry,
-        )
-        self.retries = Counter(
-            "sfq_retries", "Requests sent again, by what failed (unreachable or the status)",
-            [*FLOW_LABELS, "reason"], registry=self.registry,
-        )  # fmt: skip
-        self.retry_refusals = Counter(
-            "sfq_retry_budget_refusals", "Retries refused because the flow's budget was spent",
-            FLOW_LABELS, registry=self.registry,
-        )  # fmt: skip
-        self.registry.register(_StateCollector(pools))
+@dataclass(slots=True)
+class _Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.counts = self.counts or [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+
+    def add(self, other: _Histogram) -> None:
+        self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
+        self.total += other.total
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        edges = [*map(str, self.buckets), "+Inf"]
+        running, out = 0, []
+        for edge, count in zip(edges, self.counts, strict=True):
+            running += count
+            out.append((edge, running))
+        return out
 
 
-class _StateCollector(Collector):
-    def __init__(self, pools: Mapping[str, Pool]) -> None:
+@dataclass(slots=True)
+class _Series:
+    """Everything counted for one labelled flow."""
+
+    counters: Counter[tuple[str, str]] = field(default_factory=Counter)  # (name, label value)
+    histograms: dict[str, _Histogram] = field(default_factory=dict)
+
+    def add(self, other: _Series) -> None:
+        self.counters.update(other.counters)
+        for name, hist in other.histograms.items():
+            self.histogram(name).add(hist)
+
+    def histogram(self, name: str) -> _Histogram:
+        hist = self.histograms.get(name)
+        if hist is None:
+            hist = self.histograms[name] = _Histogram(HISTOGRAMS[name][1])
+        return hist
+
+
+class Metrics(Collector):
+    """The proxy's metrics: call the event methods, scrape ``registry``."""
+
+    def __init__(self, pools: Mapping[str, Pool], max_labelled_orgs: int = 200) -> None:
         self._pools = pools
+        self._max_orgs = max_labelled_orgs
+        self._orgs: OrderedDict[str, None] = OrderedDict()  # labelled orgs, least recent first
+        self._series: dict[Key, _Series] = {}
+        self._first_byte: dict[tuple[str, str], _Histogram] = {}
+        self.registry = CollectorRegistry()
+        self.registry.register(self)
+
+    # -- events --------------------------------------------------------------------------
+
+    def count(self, flow: Key, name: str, label: str = "", amount: float = 1.0) -> None:
+        """Add ``amount`` to counter ``name`` (with its extra label value) for ``flow``."""
+        self._at(flow).counters[(name, label)] += amount
+
+    def observe(self, flow: Key, name: str, seconds: float) -> None:
+        self._at(flow).histogram(name).observe(seconds)
+
+    def first_byte(self, pool: str, backend: str, seconds: float) -> None:
+        hist = self._first_byte.get((pool, backend))
+        if hist is None:
+            hist = self._first_byte[(pool, backend)] = _Histogram(LATENCY_BUCKETS)
+        hist.observe(seconds)
+
+    def totals(self, name: str) -> dict[Key, float]:
+        """Counter ``name`` summed per labelled flow (over its extra label)."""
+        out: dict[Key, float] = {}
+        for key, series in self._series.items():
+            for (counter, _), value in series.counters.items():
+                if counter == name:
+                    out[key] = out.get(key, 0.0) + value
+        return out
+
+    # -- org folding ------------------------------------------------------------------------
+
+    def org_label(self, org: str) -> str:
+        """``org`` itself while it is among the labelled ones, else ``other`` (no change)."""
+        return org if org in self._orgs or org == "" else OTHER
+
+    def _at(self, flow: Key) -> _Series:
+        org = flow[0]
+        if org and org not in self._orgs:
+            if len(self._orgs) >= self._max_orgs:
+                self._fold(next(iter(self._orgs)))
+            self._orgs[org] = None
+        elif org:
+            self._orgs.move_to_end(org)
+        series = self._series.get(flow)
+        if series is None:
+            series = self._series[flow] = _Series()
+        return series
+
+    def _fold(self, org: str) -> None:
+        """Move the least recently active org's series into ``other``."""
+        del self._orgs[org]
+        for key in [k for k in self._series if k[0] == org]:
+            other = (OTHER, key[1], key[2])
+            self._series.setdefault(other, _Series()).add(self._series.pop(key))
+
+    # -- scrape -----------------------------------------------------------------------------
 
     def collect(self) -> Iterable[Metric]:
-        vtime = GaugeMetricFamily("sfq_virtual_time", "SFQ virtual time per pool", labels=["pool"])
-        queued = GaugeMetricFamily(
-            "sfq_queue_length", "Requests waiting per flow", labels=["flow", "pool"]
+        yield from self._flow_counters()
+        yield from self._flow_histograms()
+        yield from self._flow_gauges()
+        yield from self._backend_metrics()
+
+    def _flow_counters(self) -> Iterable[Metric]:
+        for name, (doc, extra) in COUNTERS.items():
+            labels = FLOW_LABELS + ([extra] if extra else [])
+            family = CounterMetricFamily(f"sfq_{name}", doc, labels=labels)
+            for key, series in self._series.items():
+                for (counter, label), value in series.counters.items():
+                    if counter == name:
+                        family.add_metric([*key, label] if extra else list(key), value)
+            yield family
+
+    def _flow_histograms(self) -> Iterable[Metric]:
+        for name, (doc, _) in HISTOGRAMS.items():
+            family = HistogramMetricFamily(f"sfq_{name}", doc, labels=FLOW_LABELS)
+            for key, series in self._series.items():
+                hist = series.histograms.get(name)
+                if hist is not None:
+                    family.add_metric(list(key), hist.cumulative(), hist.total)
+            yield family
+
+    def _flow_gauges(self) -> Iterable[Metric]:
+        queued = GaugeMetricFamily("sfq_queue_length", "Requests waiting", labels=FLOW_LABELS)
+        running = GaugeMetricFamily("sfq_in_flight", "Requests dispatched", labels=FLOW_LABELS)
+        lag = GaugeMetricFamily(
+            "sfq_meter_lag", "Meter minus virtual time (S − v), largest", labels=FLOW_LABELS
         )
-        per_backend = {
-            name: GaugeMetricFamily(f"sfq_backend_{name}", doc, labels=["pool", "backend"])
-            for name, doc in (
-                ("slots", "Concurrency slots of the backend"),
-                ("in_flight", "Requests the proxy has in flight on the backend"),
-                ("healthy", "1 when the backend takes new requests"),
-            )
-        }
+        vtime = GaugeMetricFamily("sfq_virtual_time", "SFQ virtual time", labels=["pool"])
         for pool_name, pool in self._pools.items():
             vtime.add_metric([pool_name], pool.scheduler.queue.virtual_time)
+            levels: dict[Key, list[float]] = {}
             for view in pool.scheduler.queue.flows():
-                queued.add_metric([view.flow, pool_name], view.backlog)
+                key = self._gauge_key(view.flow, pool_name)
+                level = levels.setdefault(key, [0, 0, view.lag])
+                level[0] += view.backlog
+                level[2] = max(level[2], view.lag)
+            for flow, n in pool.scheduler.flow_running.items():
+                levels.setdefault(self._gauge_key(flow, pool_name), [0, 0, 0.0])[1] += n
+            for key, (backlog, n, meter_lag) in levels.items():
+                queued.add_metric(list(key), backlog)
+                running.add_metric(list(key), n)
+                lag.add_metric(list(key), meter_lag)
+        yield from (queued, running, lag, vtime)
+
+    def _gauge_key(self, flow: str, pool: str) -> Key:
+        org, cls = flow.split("/", 1)
+        return self.org_label(org), cls, pool
+
+    def _backend_metrics(self) -> Iterable[Metric]:
+        labels = ["pool", "backend"]
+        slots = GaugeMetricFamily("sfq_backend_slots", "Concurrency slots", labels=labels)
+        busy = GaugeMetricFamily("sfq_backend_in_flight", "Requests in flight", labels=labels)
+        healthy = GaugeMetricFamily("sfq_backend_healthy", "1 if it takes requests", labels=labels)
+        first_byte = HistogramMetricFamily(
+            "sfq_upstream_first_byte_seconds", "Send to response headers", labels=labels
+        )
+        for pool_name, pool in self._pools.items():
             for b in pool.placement.backends:
-                labels = [pool_name, b.name]
-                per_backend["slots"].add_metric(labels, b.slots)
-                per_backend["in_flight"].add_metric(labels, b.in_flight)
-                per_backend["healthy"].add_metric(labels, int(b.healthy))
-        yield vtime
-        yield queued
-        yield from per_backend.values()
+                slots.add_metric([pool_name, b.name], b.slots)
+                busy.add_metric([pool_name, b.name], b.in_flight)
+                healthy.add_metric([pool_name, b.name], int(b.healthy))
+                hist = self._first_byte.get((pool_name, b.name))
+                if hist is not None:
+                    first_byte.add_metric([pool_name, b.name], hist.cumulative(), hist.total)
+        yield from (slots, busy, healthy, first_byte)

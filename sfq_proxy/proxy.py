@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from .accesslog import AccessRecord
 from .admission import Admission
 from .classify import Authenticator, Flow
 from .config import Config
@@ -40,7 +41,7 @@ class Proxy:
             pools=pools,
             auth=Authenticator(config.resolved_keys()),
             admission=Admission(config),
-            metrics=Metrics(pools),
+            metrics=Metrics(pools, config.metrics.max_labelled_orgs),
             clock=clock,
         )
 
@@ -57,13 +58,10 @@ class Proxy:
         await asyncio.gather(*self._probes, return_exceptions=True)
         await self.session.close()
 
-    def count(self, flow: Flow | None, outcome: str) -> None:
-        labels = (flow.org, flow.cls, flow.pool) if flow else ("", "", "")
-        self.metrics.requests.labels(*labels, outcome).inc()
-
     def state(self) -> dict[str, Any]:
         return {name: pool.state() for name, pool in self.pools.items()}
 
 
 PROXY = web.AppKey("proxy", Proxy)
 FLOW = web.RequestKey("flow", Flow)
+RECORD = web.RequestKey("access_record", AccessRecord)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
@@ -13,11 +16,24 @@ from .pool import Pool
 from .request import InferenceRequest
 
 # Upstream response headers worth passing on; hop-by-hop and length headers are not.
-_PASS_HEADERS = ("Content-Type", "X-Request-Id", "Retry-After")
+_PASS_HEADERS = ("Content-Type", "Retry-After")
+_TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
 
 
 class UpstreamUnreachable(Exception):
     """The backend failed before the client was sent anything: retrying elsewhere is safe."""
+
+
+@dataclass(slots=True)
+class Relayed:
+    """The answer relayed, with what the proxy saw of it (for metrics and the access log)."""
+
+    response: web.StreamResponse
+    first_byte_s: float  # send → response headers
+    upstream_s: float  # send → last byte
+    first_chunk_s: float | None = None  # send → first streamed chunk (time to first token)
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
 
 
 async def forward(
@@ -26,36 +42,51 @@ async def forward(
     backend: Backend,
     client: web.Request,
     inference: InferenceRequest,
-) -> web.StreamResponse:
+    request_id: str,
+) -> Relayed:
     """Send ``inference`` to ``backend`` and relay its answer to ``client``.
 
     Streams are relayed chunk by chunk; anything else is passed through unchanged with
     its status. The upstream connection is closed at once when the client goes away
     (the handler is cancelled), which makes vLLM abort the generation.
     """
-    upstream = await _open(session, pool, backend, inference)
+    sent = pool.clock()
+    upstream = await _open(session, pool, backend, inference, request_id)
+    first_byte = pool.clock() - sent
     try:
         if upstream.status >= 500:
             pool.report_failure(backend)
         headers = {h: upstream.headers[h] for h in _PASS_HEADERS if h in upstream.headers}
+        headers["X-Request-Id"] = request_id
         if not (inference.stream and upstream.status == 200):
             try:
                 body = await upstream.read()
             except aiohttp.ClientError as exc:  # died before answering: the client saw nothing
                 pool.report_failure(backend)
                 raise UpstreamUnreachable(str(exc)) from exc
-            return web.Response(status=upstream.status, body=body, headers=headers)
+            response = web.Response(status=upstream.status, body=body, headers=headers)
+            relayed = Relayed(response, first_byte, pool.clock() - sent)
+            if upstream.status == 200:
+                _read_usage(relayed, [body])
+            return relayed
         response = web.StreamResponse(status=200, headers=headers)
         response.headers["Cache-Control"] = "no-cache"
         await response.prepare(client)
+        relayed = Relayed(response, first_byte, 0.0)
+        tail = b""
         try:
             async for chunk in upstream.content.iter_any():
+                if relayed.first_chunk_s is None:
+                    relayed.first_chunk_s = pool.clock() - sent
                 await response.write(chunk)
+                tail = (tail + chunk)[-_TAIL_BYTES:]
         except aiohttp.ClientPayloadError:  # the backend died mid-stream
             pool.report_failure(backend)
             raise
         await response.write_eof()
-        return response
+        relayed.upstream_s = pool.clock() - sent
+        _read_usage(relayed, reversed(tail.split(b"\n\n")), sse=True)
+        return relayed
     except BaseException:
         upstream.close()
         raise
@@ -63,11 +94,31 @@ async def forward(
         upstream.release()
 
 
+def _read_usage(relayed: Relayed, bodies: Iterable[bytes], *, sse: bool = False) -> None:
+    """Take ``usage`` from the first body (or SSE event, newest first) that carries one."""
+    for body in bodies:
+        data = body.removeprefix(b"data: ") if sse else body
+        if b'"usage"' not in data:
+            continue
+        try:
+            usage = json.loads(data).get("usage")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(usage, dict):
+            relayed.prompt_tokens = usage.get("prompt_tokens")
+            relayed.completion_tokens = usage.get("completion_tokens")
+            return
+
+
 async def _open(
-    session: aiohttp.ClientSession, pool: Pool, backend: Backend, inference: InferenceRequest
+    session: aiohttp.ClientSession,
+    pool: Pool,
+    backend: Backend,
+    inference: InferenceRequest,
+    request_id: str,
 ) -> aiohttp.ClientResponse:
     """POST the client's bytes; return once the response headers are in."""
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     if pool.upstream_key:
         headers["Authorization"] = f"Bearer {pool.upstream_key}"
     timeouts = pool.spec.timeouts

@@ -67,6 +67,7 @@ class Scheduler:
         self._rate = rate
         self._org_caps = dict(org_caps or {})
         self._class_caps = dict(class_caps or {})
+        self.flow_running: Counter[str] = Counter()  # dispatched and not finished, per flow
         self._org_running: Counter[str] = Counter()
         self._class_running: Counter[str] = Counter()
         # ("org" | "class", name) of each cap → the flows it applies to that may be queued
@@ -98,6 +99,9 @@ class Scheduler:
         ticket.backend = None
         self.placement.release(backend)
         self.running -= 1
+        self.flow_running[ticket.flow] -= 1
+        if not self.flow_running[ticket.flow]:
+            del self.flow_running[ticket.flow]
         self._org_running[ticket.org] -= 1
         self._class_running[ticket.cls] -= 1
         self._refresh(ticket)
@@ -137,6 +141,7 @@ class Scheduler:
             ticket.backend = backend
             ticket.dispatches += 1
             self.running += 1
+            self.flow_running[ticket.flow] += 1
             self._org_running[ticket.org] += 1
             self._class_running[ticket.cls] += 1
             self._refresh(ticket)

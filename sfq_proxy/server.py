@@ -10,6 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
+from . import accesslog
 from .app import build_app
 from .config import Config
 
@@ -61,6 +62,7 @@ def run(main: Callable[[], Any]) -> None:
 
 
 async def serve(config: Config) -> None:
+    accesslog.configure()
     async with running(config) as runner:
         print(f"sfq-proxy listening on {bound_url(runner)}", flush=True)
         await wait_for_signal()
