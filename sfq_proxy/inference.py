@@ -14,6 +14,7 @@ import contextlib
 import math
 import random
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from aiohttp import web
 
@@ -79,6 +80,7 @@ async def _admit_and_serve(
     idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
     now = proxy.clock()
     proxy.admission.admit(flow, ticket.tokens, queued, idempotency_key, now)
+    proxy.metrics.seen(flow.key)
     try:
         expires_at, expiry = _deadline(now, cls.max_queue_age_s, timeout)
         return await _serve(proxy, request, ticket, inference, expires_at, expiry)
@@ -112,11 +114,12 @@ async def _serve(
         record.backend = backend.name
         metrics.observe(key, "queue_wait_seconds", waited)
         if not ticket.priority:
-            metrics.count(key, "cost_charged", amount=ticket.cost / ticket.weight)
+            metrics.count(key, "cost_charged", amount=ticket.cost)  # the cost, not cost/weight
         try:
             relayed = await forward(
-                proxy.session, pool, backend, request, inference, record.request_id
-            )
+                proxy.session, pool, backend, request, inference, record.request_id,
+                on_headers=partial(metrics.first_byte, flow.pool, backend.name),
+            )  # fmt: skip
         except UpstreamUnreachable:
             relayed = None
         except asyncio.CancelledError:
@@ -125,8 +128,6 @@ async def _serve(
         finally:
             pool.release(ticket)
         status = None if relayed is None else relayed.response.status
-        if relayed is not None:
-            metrics.first_byte(flow.pool, backend.name, relayed.first_byte_s)
         if status is not None and status not in RETRYABLE:
             break
         delay = _backoff(attempt, retry.backoff_base_s, retry.backoff_max_s, relayed)

@@ -111,6 +111,10 @@ class Metrics(Collector):
 
     # -- events --------------------------------------------------------------------------
 
+    def seen(self, flow: Key) -> None:
+        """A request of ``flow`` was admitted: its org is among the most recently active."""
+        self._at(flow)
+
     def count(self, flow: Key, name: str, label: str = "", amount: float = 1.0) -> None:
         """Add ``amount`` to counter ``name`` (with its extra label value) for ``flow``."""
         self._at(flow).counters[(name, label)] += amount

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import aiohttp
@@ -29,7 +29,6 @@ class Relayed:
     """The answer relayed, with what the proxy saw of it (for metrics and the access log)."""
 
     response: web.StreamResponse
-    first_byte_s: float  # send → response headers
     upstream_s: float  # send → last byte
     first_chunk_s: float | None = None  # send → first streamed chunk (time to first token)
     prompt_tokens: int | None = None
@@ -43,8 +42,12 @@ async def forward(
     client: web.Request,
     inference: InferenceRequest,
     request_id: str,
+    on_headers: Callable[[float], None],
 ) -> Relayed:
     """Send ``inference`` to ``backend`` and relay its answer to ``client``.
+
+    ``on_headers`` learns the time to the response headers as soon as they arrive, even if
+    the relay is cancelled later.
 
     Streams are relayed chunk by chunk; anything else is passed through unchanged with
     its status. The upstream connection is closed at once when the client goes away
@@ -52,7 +55,7 @@ async def forward(
     """
     sent = pool.clock()
     upstream = await _open(session, pool, backend, inference, request_id)
-    first_byte = pool.clock() - sent
+    on_headers(pool.clock() - sent)
     try:
         if upstream.status >= 500:
             pool.report_failure(backend)
@@ -65,14 +68,14 @@ async def forward(
                 pool.report_failure(backend)
                 raise UpstreamUnreachable(str(exc)) from exc
             response = web.Response(status=upstream.status, body=body, headers=headers)
-            relayed = Relayed(response, first_byte, pool.clock() - sent)
+            relayed = Relayed(response, pool.clock() - sent)
             if upstream.status == 200:
                 _read_usage(relayed, [body])
             return relayed
         response = web.StreamResponse(status=200, headers=headers)
         response.headers["Cache-Control"] = "no-cache"
         await response.prepare(client)
-        relayed = Relayed(response, first_byte, 0.0)
+        relayed = Relayed(response, 0.0)
         tail = b""
         try:
             async for chunk in upstream.content.iter_any():
