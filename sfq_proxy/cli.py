@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 
 from . import simbackend
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, default_config, load_config
 from .demo import demo
 from .server import run, serve
 
@@ -30,7 +30,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--traffic", action="store_true", help="also play three teams' traffic and print shares"
     )
-    p.set_defaults(func=lambda args: run(lambda: demo(traffic=args.traffic)) or 0)
+    p.add_argument("--host", help="address the proxy listens on (default: the config's)")
+    p.set_defaults(func=_demo)
 
     simbackend.add_parser(sub)
     args = parser.parse_args(argv)
@@ -53,6 +54,15 @@ def _serve(args: argparse.Namespace) -> int:
         run(lambda: serve(config))
     except ConfigError as err:  # found when building the app: a tokenizer that won't load
         sys.exit(f"{args.config}: invalid configuration:\n{err}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    config = default_config()
+    if args.host:  # e.g. 0.0.0.0 in a container, so Prometheus can scrape it
+        listen = config.listen.model_copy(update={"host": args.host})
+        config = config.model_copy(update={"listen": listen})
+    run(lambda: demo(config, traffic=args.traffic))
     return 0
 
 
