@@ -118,6 +118,7 @@ async def _serve(
         try:
             relayed = await forward(
                 proxy.session, pool, backend, request, inference, record.request_id,
+                record.queue_wait_s,
                 on_headers=partial(metrics.first_byte, flow.pool, backend.name),
             )  # fmt: skip
         except UpstreamUnreachable:

@@ -17,6 +17,7 @@ from .request import InferenceRequest
 
 # Upstream response headers worth passing on; hop-by-hop and length headers are not.
 _PASS_HEADERS = ("Content-Type", "Retry-After")
+QUEUE_WAIT_HEADER = "X-Queue-Wait"
 _TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
 
 
@@ -42,9 +43,13 @@ async def forward(
     client: web.Request,
     inference: InferenceRequest,
     request_id: str,
+    queue_wait_s: float,
     on_headers: Callable[[float], None],
 ) -> Relayed:
     """Send ``inference`` to ``backend`` and relay its answer to ``client``.
+
+    The answer carries ``X-Request-Id`` and ``X-Queue-Wait`` (seconds spent queued in the
+    proxy, retries included), so a client can tell waiting from generating.
 
     ``on_headers`` learns the time to the response headers as soon as they arrive, even if
     the relay is cancelled later.
@@ -61,6 +66,7 @@ async def forward(
             pool.report_failure(backend)
         headers = {h: upstream.headers[h] for h in _PASS_HEADERS if h in upstream.headers}
         headers["X-Request-Id"] = request_id
+        headers[QUEUE_WAIT_HEADER] = f"{queue_wait_s:.6f}"
         if not (inference.stream and upstream.status == 200):
             try:
                 body = await upstream.read()

@@ -1,0 +1,320 @@
+"""deploy/prometheus and deploy/grafana against what a running proxy really exposes.
+
+Every metric a dashboard panel or an alert queries must be a sample the proxy's /metrics
+serves after a small workload, and the rules must pass promtool (or, without it, a
+structural check), so a renamed metric cannot leave a blank panel or a silent alert.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+from e2e import MODEL, Lab, eventually, proxy_config
+from prometheus_client.parser import text_string_to_metric_families
+
+from sfq_proxy.classify import CLASS_HEADER
+from sfq_proxy.config import default_classes
+from sfq_proxy.metrics import WAIT_BUCKETS
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMETHEUS = ROOT / "deploy" / "prometheus"
+GRAFANA = ROOT / "deploy" / "grafana"
+DASHBOARD = GRAFANA / "dashboards" / "sfq-proxy.json"
+DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
+
+METRIC = re.compile(r"\bsfq_[a-zA-Z0-9_]+")
+# a metric with its label matchers: sfq_x{a="1", b=~"2"}
+SELECTOR = re.compile(r"\b(sfq_[a-zA-Z0-9_]+)\{([^}]*)\}")
+MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
+
+REQUIRED_PANELS = [
+    "Served cost share per org",
+    "Queue wait p50 and p99 per class",
+    "Queue length per flow",
+    "Backend in flight vs slots",
+    "Rejections by reason",
+    "Meter lag per flow (S − v)",
+    "Backend health",
+    "Tokens used per org",
+    "Time to first token p99 per class",
+]
+REQUIRED_ALERTS = ["SfqFlowStarving", "SfqBackendDown", "SfqRejectionsSpiking"]
+
+Scrape = dict[str, list[dict[str, str]]]  # sample name → label sets of its samples
+
+
+# -- the files ------------------------------------------------------------------------------
+
+
+def load_yaml(path: Path) -> Any:
+    return yaml.safe_load(path.read_text())
+
+
+def dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def panels() -> list[dict[str, Any]]:
+    """Every panel but rows, those nested in collapsed rows included."""
+    out = []
+    for panel in dashboard()["panels"]:
+        out.extend(panel.get("panels", []))
+        if panel["type"] != "row":
+            out.append(panel)
+    return out
+
+
+def dashboard_exprs() -> list[str]:
+    """The PromQL of every panel target and of every query variable."""
+    exprs = [target["expr"] for panel in panels() for target in panel.get("targets", [])]
+    for variable in dashboard()["templating"]["list"]:
+        query = variable.get("query")
+        exprs.append(query["query"] if isinstance(query, dict) else query)
+    return exprs
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    return [
+        rule for group in load_yaml(PROMETHEUS / "alerts.yml")["groups"] for rule in group["rules"]
+    ]
+
+
+def all_exprs() -> list[str]:
+    return dashboard_exprs() + [rule["expr"] for rule in alert_rules()]
+
+
+# -- a proxy that has seen some traffic -----------------------------------------------------
+
+
+async def _run_workload(lab: Lab) -> str:
+    """Completed, streamed, rejected, failed and retried requests, then /metrics while one
+    request runs (a flow's gauges exist only while it queues or runs)."""
+    sim = await lab.backend(time_scale=5.0)  # slow enough to hold one request open
+    retry = {"max_attempts": 3, "budget_ratio": 0.5, "backoff_base_s": 0.01, "backoff_max_s": 0.02}
+    served = await lab.proxy(proxy_config([sim.url], retry=retry))
+    registry = served.state.metrics.registry
+    backend = served.state.pools["sim"].placement.backends[0]
+    a, b, c = (lab.client(served, org) for org in "ABC")
+    ask: dict[str, Any] = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+
+    # completed: plain and streamed with usage, batch and interactive
+    await a.chat.completions.create(**ask, max_tokens=4)
+    await b.chat.completions.create(**ask, max_tokens=4)
+    for client, headers in ((c, {}), (a, {CLASS_HEADER: "interactive"})):
+        stream = await client.chat.completions.create(
+            **ask,
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers=headers,
+        )
+        assert [chunk async for chunk in stream]
+
+    # rejected: a bad key (auth) and an unknown model (invalid)
+    http = await lab.http()
+    bad_key = {"Authorization": "Bearer sk-not-a-key"}
+    async with http.post(f"{served.url}/v1/chat/completions", json=ask, headers=bad_key) as resp:
+        assert resp.status == 401
+    with pytest.raises(openai.NotFoundError):
+        await a.chat.completions.create(**{**ask, "model": "no-such-model"})
+
+    # the backend answers 503: upstream errors, retries, then retries the budget refuses
+    sim.faults.fail_rate = 1.0
+    b_batch = {"org": "B", "class": "batch", "pool": "sim"}
+
+    def counted(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, {**b_batch, **labels}) or 0.0
+
+    for _ in range(10):
+        await eventually(lambda: backend.healthy)  # a 5xx takes it out for a cooldown
+        with pytest.raises(openai.InternalServerError):
+            await b.chat.completions.create(**ask, max_tokens=4)
+        if counted("sfq_retries_total", reason="503") and counted(
+            "sfq_retry_budget_refusals_total"
+        ):
+            break
+    sim.faults.fail_rate = 0.0
+    await eventually(lambda: backend.healthy)
+
+    stream = await a.chat.completions.create(**ask, max_tokens=4000, stream=True)
+    try:
+        async for _ in stream:
+            break  # running now
+        async with http.get(f"{served.url}/metrics") as resp:
+            assert resp.status == 200
+            return await resp.text()
+    finally:
+        await stream.close()
+
+
+@pytest.fixture
+async def scrape(lab: Lab) -> Scrape:
+    """Sample name → the label sets it was exposed with, after the workload."""
+    samples: Scrape = defaultdict(list)
+    for family in text_string_to_metric_families(await _run_workload(lab)):
+        for sample in family.samples:
+            samples[sample.name].append(sample.labels)
+    return dict(samples)
+
+
+# -- what the files query exists ------------------------------------------------------------
+
+
+async def test_dashboard_and_alerts_query_only_exposed_samples(scrape: Scrape) -> None:
+    referenced = {name for expr in all_exprs() for name in METRIC.findall(expr)}
+    missing = sorted(referenced - scrape.keys())
+    assert not missing, f"queried but not exposed: {missing}; exposed: {sorted(scrape)}"
+    assert len(referenced) >= 8, referenced
+    # the dashboard covers the flow, backend and histogram families
+    for name in ("sfq_cost_charged_total", "sfq_queue_wait_seconds_bucket", "sfq_backend_healthy"):
+        assert name in referenced
+
+
+async def test_label_matchers_name_exposed_labels_and_values(scrape: Scrape) -> None:
+    """A matcher on a label the metric lacks, or an `le` no bucket has, matches nothing."""
+    for expr in all_exprs():
+        for name, matchers in SELECTOR.findall(expr):
+            assert name in scrape, f"{name} is not exposed: {expr}"
+            label_sets = scrape[name]
+            exposed = {label for labels in label_sets for label in labels}
+            for label, op, value in MATCHER.findall(matchers):
+                assert label in exposed, f"{name} has no label {label!r}: {expr}"
+                if label == "le":  # a fixed bucket bound, as exposed or as Prometheus 3 stores it
+                    pattern = (
+                        value.replace("\\\\", "\\") if op in ("=~", "!~") else re.escape(value)
+                    )
+                    bounds = {labels["le"] for labels in label_sets}
+                    assert any(re.fullmatch(pattern, bound) for bound in bounds), (expr, bounds)
+
+
+# -- Prometheus -----------------------------------------------------------------------------
+
+
+def test_prometheus_config_scrapes_the_proxy_and_loads_the_alerts() -> None:
+    config = load_yaml(PROMETHEUS / "prometheus.yml")
+    assert config["global"] == {"scrape_interval": "15s", "evaluation_interval": "15s"}
+    assert config["rule_files"] == ["alerts.yml"]
+    [job] = [job for job in config["scrape_configs"] if job["job_name"] == "sfq-proxy"]
+    assert job["static_configs"][0]["targets"] == ["sfq-proxy:8080"]
+
+
+def test_alert_rules_are_complete() -> None:
+    groups = load_yaml(PROMETHEUS / "alerts.yml")["groups"]
+    assert [group["name"] for group in groups] == ["sfq-proxy"]
+    rules = alert_rules()
+    for rule in rules:
+        assert {"alert", "expr", "for", "labels", "annotations"} <= rule.keys(), rule
+        assert rule["labels"]["severity"] in {"info", "warning", "critical"}, rule["alert"]
+        assert {"summary", "description"} <= rule["annotations"].keys(), rule["alert"]
+        assert METRIC.search(rule["expr"]), rule["alert"]
+    names = [rule["alert"] for rule in rules]
+    assert len(set(names)) == len(names)
+    assert set(REQUIRED_ALERTS) <= set(names)
+
+
+def test_starving_thresholds_follow_the_default_class_budgets() -> None:
+    """The rule hard-codes `classes.*.max_queue_age_s`; it must cover every default class."""
+    [rule] = [rule for rule in alert_rules() if rule["alert"] == "SfqFlowStarving"]
+    expr = rule["expr"]
+    assert 'reason="queue_age"' in expr  # waits past the budget are refused, not observed
+    top_bucket = WAIT_BUCKETS[-1]
+    for name, spec in default_classes().items():
+        assert f'class="{name}"' in expr, name
+        assert spec.max_queue_age_s is not None
+        if 0.8 * spec.max_queue_age_s < top_bucket:  # a p99 can tell
+            assert f"> 0.8 * {spec.max_queue_age_s:g}" in expr, name
+        else:  # histogram_quantile() caps at the top bucket: the share of waits beyond it
+            assert f'le=~"{top_bucket:g}(\\\\.0)?"' in expr, name
+
+
+def test_promtool_accepts_config_and_rules_and_the_rule_tests_pass() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:  # the structural tests above are all there is
+        assert load_yaml(PROMETHEUS / "alerts_test.yml")["rule_files"] == ["alerts.yml"]
+        return
+    for args in (
+        ["check", "config", "prometheus.yml"],
+        ["check", "rules", "alerts.yml"],
+        ["test", "rules", "alerts_test.yml"],
+    ):
+        result = subprocess.run(
+            [promtool, *args], cwd=PROMETHEUS, capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, f"promtool {' '.join(args)}:\n{result.stdout}{result.stderr}"
+
+
+# -- Grafana --------------------------------------------------------------------------------
+
+
+def test_dashboard_is_provisionable() -> None:
+    board = dashboard()
+    assert board["uid"] == "sfq-proxy"
+    assert board["title"] == "sfq-proxy: who gets the GPUs"
+    assert board["schemaVersion"] >= 36
+    ids = [panel["id"] for panel in board["panels"]] + [
+        nested["id"] for panel in board["panels"] for nested in panel.get("panels", [])
+    ]
+    assert len(ids) == len(set(ids))
+    for panel in panels():
+        assert panel["datasource"] == DATASOURCE, panel["title"]
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            assert target.get("datasource", DATASOURCE) == DATASOURCE, panel["title"]
+            assert METRIC.search(target["expr"]), panel["title"]
+    titles = [panel["title"] for panel in panels()]
+    assert len(titles) == len(set(titles))
+    assert set(REQUIRED_PANELS) <= set(titles), set(REQUIRED_PANELS) - set(titles)
+
+
+def test_dashboard_panels_query_what_their_titles_promise() -> None:
+    by_title = {panel["title"]: panel for panel in panels()}
+    share = by_title["Served cost share per org"]
+    assert share["fieldConfig"]["defaults"]["custom"]["stacking"]["mode"] == "percent"
+    assert "sum by (org) (rate(sfq_cost_charged_total" in share["targets"][0]["expr"]
+    waits = [t["expr"] for t in by_title["Queue wait p50 and p99 per class"]["targets"]]
+    assert [expr.split(",")[0] for expr in waits] == [
+        "histogram_quantile(0.5",
+        "histogram_quantile(0.99",
+    ]
+    assert all("sum by (class, le)" in expr for expr in waits)
+    backends = " ".join(t["expr"] for t in by_title["Backend in flight vs slots"]["targets"])
+    assert "sfq_backend_in_flight" in backends
+    assert "sfq_backend_slots" in backends
+
+
+def test_dashboard_variables_pool_and_class() -> None:
+    variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
+    assert variables.keys() == {"pool", "class"}
+    for name, variable in variables.items():
+        assert variable["type"] == "query"
+        assert variable["datasource"] == DATASOURCE
+        query = variable["query"]["query"]
+        assert re.fullmatch(rf"label_values\((sfq_\w+)(\{{.*\}})?, {name}\)", query), query
+    for expr in dashboard_exprs():
+        if "label_values" not in expr:
+            assert 'pool=~"$pool"' in expr, expr
+
+
+def test_grafana_provisioning() -> None:
+    sources = load_yaml(GRAFANA / "provisioning" / "datasources" / "prometheus.yml")
+    assert sources["apiVersion"] == 1
+    [source] = sources["datasources"]
+    assert (source["type"], source["uid"], source["url"]) == (
+        "prometheus",
+        "prometheus",
+        "http://prometheus:9090",
+    )
+    providers = load_yaml(GRAFANA / "provisioning" / "dashboards" / "sfq-proxy.yml")
+    assert providers["apiVersion"] == 1
+    [provider] = providers["providers"]
+    assert provider["type"] == "file"
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
