@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from . import simbackend
+from . import lab, simbackend
 from .config import Config, ConfigError, default_config, load_config
 from .demo import demo
 from .server import run, serve
@@ -31,9 +31,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--traffic", action="store_true", help="also play three teams' traffic and print shares"
     )
     p.add_argument("--host", help="address the proxy listens on (default: the config's)")
+    p.add_argument("--scenario", help="run a scenario through the proxy instead (see simulate)")
+    p.add_argument("--time-scale", type=float, default=20.0, help="with --scenario: speed-up")
+    p.add_argument("--duration", type=float, help="with --scenario: its first N seconds")
     p.set_defaults(func=_demo)
 
     simbackend.add_parser(sub)
+    lab.add_parsers(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 
@@ -58,6 +62,10 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.scenario:
+        run(lambda: lab.demo_scenario(
+            args.scenario, time_scale=args.time_scale, duration_s=args.duration))  # fmt: skip
+        return 0
     config = default_config()
     if args.host:  # e.g. 0.0.0.0 in a container, so Prometheus can scrape it
         listen = config.listen.model_copy(update={"host": args.host})

@@ -41,6 +41,9 @@ Kind = Literal["chat", "completions"]
 Outcome = Literal["completed", "aborted", "failed"]
 
 DEFAULT_MODEL = "sim-llama"
+# Shorter decode steps are slept together: time-scaled runs would otherwise wake the event
+# loop thousands of times a second and slow down the very clock they simulate.
+MIN_SLEEP_S = 0.002
 _HTTP_STATUSES = frozenset(s.value for s in HTTPStatus)
 # Chat templates wrap every message in role markers; vLLM's Llama-3 template adds about four.
 MESSAGE_OVERHEAD_TOKENS = 4
@@ -799,9 +802,13 @@ class SimBackend:
         cfg = self.config
         async with self._batch_slot(rec):
             await asyncio.sleep(cfg.prefill_seconds(plan.gen.prompt_tokens))
+            owed = 0.0  # decode time not slept yet: tokens faster than the loop's tick go together
             for i, token in enumerate(plan.tokens):
                 if i:
-                    await asyncio.sleep(cfg.decode_interval(self.stats.running))
+                    owed += cfg.decode_interval(self.stats.running)
+                    if owed >= MIN_SLEEP_S:
+                        await asyncio.sleep(owed)
+                        owed = 0.0
                 if i == self.faults.die_after_tokens:
                     raise _InjectedDeath
                 await emit(token)

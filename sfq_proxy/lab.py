@@ -1,0 +1,225 @@
+"""The scenario lab: one scenario, every policy simulated, and the real proxy measured.
+
+``simulate_all`` runs the discrete-event simulator once per policy. ``run_real`` builds a
+proxy config from the scenario (one key per team, weights as the scenario gives them, no
+admission limits that the simulator does not model), starts simulated backends with the
+scenario's engine ``time_scale`` times faster, puts the real proxy in front, and replays
+the scenario through it with ``loadgen``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import report
+from .config import Config, parse_config
+from .loadgen import run_load
+from .policies import DEFAULT_PRIORITY_ORDER, POLICY_NAMES, make_policy
+from .proxy import PROXY, Proxy
+from .scenario import Scenario, Served, load_scenario
+from .server import bound_url, running
+from .simbackend import SimBackend, SimConfig
+from .simulate import cost_of, simulate
+
+MODEL = "lab"
+
+
+def default_quantum(scenario: Scenario) -> float:
+    """DRR's quantum at the largest request cost, so every visit can send a request."""
+    return max((cost_of(r, scenario.pool) for r in scenario.requests), default=1.0)
+
+
+def simulate_all(
+    scenario: Scenario,
+    policies: Sequence[str] = POLICY_NAMES,
+    *,
+    quantum: float | None = None,
+    priority_order: Sequence[str] = DEFAULT_PRIORITY_ORDER,
+) -> dict[str, list[Served]]:
+    quantum = quantum or default_quantum(scenario)
+    return {
+        name: simulate(scenario, make_policy(name, quantum=quantum, priority_order=priority_order))
+        for name in policies
+    }
+
+
+def team_keys(scenario: Scenario) -> dict[str, str]:
+    return {team.name: f"sk-lab-{team.name}" for team in scenario.teams}
+
+
+def proxy_config(scenario: Scenario, backend_urls: Sequence[str]) -> Config:
+    """The proxy's config for ``scenario``: its flows' weights, and nothing the simulator
+    does not model (no caps, rate limits, queue limits or deadlines)."""
+    org_weights: dict[str, float] = {}
+    for team in scenario.teams:
+        if org_weights.setdefault(team.org, team.weight) != team.weight:
+            raise ValueError(f"org {team.org} has teams of different weights: not expressible")
+    keys = team_keys(scenario)
+    pool = scenario.pool
+    data: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "keys": [{"key": keys[t.name], "org": t.org, "classes": [t.cls]} for t in scenario.teams],
+        "classes": {team.cls: {"weight": 1} for team in scenario.teams},
+        "orgs": {org: {"weight": weight} for org, weight in org_weights.items()},
+        "pools": {
+            "lab": {
+                "models": [MODEL],
+                "cost": {"input_weight": pool.input_weight, "output_weight": pool.output_weight},
+                "timeouts": {"first_byte_s": 3600},
+                "backends": [{"url": url, "slots": pool.slots} for url in backend_urls],
+            }
+        },
+        "retry": {"budget_ratio": 0},
+    }
+    return parse_config(yaml.safe_dump(data), environ={})
+
+
+async def run_real(
+    scenario: Scenario,
+    *,
+    time_scale: float,
+    on_start: Callable[[Proxy], None] | None = None,
+    on_served: Callable[[Served], None] | None = None,
+) -> list[Served]:
+    """The scenario through the real proxy in front of simulated backends, time-scaled."""
+    engine, pool = scenario.pool.engine, scenario.pool
+    sim_config = SimConfig(
+        models=[MODEL],
+        max_num_seqs=pool.slots,
+        prefill_tokens_per_s=engine.prefill_tokens_per_s,
+        decode_tokens_per_s=engine.decode_tokens_per_s,
+        batch_slowdown=engine.batch_slowdown,
+        time_scale=time_scale,
+        max_model_len=1 << 24,
+    )
+    async with contextlib.AsyncExitStack() as stack:
+        urls = []
+        for _ in range(pool.backends):
+            sim = await stack.enter_async_context(SimBackend(sim_config))
+            urls.append(sim.url)
+        runner = await stack.enter_async_context(running(proxy_config(scenario, urls)))
+        if on_start is not None:
+            on_start(runner.app[PROXY])
+        served, refused = await run_load(
+            scenario, bound_url(runner), team_keys(scenario), time_scale=time_scale,
+            on_served=on_served,
+        )  # fmt: skip
+    if refused:
+        raise RuntimeError(f"the proxy refused {len(refused)} requests, e.g. {refused[0]}")
+    return served
+
+
+# -- the commands -------------------------------------------------------------------------
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    """``simulate`` and ``loadgen``; ``demo --scenario`` calls :func:`demo_scenario`."""
+    p = sub.add_parser("simulate", help="run a scenario under each policy, in virtual time")
+    _scenario_arguments(p)
+    p.add_argument("--policy", action="append", choices=POLICY_NAMES, help="repeatable")
+    p.add_argument("--quantum", type=float, help="DRR quantum (default: the largest cost)")
+    p.add_argument(
+        "--priority-order", default=",".join(DEFAULT_PRIORITY_ORDER),
+        help="classes for strict priority, highest first",
+    )  # fmt: skip
+    p.set_defaults(func=_simulate_command)
+
+    p = sub.add_parser("loadgen", help="drive a scenario against a running proxy")
+    _scenario_arguments(p)
+    p.add_argument("--url", required=True, help="the proxy, e.g. http://127.0.0.1:8080")
+    p.add_argument("--key", action="append", default=[], metavar="TEAM=KEY",
+                   help="API key per team (default sk-lab-TEAM)")  # fmt: skip
+    p.add_argument("--time-scale", type=float, default=1.0, help="replay N times faster")
+    p.set_defaults(func=_loadgen_command)
+
+
+def _scenario_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("scenario", help="scenario YAML, e.g. config/scenarios/abc.yaml")
+    p.add_argument("--duration", type=float, help="cut the scenario to its first N seconds")
+    p.add_argument("--out", type=Path, help="write the report (tables, PNGs) to this folder")
+    p.add_argument("--no-plots", action="store_true", help="tables only")
+
+
+def _simulate_command(args: argparse.Namespace) -> int:
+    scenario = load_scenario(args.scenario, duration_s=args.duration)
+    runs = simulate_all(
+        scenario, args.policy or POLICY_NAMES, quantum=args.quantum,
+        priority_order=args.priority_order.split(","),
+    )  # fmt: skip
+    _report(args, scenario, runs)
+    return 0
+
+
+def _loadgen_command(args: argparse.Namespace) -> int:
+    scenario = load_scenario(args.scenario, duration_s=args.duration)
+    keys = team_keys(scenario) | dict(k.split("=", 1) for k in args.key)
+    served, refused = asyncio.run(
+        run_load(scenario, args.url.rstrip("/"), keys, time_scale=args.time_scale)
+    )
+    for request, status in refused:
+        print(f"refused: request {request.id} of team {request.team}: HTTP {status}")
+    _report(args, scenario, {"proxy": served})
+    return 0
+
+
+def _report(args: argparse.Namespace, scenario: Scenario, runs: dict[str, list[Served]]) -> None:
+    table = report.rows(runs, scenario.teams)
+    print(report.format_table(table))
+    if args.out:
+        written = report.write_report(
+            args.out, scenario.name, table, runs, scenario.teams, plots=not args.no_plots
+        )
+        print("\n".join(f"wrote {path}" for path in written))
+
+
+async def demo_scenario(path: str, *, time_scale: float, duration_s: float | None) -> None:
+    """``sfq-proxy demo --scenario``: backends, proxy and load in one go, a live per-flow
+    table every second, then the report beside the simulator's SFQ prediction."""
+    scenario = load_scenario(path, duration_s=duration_s)
+    served: list[Served] = []
+    proxy: list[Proxy] = []
+    ticker = asyncio.create_task(_tick(scenario, served, proxy))
+    try:
+        real = await run_real(
+            scenario, time_scale=time_scale, on_start=proxy.append, on_served=served.append
+        )
+    finally:
+        ticker.cancel()
+    runs = {"proxy": real, "sfq (simulated)": simulate_all(scenario, ["sfq"])["sfq"]}
+    print(report.format_table(report.rows(runs, scenario.teams)))
+
+
+async def _tick(scenario: Scenario, served: list[Served], proxy: list[Proxy]) -> None:
+    while True:
+        await asyncio.sleep(1.0)
+        if proxy:
+            print(_live_table(scenario, served, proxy[0]), flush=True)
+
+
+def _live_table(scenario: Scenario, served: list[Served], proxy: Proxy) -> str:
+    lags = {v.flow: v.lag for pool in proxy.pools.values() for v in pool.scheduler.queue.flows()}
+    total = sum(s.cost for s in served) or 1.0
+    lines = [f"{'team':<10} {'done':>6} {'cost share':>10} {'wait p50':>9} {'wait p99':>9} "
+             f"{'meter lag':>10}"]  # fmt: skip
+    for team in scenario.teams:
+        mine = [s for s in served if s.request.team == team.name]
+        waits = sorted(s.start_s - s.request.time_s for s in mine) or [math.nan]
+        share = sum(s.cost for s in mine) / total
+        lag = lags.get(f"{team.org}/{team.cls}", math.nan)
+        lines.append(
+            f"{team.name:<10} {len(mine):>6} {share:>10.0%} {_rank(waits, 50):>8.2f}s "
+            f"{_rank(waits, 99):>8.2f}s {lag:>10.0f}"
+        )
+    return "\n".join(lines)
+
+
+def _rank(values: list[float], p: float) -> float:
+    return values[max(0, math.ceil(p / 100 * len(values)) - 1)]

@@ -1,0 +1,84 @@
+"""Drive a scenario against a running proxy with real HTTP clients, one API key per team.
+
+Requests leave on the scenario's schedule, ``time_scale`` times faster (the simulated
+backends run ``time_scale`` times faster too), as completions whose prompt is sized so that
+both the proxy's estimate and the server's count give the scenario's input tokens. The
+proxy's ``X-Queue-Wait`` header tells when each request was dispatched; results come back
+as the same ``Served`` records the simulator produces, in scenario seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Mapping
+
+import aiohttp
+
+from .relay import QUEUE_WAIT_HEADER
+from .scenario import Request, Scenario, Served
+from .simulate import cost_of
+
+CHARS_PER_TOKEN = 4  # what the proxy's estimate and the simulated server both assume
+
+
+async def run_load(
+    scenario: Scenario,
+    url: str,
+    keys: Mapping[str, str],
+    *,
+    time_scale: float = 1.0,
+    on_served: Callable[[Served], None] | None = None,
+) -> tuple[list[Served], list[tuple[Request, int]]]:
+    """Replay ``scenario`` against ``url``; returns what was served and what was refused."""
+    served: list[Served] = []
+    refused: list[tuple[Request, int]] = []
+    teams = {team.name: team for team in scenario.teams}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        start = time.monotonic()
+
+        async def send(request: Request) -> None:
+            team = teams[request.team]
+            headers = {"Authorization": f"Bearer {keys[team.name]}", "X-Workload-Class": team.cls}
+            body = {
+                "model": model,
+                "prompt": "x" * (request.input_tokens * CHARS_PER_TOKEN),
+                "max_tokens": request.max_tokens,
+            }
+            sent = time.monotonic()
+            async with session.post(f"{url}/v1/completions", json=body, headers=headers) as r:
+                await r.read()
+                done = time.monotonic()
+                if r.status != 200:
+                    refused.append((request, r.status))
+                    return
+                wait = float(r.headers[QUEUE_WAIT_HEADER])
+            record = Served(
+                request=request,
+                start_s=(sent - start + wait) * time_scale,
+                end_s=(done - start) * time_scale,
+                cost=cost_of(request, scenario.pool),
+            )
+            served.append(record)
+            if on_served is not None:
+                on_served(record)
+
+        model = await _model(session, url, next(iter(keys.values())))
+        tasks = []
+        for request in scenario.requests:
+            delay = start + request.time_s / time_scale - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(send(request)))
+        await asyncio.gather(*tasks)
+    served.sort(key=lambda s: (s.start_s, s.request.id))
+    return served, refused
+
+
+async def _model(session: aiohttp.ClientSession, url: str, key: str) -> str:
+    """The first model the proxy serves: the scenario's pool is the proxy's first pool."""
+    headers = {"Authorization": f"Bearer {key}"}
+    async with session.get(f"{url}/v1/models", headers=headers) as r:
+        r.raise_for_status()
+        return (await r.json())["data"][0]["id"]

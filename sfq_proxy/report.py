@@ -1,0 +1,420 @@
+"""The scenario lab's report: per policy × team wait, completion and share figures (DESIGN §10).
+
+Input is what the simulator or the load generator produced: for each policy, the list of
+``Served`` records of one run.  Output is a list of ``Row`` (one per policy × team), rendered
+as a fixed-width text table, a Markdown table, CSV and JSON, plus two optional plots.
+
+Definitions (all times in seconds from the scenario start):
+
+* wait = ``start_s − time_s`` (before dispatch), done = ``end_s − time_s`` (until completion).
+* Percentiles are nearest-rank: for p in (0, 100], the ⌈p/100·n⌉-th smallest value.
+* A request is *waiting* over the closed interval ``[time_s, start_s]`` if it waited at all
+  (``start_s > time_s``).  A team is *backlogged* at t when one of its requests is waiting at t;
+  ``backlogged_intervals`` gives the maximal such intervals.  A request dispatched the instant
+  it arrived never waited and backlogs nothing (so a team that never waits has no share).
+* Share of served cost while backlogged, for team T: over the dispatch events (one per
+  ``Served``, at ``start_s``) at which T was backlogged, T's dispatched cost ÷ all dispatched
+  cost.  The request that starts at t still counts as waiting at t, so T's own dispatch of a
+  queued request is one of those events.  NaN when T was never backlogged.
+"""
+
+from __future__ import annotations
+
+import bisect
+import csv
+import io
+import json
+import logging
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from fractions import Fraction
+from itertools import accumulate
+from pathlib import Path
+from typing import Any
+
+from .scenario import Served, Team
+
+__all__ = [
+    "Row",
+    "backlogged_intervals",
+    "format_table",
+    "markdown_table",
+    "percentile",
+    "rows",
+    "write_report",
+]
+
+log = logging.getLogger(__name__)
+
+NAN = float("nan")
+
+# Plots: fixed size and resolution so the PNG bytes depend on the data only.
+FIG_DPI = 100
+WAIT_FLOOR_S = 1e-3  # zero waits are drawn at (at most) this on the CDF's log axis
+
+
+@dataclass(frozen=True)
+class Row:
+    policy: str
+    team: str
+    completed: int
+    share: float  # share of served cost while backlogged, 0..1 (NaN: never backlogged)
+    wait_p50: float
+    wait_p95: float
+    wait_p99: float
+    wait_max: float
+    done_p50: float
+    done_p99: float
+
+
+# -- figures ------------------------------------------------------------------------------------
+
+
+def percentile(sorted_values: Sequence[float], p: float) -> float:
+    """Nearest-rank percentile of ascending ``sorted_values``; NaN when empty.
+
+    The rank ⌈p/100·n⌉ is computed exactly (p taken as the decimal it prints as), so e.g.
+    p=95, n=20 gives the 19th value and never the 20th through float rounding.
+    """
+    if not 0 < p <= 100:
+        raise ValueError(f"percentile must be in (0, 100], got {p}")
+    n = len(sorted_values)
+    if n == 0:
+        return NAN
+    rank = math.ceil(Fraction(repr(float(p))) * n / 100)
+    return sorted_values[max(rank, 1) - 1]
+
+
+def backlogged_intervals(served: Sequence[Served], team: str) -> list[tuple[float, float]]:
+    """The maximal closed intervals during which ``team`` had a request waiting, ascending.
+
+    Each request that waited contributes ``[time_s, start_s]``; overlapping or touching
+    intervals are merged.  Requests started the instant they arrived contribute nothing.
+    """
+    spans = sorted(
+        (s.request.time_s, s.start_s)
+        for s in served
+        if s.request.team == team and s.start_s > s.request.time_s
+    )
+    merged: list[tuple[float, float]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1]:
+            if hi > merged[-1][1]:
+                merged[-1] = (merged[-1][0], hi)
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def _shares(served: Sequence[Served], team_names: Sequence[str]) -> dict[str, float]:
+    """Share of served cost while backlogged for each team (see the module docstring).
+
+    Sort the dispatch events by time once and keep prefix sums of all cost and of each team's
+    cost; the events inside one backlogged interval are a contiguous run found by bisection,
+    and the intervals of one team are disjoint, so their sums add.  O(n log n) overall.
+    """
+    events = sorted(served, key=lambda s: s.start_s)
+    times = [s.start_s for s in events]
+    total = [0.0, *accumulate(s.cost for s in events)]
+    shares: dict[str, float] = {}
+    for name in team_names:
+        intervals = backlogged_intervals(served, name)
+        if not intervals:
+            shares[name] = NAN
+            continue
+        own = [0.0, *accumulate(s.cost if s.request.team == name else 0.0 for s in events)]
+        own_sum = all_sum = 0.0
+        for lo, hi in intervals:
+            i, j = bisect.bisect_left(times, lo), bisect.bisect_right(times, hi)
+            own_sum += own[j] - own[i]
+            all_sum += total[j] - total[i]
+        # all_sum > 0 unless every dispatch in the intervals was free of cost.
+        shares[name] = own_sum / all_sum if all_sum > 0 else NAN
+    return shares
+
+
+def rows(runs: Mapping[str, Sequence[Served]], teams: Sequence[Team]) -> list[Row]:
+    """One ``Row`` per policy × team: policies in ``runs`` order, teams in ``teams`` order."""
+    out: list[Row] = []
+    names = [t.name for t in teams]
+    for policy, served in runs.items():
+        shares = _shares(served, names)
+        by_team: dict[str, list[Served]] = {name: [] for name in names}
+        for s in served:
+            if s.request.team in by_team:
+                by_team[s.request.team].append(s)
+        for name in names:
+            mine = by_team[name]
+            waits = sorted(s.start_s - s.request.time_s for s in mine)
+            dones = sorted(s.end_s - s.request.time_s for s in mine)
+            out.append(
+                Row(
+                    policy=policy,
+                    team=name,
+                    completed=len(mine),
+                    share=shares[name],
+                    wait_p50=percentile(waits, 50),
+                    wait_p95=percentile(waits, 95),
+                    wait_p99=percentile(waits, 99),
+                    wait_max=waits[-1] if waits else NAN,
+                    done_p50=percentile(dones, 50),
+                    done_p99=percentile(dones, 99),
+                )
+            )
+    return out
+
+
+# -- tables -------------------------------------------------------------------------------------
+
+_HEADERS = (
+    "policy",
+    "team",
+    "completed",
+    "share",
+    "wait p50",
+    "wait p95",
+    "wait p99",
+    "wait max",
+    "done p50",
+    "done p99",
+)
+_NUMERIC_FROM = 2  # columns from this index on are right-aligned
+
+
+def _fmt_seconds(x: float) -> str:
+    """A duration for people, about four significant digits; ``"-"`` for NaN.
+
+    ``"7.3 ms"``, ``"420 ms"``, ``"12.35 s"``, ``"321.4 s"``, ``"42.5 min"``, ``"26.9 h"``.
+    """
+    if math.isnan(x):
+        return "-"
+    if x < 0.1:
+        return f"{x * 1e3:.1f} ms"
+    if x < 1:
+        return f"{x * 1e3:.0f} ms"
+    if x < 100:
+        return f"{x:.2f} s"
+    if x < 1000:
+        return f"{x:.1f} s"
+    if x < 2 * 3600:
+        return f"{x / 60:.1f} min"
+    return f"{x / 3600:.1f} h"
+
+
+def _fmt_share(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x * 100:.1f}%"
+
+
+def _cells(row: Row) -> list[str]:
+    return [
+        row.policy,
+        row.team,
+        str(row.completed),
+        _fmt_share(row.share),
+        *(
+            _fmt_seconds(x)
+            for x in (
+                row.wait_p50,
+                row.wait_p95,
+                row.wait_p99,
+                row.wait_max,
+                row.done_p50,
+                row.done_p99,
+            )
+        ),
+    ]
+
+
+def format_table(rows: Sequence[Row]) -> str:
+    """A fixed-width text table, one line per row, a rule under the header and between policies.
+
+    Shares are percentages ("-" when the team was never backlogged); waits and completion
+    times are human durations ("-" when the team had nothing served).
+    """
+    body = [_cells(r) for r in rows]
+    widths = [max(len(c) for c in col) for col in zip(_HEADERS, *body, strict=False)]
+
+    def line(cells: Sequence[str]) -> str:
+        parts = [
+            c.rjust(w) if i >= _NUMERIC_FROM else c.ljust(w)
+            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    lines = [line(_HEADERS), rule]
+    for i, cells in enumerate(body):
+        if i > 0 and rows[i].policy != rows[i - 1].policy:
+            lines.append("")
+        lines.append(line(cells))
+    return "\n".join(lines) + "\n"
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+    """The same table in GitHub Markdown (numbers right-aligned)."""
+    align = [":---" if i < _NUMERIC_FROM else "---:" for i in range(len(_HEADERS))]
+    lines = [
+        "| " + " | ".join(_HEADERS) + " |",
+        "| " + " | ".join(align) + " |",
+        *("| " + " | ".join(c.replace("|", "\\|") for c in _cells(r)) + " |" for r in rows),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _row_dict(row: Row) -> dict[str, Any]:
+    """The row's fields in order, NaN → None (JSON null, empty CSV cell)."""
+    return {
+        k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(row).items()
+    }
+
+
+def _csv_text(rows: Sequence[Row]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=[f.name for f in fields(Row)], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(_row_dict(r) for r in rows)  # floats as repr: they read back exactly
+    return buf.getvalue()
+
+
+# -- plots --------------------------------------------------------------------------------------
+
+
+def _interactive_team(runs: Mapping[str, Sequence[Served]], teams: Sequence[Team]) -> str | None:
+    """The team with the smallest mean served cost over all runs (first in ``teams`` on ties)."""
+    cost = {t.name: 0.0 for t in teams}
+    count = {t.name: 0 for t in teams}
+    for served in runs.values():
+        for s in served:
+            if s.request.team in cost:
+                cost[s.request.team] += s.cost
+                count[s.request.team] += 1
+    means = [(cost[name] / n, i, name) for i, (name, n) in enumerate(count.items()) if n]
+    return min(means)[2] if means else None
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "_"
+
+
+def _save(fig: Any, path: Path) -> None:
+    # No "Software" text chunk and no creation time: the bytes depend on the data only.
+    fig.savefig(path, dpi=FIG_DPI, metadata={"Software": None, "Creation Time": None})
+
+
+def _plot_served_cost(
+    path: Path,
+    scenario_name: str,
+    runs: Mapping[str, Sequence[Served]],
+    teams: Sequence[Team],
+) -> None:
+    from matplotlib.figure import Figure
+
+    n = max(len(runs), 1)
+    fig = Figure(figsize=(9.0, 1.0 + 2.2 * n), dpi=FIG_DPI, layout="constrained")
+    axes = fig.subplots(n, 1, sharex=True, sharey=True, squeeze=False)[:, 0]
+    for ax, (policy, served) in zip(axes, runs.items(), strict=False):
+        for k, team in enumerate(teams):
+            mine = sorted((s.start_s, s.cost) for s in served if s.request.team == team.name)
+            xs = [0.0, *(t for t, _ in mine)]
+            ys = [0.0, *accumulate(c for _, c in mine)]
+            ax.step(xs, ys, where="post", color=f"C{k % 10}", label=team.name, linewidth=1.2)
+        ax.set_title(policy, fontsize="medium")
+        ax.set_ylabel("cumulative cost")
+        ax.grid(True, alpha=0.3)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(loc="upper left", fontsize="small")
+    axes[-1].set_xlabel("time (s), by dispatch")
+    fig.suptitle(f"{scenario_name}: cumulative served cost per team")
+    _save(fig, path)
+
+
+def _plot_wait_cdf(
+    path: Path,
+    scenario_name: str,
+    runs: Mapping[str, Sequence[Served]],
+    team: str,
+) -> None:
+    from matplotlib.figure import Figure
+
+    waits = {
+        policy: sorted(s.start_s - s.request.time_s for s in served if s.request.team == team)
+        for policy, served in runs.items()
+    }
+    all_waits = [w for ws in waits.values() for w in ws]
+    floor = min([WAIT_FLOOR_S, *(w for w in all_waits if w > 0)])
+    fig = Figure(figsize=(7.0, 4.5), dpi=FIG_DPI, layout="constrained")
+    ax = fig.subplots()
+    for k, (policy, ws) in enumerate(waits.items()):
+        if not ws:
+            continue
+        n = len(ws)
+        xs = [max(ws[0], floor), *(max(w, floor) for w in ws)]  # rise from 0 at the first
+        ys = [0.0, *((i + 1) / n for i in range(n))]
+        ax.step(xs, ys, where="post", color=f"C{k % 10}", label=f"{policy} (n={n})")
+    ax.set_xscale("log")
+    ax.set_ylim(0, 1.02)
+    xlabel = "wait before start (s, log scale)"
+    if any(w < floor for w in all_waits):
+        xlabel += f"; waits of 0 drawn at {floor:.3g} s"
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(loc="lower right", fontsize="small")
+    ax.set_title(f"{scenario_name}: wait-before-start CDF of team {team} (interactive)")
+    _save(fig, path)
+
+
+# -- the report ---------------------------------------------------------------------------------
+
+
+def write_report(
+    out_dir: Path,
+    scenario_name: str,
+    rows: Sequence[Row],
+    runs: Mapping[str, Sequence[Served]],
+    teams: Sequence[Team],
+    *,
+    plots: bool = True,
+) -> list[Path]:
+    """Write the tables (and the plots, if asked and matplotlib is importable) into ``out_dir``.
+
+    Files: ``table.txt``, ``table.md``, ``table.csv``, ``table.json`` (a list of row objects,
+    NaN as null), then ``served_cost.png`` and ``wait_cdf_<team>.png`` for the team with the
+    smallest mean request cost.  Returns the paths written, in that order.  Without matplotlib
+    the plots are skipped with a warning on this module's logger.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    texts = {
+        "table.txt": f"Scenario: {scenario_name}\n\n{format_table(rows)}",
+        "table.md": f"### Scenario: {scenario_name}\n\n{markdown_table(rows)}",
+        "table.csv": _csv_text(rows),
+        "table.json": json.dumps([_row_dict(r) for r in rows], indent=2, allow_nan=False) + "\n",
+    }
+    written: list[Path] = []
+    for name, text in texts.items():
+        path = out_dir / name
+        path.write_text(text, encoding="utf-8", newline="")
+        written.append(path)
+    if not plots:
+        return written
+    try:
+        from matplotlib import style
+    except ImportError:
+        log.warning("matplotlib is not installed: wrote the tables of %s, no plots", scenario_name)
+        return written
+
+    # The figures draw on their own Agg canvases (matplotlib.figure.Figure, no pyplot): no
+    # global backend switch, no figure registry; the default style keeps user rc files out.
+    with style.context("default"):
+        path = out_dir / "served_cost.png"
+        _plot_served_cost(path, scenario_name, runs, teams)
+        written.append(path)
+        team = _interactive_team(runs, teams)
+        if team is not None:
+            path = out_dir / f"wait_cdf_{_safe_name(team)}.png"
+            _plot_wait_cdf(path, scenario_name, runs, team)
+            written.append(path)
+    return written

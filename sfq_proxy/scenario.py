@@ -1,0 +1,676 @@
+"""Scenarios for the scenario lab: a YAML file → a deterministic list of requests.
+
+A scenario names a pool (backends × slots and a toy engine model), the teams that load it
+and how each team's requests arrive and how large they are; or it replays a trace file
+(the Azure LLM inference traces, or a simple CSV). :func:`load_scenario` validates the file
+and generates every request up front, so the simulator, the report and the load generator
+all see the same plain data.
+
+The module is pure: it reads the YAML and the trace file and nothing else, keeps no state
+and uses no clock. Randomness is one ``random.Random(f"{seed}:{team}:{purpose}")`` per team
+and purpose (``arrivals``, ``input``, ``output``), so a run is reproducible and adding a
+team never changes another team's requests. Bad scenarios raise
+:class:`~sfq_proxy.config.ConfigError` with paths like ``teams.A.arrivals.per_s``.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import operator
+import random
+import re
+from bisect import bisect_right
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from functools import reduce
+from pathlib import Path
+from typing import Annotated, Any, Literal, Self
+
+from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
+
+from .config import (
+    _NAME_PATTERN,
+    ConfigError,
+    Name,
+    NonEmptyStr,
+    NonNegativeFloat,
+    PositiveFloat,
+    PositiveInt,
+    _from_validation_error,
+    _parse_yaml,
+    _Spec,
+)
+
+__all__ = [
+    "EngineModel",
+    "PoolModel",
+    "Request",
+    "Scenario",
+    "Served",
+    "Team",
+    "load_scenario",
+    "parse_scenario",
+]
+
+# --------------------------------------------------------------------------- data types
+
+
+@dataclass(frozen=True, slots=True)
+class EngineModel:
+    """Toy engine of every backend, as in ``simbackend.SimConfig``: a prompt takes
+    ``input / prefill_tokens_per_s`` seconds; each output token takes
+    ``(1 + batch_slowdown × (running − 1)) / decode_tokens_per_s`` seconds."""
+
+    prefill_tokens_per_s: float
+    decode_tokens_per_s: float
+    batch_slowdown: float
+
+
+@dataclass(frozen=True, slots=True)
+class PoolModel:
+    """``backends`` identical backends of ``slots`` concurrent sequences each, and the
+    pool's cost model (DESIGN §4): ``input_weight × input + output_weight × output``."""
+
+    backends: int
+    slots: int
+    engine: EngineModel
+    input_weight: float = 1.0
+    output_weight: float = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Team:
+    """A source of requests, all of one flow: ``weight`` = class weight × org weight."""
+
+    name: str
+    org: str
+    cls: str
+    weight: float
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request: sent at ``time_s``, it reads ``input_tokens`` and generates
+    ``output_tokens`` (≤ ``max_tokens``, the limit the client asks for)."""
+
+    id: int
+    time_s: float
+    team: str
+    org: str
+    cls: str
+    input_tokens: int
+    output_tokens: int
+    max_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """A loaded scenario. ``requests`` are sorted by time (ties: team order, then each
+    team's own order) and ``requests[i].id == i``; they all arrive in ``[0, duration_s)``."""
+
+    name: str
+    seed: int
+    duration_s: float
+    pool: PoolModel
+    teams: tuple[Team, ...]
+    requests: tuple[Request, ...]
+
+    def team(self, name: str) -> Team:
+        """The team called ``name`` (KeyError if there is none)."""
+        for team in self.teams:
+            if team.name == name:
+                return team
+        raise KeyError(name)
+
+    def requests_of(self, team: str) -> tuple[Request, ...]:
+        """The requests of ``team``, in time order."""
+        return tuple(r for r in self.requests if r.team == team)
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What became of a request in a run (simulated or real): dispatched to a slot at
+    ``start_s``, completed at ``end_s`` (scenario seconds), charged ``cost``."""
+
+    request: Request
+    start_s: float
+    end_s: float
+    cost: float
+
+
+# --------------------------------------------------------------------------- the YAML
+
+
+# Largest number of requests a scenario may generate: a typo such as ``per_s: 10000``
+# should be an error, not a process that fills the memory.
+MAX_REQUESTS = 1_000_000
+# z such that P(N(0,1) < z) = 0.99: p99 of a lognormal is exp(mu + Z99 × sigma).
+_Z99 = 2.3263478740408408
+# A lognormal draw is capped at this multiple of the p99 so one freak draw cannot
+# dominate a run.
+_LOGNORMAL_CAP = 20
+
+
+def _tagged(*models: type[_Spec]) -> Any:
+    """A union of ``models`` chosen by their ``kind`` field.
+
+    Tags look like ``kind[rate]`` so that ``config._error_path`` drops them from error
+    paths: ``teams.A.arrivals.per_s`` rather than ``teams.A.arrivals.rate.per_s``.
+    """
+    kinds = [m.model_fields["kind"].annotation.__args__[0] for m in models]  # type: ignore[union-attr]
+
+    def kind_of(value: Any) -> str | None:
+        kind = value.get("kind") if isinstance(value, dict) else getattr(value, "kind", None)
+        return f"kind[{kind}]" if isinstance(kind, str) else None
+
+    members = [Annotated[m, Tag(f"kind[{k}]")] for m, k in zip(models, kinds, strict=True)]
+    discriminator = Discriminator(
+        kind_of,
+        custom_error_type="invalid_kind",
+        custom_error_message=f"kind must be one of: {', '.join(kinds)}",
+    )
+    return Annotated[reduce(operator.or_, members), discriminator]
+
+
+class _Window(_Spec):
+    """Arrivals happen in ``[start_s, end_s)``, ``end_s`` defaulting to the duration."""
+
+    start_s: NonNegativeFloat = 0.0
+    end_s: PositiveFloat | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.end_s is not None and self.end_s <= self.start_s:
+            raise ValueError("end_s must be > start_s")
+        return self
+
+
+class AtStartArrivals(_Window):
+    """``count`` requests at ``start_s``, or evenly spread over ``spread_s`` seconds."""
+
+    kind: Literal["at_start"]
+    count: PositiveInt
+    spread_s: NonNegativeFloat = 0.0
+
+    def times(self, end: float, rng: random.Random) -> Iterator[float]:
+        for i in range(self.count):
+            t = self.start_s + self.spread_s * i / self.count
+            if t < end:
+                yield t
+
+    def bound(self, end: float) -> float:
+        return self.count
+
+
+class RateArrivals(_Window):
+    """One request every ``1 / per_s`` seconds, the first at ``start_s``."""
+
+    kind: Literal["rate"]
+    per_s: PositiveFloat
+
+    def times(self, end: float, rng: random.Random) -> Iterator[float]:
+        i = 0
+        while (t := self.start_s + i / self.per_s) < end:  # no drift from summing gaps
+            yield t
+            i += 1
+
+    def bound(self, end: float) -> float:
+        return (end - self.start_s) * self.per_s + 1
+
+
+class BurstArrivals(_Window):
+    """``size`` requests at once every ``every_s`` seconds, the first burst at ``start_s``."""
+
+    kind: Literal["bursts"]
+    every_s: PositiveFloat
+    size: PositiveInt
+
+    def times(self, end: float, rng: random.Random) -> Iterator[float]:
+        k = 0
+        while (t := self.start_s + k * self.every_s) < end:
+            yield from [t] * self.size
+            k += 1
+
+    def bound(self, end: float) -> float:
+        return ((end - self.start_s) / self.every_s + 1) * self.size
+
+
+class PoissonArrivals(_Window):
+    """A Poisson process of rate ``per_s``: exponential gaps, starting at ``start_s``."""
+
+    kind: Literal["poisson"]
+    per_s: PositiveFloat
+
+    def times(self, end: float, rng: random.Random) -> Iterator[float]:
+        t = self.start_s
+        while (t := t + rng.expovariate(self.per_s)) < end:
+            yield t
+
+    def bound(self, end: float) -> float:
+        return (end - self.start_s) * self.per_s  # the mean; the check has slack for more
+
+
+Arrivals = _tagged(AtStartArrivals, RateArrivals, BurstArrivals, PoissonArrivals)
+
+
+class FixedTokens(_Spec):
+    """Always ``value`` tokens."""
+
+    kind: Literal["fixed"]
+    value: PositiveInt
+
+    def sampler(self, rng: random.Random) -> Callable[[], int]:
+        return lambda: self.value
+
+
+class UniformTokens(_Spec):
+    """An integer uniformly drawn from ``[low, high]`` (both included)."""
+
+    kind: Literal["uniform"]
+    low: PositiveInt
+    high: PositiveInt
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.low > self.high:
+            raise ValueError("low must be <= high")
+        return self
+
+    def sampler(self, rng: random.Random) -> Callable[[], int]:
+        return lambda: rng.randint(self.low, self.high)
+
+
+class LognormalTokens(_Spec):
+    """Lognormal with the given median and 99th percentile, rounded, ≥ 1, ≤ 20 × p99."""
+
+    kind: Literal["lognormal"]
+    median: PositiveFloat
+    p99: PositiveFloat
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Self:
+        if self.p99 < self.median:
+            raise ValueError("p99 must be >= median")
+        return self
+
+    def sampler(self, rng: random.Random) -> Callable[[], int]:
+        mu = math.log(self.median)
+        sigma = (math.log(self.p99) - mu) / _Z99
+        cap = max(1, math.floor(_LOGNORMAL_CAP * self.p99))
+        return lambda: min(cap, max(1, round(rng.lognormvariate(mu, sigma))))
+
+
+Tokens = _tagged(FixedTokens, UniformTokens, LognormalTokens)
+# max_tokens = ceil(output × m): below 1 a client would ask for less than it receives.
+Multiplier = Annotated[float, Field(ge=1, allow_inf_nan=False)]
+
+
+class TeamSpec(_Spec):
+    """A synthetic team. ``org`` defaults to the team's name, ``class`` to batch."""
+
+    org: Name | None = None
+    cls: Name = Field("batch", alias="class")
+    arrivals: Arrivals
+    input_tokens: Tokens
+    output_tokens: Tokens
+    max_tokens_multiplier: Multiplier = 1.0
+
+
+class TraceSpec(_Spec):
+    """A trace replay; ``orgs``, ``zipf_s`` and ``class`` apply to the azure format only."""
+
+    path: NonEmptyStr
+    format: Literal["azure", "simple"]
+    orgs: PositiveInt = 1
+    zipf_s: NonNegativeFloat = 1.0
+    cls: Name = Field("batch", alias="class")
+    max_tokens_multiplier: Multiplier = 1.0
+    compress: PositiveFloat = 1.0
+    limit: PositiveInt | None = None
+
+
+class EngineSpec(_Spec):
+    prefill_tokens_per_s: PositiveFloat
+    decode_tokens_per_s: PositiveFloat
+    batch_slowdown: NonNegativeFloat = 0.0
+
+
+class CostSection(_Spec):
+    input_weight: NonNegativeFloat = 1.0
+    output_weight: NonNegativeFloat = 1.0
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> Self:
+        if self.input_weight == 0 and self.output_weight == 0:
+            raise ValueError("input_weight and output_weight cannot both be 0")
+        return self
+
+
+class PoolSection(_Spec):
+    backends: PositiveInt
+    slots: PositiveInt
+    engine: EngineSpec
+    cost: CostSection = CostSection()
+
+
+class WeightSpec(_Spec):
+    weight: PositiveFloat = 1.0
+
+
+class ScenarioSpec(_Spec):
+    """The whole file. ``duration_s`` may be omitted only with a trace (it then ends just
+    after the trace's last request)."""
+
+    name: NonEmptyStr
+    seed: int
+    duration_s: PositiveFloat | None = None
+    pool: PoolSection
+    classes: dict[Name, WeightSpec] = Field(default_factory=dict)
+    orgs: dict[Name, WeightSpec] = Field(default_factory=dict)
+    teams: dict[NonEmptyStr, TeamSpec] = Field(default_factory=dict)
+    trace: TraceSpec | None = None
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def load_scenario(path: str | Path, *, duration_s: float | None = None) -> Scenario:
+    """Read, validate and generate the scenario at ``path``.
+
+    ``duration_s`` overrides the file's duration (to shorten a run, e.g. in tests): only
+    requests with ``time_s < duration_s`` are generated or replayed.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError([("", f"cannot read {path}: {exc}")], str(path)) from None
+    return parse_scenario(text, path.parent, duration_s=duration_s, source=str(path))
+
+
+def parse_scenario(
+    text: str,
+    base_dir: Path,
+    *,
+    duration_s: float | None = None,
+    source: str = "<string>",
+) -> Scenario:
+    """Validate YAML ``text`` and generate its requests; a relative trace path is relative
+    to ``base_dir``."""
+    if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
+        raise ValueError("duration_s must be a positive finite number")
+    data = _parse_yaml(text, source)
+    try:
+        spec = ScenarioSpec.model_validate(data)
+    except ValidationError as exc:
+        raise _from_validation_error(exc, source) from None
+    try:
+        return _build(spec, Path(base_dir), duration_s)
+    except ConfigError as exc:
+        exc.source = source
+        raise
+
+
+# (time_s, team order, index in the team, team, org, class, input, output, max_tokens)
+_Row = tuple[float, int, int, str, str, str, int, int, int]
+# (time_s, org, class, input, output, max_tokens) of a trace, in file order
+_TraceRow = tuple[float, str, str, int, int, int]
+
+
+def _build(spec: ScenarioSpec, base_dir: Path, override: float | None) -> Scenario:
+    errors = _cross_check(spec)
+    if errors:
+        raise ConfigError(errors)
+    duration = override if override is not None else spec.duration_s
+    trace_rows: list[_TraceRow] = []
+    if spec.trace is not None:
+        trace_rows = _read_trace(spec.trace, spec.seed, base_dir)
+        if duration is None:  # end just after the last request, so all are in [0, duration)
+            last = max((r[0] for r in trace_rows), default=0.0)
+            duration = math.nextafter(last, math.inf)
+        trace_rows = [r for r in trace_rows if r[0] < duration]
+    assert duration is not None  # _cross_check requires duration_s without a trace
+
+    def weight(org: str, cls: str) -> float:
+        return _weight(spec.classes, cls) * _weight(spec.orgs, org)
+
+    teams: list[Team] = []
+    rows: list[_Row] = []
+    for order, (name, team) in enumerate(spec.teams.items()):
+        org = team.org or name
+        teams.append(Team(name, org, team.cls, weight(org, team.cls)))
+        rows += _generate(spec.seed, name, order, team, duration)
+    rows += _trace_team_rows(trace_rows, spec, teams, weight)
+    if len(rows) > MAX_REQUESTS:
+        raise ConfigError([("", f"generates more than {MAX_REQUESTS} requests")])
+    rows.sort(key=lambda r: r[:3])
+    requests = tuple(Request(i, *r[:1], *r[3:]) for i, r in enumerate(rows))
+    section = spec.pool
+    engine = EngineModel(**section.engine.model_dump())
+    cost = section.cost
+    pool = PoolModel(section.backends, section.slots, engine, cost.input_weight, cost.output_weight)
+    return Scenario(spec.name, spec.seed, duration, pool, tuple(teams), requests)
+
+
+def _weight(section: dict[str, WeightSpec], name: str) -> float:
+    entry = section.get(name)
+    return 1.0 if entry is None else entry.weight
+
+
+def _cross_check(spec: ScenarioSpec) -> list[tuple[str, str]]:
+    errors: list[tuple[str, str]] = []
+    if not spec.teams and spec.trace is None:
+        errors.append(("", "needs teams, a trace or both"))
+    if spec.duration_s is None and spec.trace is None:
+        errors.append(("duration_s", "required"))
+    for name, team in spec.teams.items():
+        if team.org is None and not _NAME_RE.fullmatch(name):
+            errors.append((f"teams.{name}.org", "required: the team name is not an org name"))
+    trace = spec.trace
+    if trace is not None and trace.format != "azure":
+        azure_only = {"orgs": "orgs", "zipf_s": "zipf_s", "cls": "class"}
+        errors += [
+            (f"trace.{key}", "only for format azure")
+            for field, key in azure_only.items()
+            if field in trace.model_fields_set
+        ]
+    return errors
+
+
+def _generate(seed: int, name: str, order: int, team: TeamSpec, duration: float) -> list[_Row]:
+    """The requests of one synthetic team."""
+
+    def rng(purpose: str) -> random.Random:
+        return random.Random(f"{seed}:{name}:{purpose}")
+
+    arrivals = team.arrivals
+    end = min(duration, arrivals.end_s if arrivals.end_s is not None else duration)
+    if arrivals.bound(end) > MAX_REQUESTS:
+        raise ConfigError([(f"teams.{name}.arrivals", f"more than {MAX_REQUESTS} requests")])
+    times = list(arrivals.times(end, rng("arrivals")))
+    input_tokens = team.input_tokens.sampler(rng("input"))
+    output_tokens = team.output_tokens.sampler(rng("output"))
+    org = team.org or name
+    rows: list[_Row] = []
+    for i, t in enumerate(times):
+        out = output_tokens()
+        max_tokens = _max_tokens(out, team.max_tokens_multiplier)
+        rows.append((t, order, i, name, org, team.cls, input_tokens(), out, max_tokens))
+    return rows
+
+
+def _max_tokens(output_tokens: int, multiplier: float) -> int:
+    """ceil(output × m), rounded first so that 100 × 1.1 gives 110, not 111."""
+    return max(output_tokens, math.ceil(round(output_tokens * multiplier, 9)))
+
+
+def _trace_team_rows(
+    trace_rows: Sequence[_TraceRow],
+    spec: ScenarioSpec,
+    teams: list[Team],
+    weight: Callable[[str, str], float],
+) -> list[_Row]:
+    """Trace requests grouped into teams (appended to ``teams``): one team per org, named
+    after it, or ``org/class`` when an org of a simple trace uses several classes."""
+    if not trace_rows:
+        return []
+    classes_of: dict[str, dict[str, None]] = {}
+    for _, org, cls, *_ in trace_rows:
+        classes_of.setdefault(org, {})[cls] = None
+    if spec.trace is not None and spec.trace.format == "azure":  # org-1, org-2, …, not org-10
+        classes_of = dict(sorted(classes_of.items(), key=lambda kv: int(kv[0][4:])))
+    taken = {t.name for t in teams}
+    order: dict[tuple[str, str], tuple[int, str]] = {}
+    for org, classes in classes_of.items():
+        for cls in classes:
+            name = org if len(classes) == 1 else f"{org}/{cls}"
+            if name in taken:
+                raise ConfigError([("trace", f"org {name!r} is also the name of a team")])
+            order[org, cls] = (len(teams), name)
+            teams.append(Team(name, org, cls, weight(org, cls)))
+    counts = dict.fromkeys(order, 0)
+    rows: list[_Row] = []
+    for t, org, cls, inp, out, max_tokens in trace_rows:
+        team_order, name = order[org, cls]
+        rows.append((t, team_order, counts[org, cls], name, org, cls, inp, out, max_tokens))
+        counts[org, cls] += 1
+    return rows
+
+
+# --------------------------------------------------------------------------- traces
+
+_AZURE_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
+_SIMPLE_HEADER = ["timestamp_s", "org", "class", "input_tokens", "output_tokens"]
+_AZURE_TIME = re.compile(r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?")
+_NAME_RE = re.compile(_NAME_PATTERN)
+
+
+class _BadRow(ValueError):
+    """A malformed trace row; the message never quotes the row."""
+
+
+def _read_trace(trace: TraceSpec, seed: int, base_dir: Path) -> list[_TraceRow]:
+    """Rows ``(time_s, org, class, input, output, max_tokens)`` in file order."""
+    path = Path(trace.path)
+    if not path.is_absolute():
+        path = base_dir / path
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = [h.strip() for h in next(reader, [])]
+            parse = _azure_rows if trace.format == "azure" else _simple_rows
+            rows = parse(header, _limited(reader, trace.limit), trace)
+    except OSError as exc:
+        raise ConfigError([("trace.path", f"cannot read {path}: {exc.strerror}")]) from None
+    except (UnicodeDecodeError, csv.Error):
+        raise ConfigError([("trace.path", f"{path}: not a UTF-8 CSV file")]) from None
+    except _BadRow as exc:
+        raise ConfigError([("trace.path", f"{path}: {exc}")]) from None
+    if not rows:
+        raise ConfigError([("trace.path", f"{path}: no rows")])
+    if trace.format == "azure":
+        rows = _assign_orgs(rows, trace, seed)
+    return rows
+
+
+def _limited(reader: Iterator[list[str]], limit: int | None) -> Iterator[tuple[int, list[str]]]:
+    """``(line number, row)`` for the first ``limit`` data rows (blank lines skipped)."""
+    count = 0
+    for row in reader:
+        if limit is not None and count >= limit:
+            return
+        if row:
+            count += 1
+            yield reader.line_num, row  # type: ignore[attr-defined]
+
+
+def _count(text: str, what: str, line: int) -> int:
+    """A token count ≥ 0 from the file, clamped to ≥ 1 (the trace has 0-token outputs)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise _BadRow(f"line {line}: {what} must be an integer") from None
+    if value < 0:
+        raise _BadRow(f"line {line}: {what} must be >= 0")
+    return max(1, value)
+
+
+def _azure_rows(
+    header: list[str], rows: Iterator[tuple[int, list[str]]], trace: TraceSpec
+) -> list[_TraceRow]:
+    """``TIMESTAMP,ContextTokens,GeneratedTokens``; times relative to the earliest row."""
+    if header != _AZURE_HEADER:
+        raise _BadRow(f"line 1: the header must be {','.join(_AZURE_HEADER)}")
+    parsed: list[tuple[datetime, int, int]] = []
+    for line, row in rows:
+        if len(row) != 3:
+            raise _BadRow(f"line {line}: expected 3 columns")
+        match = _AZURE_TIME.fullmatch(row[0].strip())
+        if match is None:
+            raise _BadRow(f"line {line}: TIMESTAMP must look like 2023-11-16 18:15:46.6805900")
+        micros = (match[2] or "").ljust(6, "0")[:6]  # datetime keeps 6 digits; the file has 7
+        try:
+            when = datetime.fromisoformat(f"{match[1]}.{micros}")
+        except ValueError:
+            raise _BadRow(f"line {line}: TIMESTAMP is not a valid date and time") from None
+        inp = _count(row[1], "ContextTokens", line)
+        parsed.append((when, inp, _count(row[2], "GeneratedTokens", line)))
+    if not parsed:
+        return []
+    first = min(p[0] for p in parsed)
+    m, cls = trace.max_tokens_multiplier, trace.cls
+    return [
+        ((when - first).total_seconds() / trace.compress, "", cls, inp, out, _max_tokens(out, m))
+        for when, inp, out in parsed
+    ]
+
+
+def _simple_rows(
+    header: list[str], rows: Iterator[tuple[int, list[str]]], trace: TraceSpec
+) -> list[_TraceRow]:
+    """``timestamp_s,org,class,input_tokens,output_tokens[,max_tokens]``; timestamps are
+    seconds from the start of the scenario (divided by ``compress``)."""
+    has_max = header == [*_SIMPLE_HEADER, "max_tokens"]
+    if header != _SIMPLE_HEADER and not has_max:
+        raise _BadRow(f"line 1: the header must be {','.join(_SIMPLE_HEADER)}[,max_tokens]")
+    width = len(header)
+    out_rows: list[_TraceRow] = []
+    for line, row in rows:
+        if len(row) != width:
+            raise _BadRow(f"line {line}: expected {width} columns")
+        cells = [c.strip() for c in row]
+        try:
+            t = float(cells[0])
+        except ValueError:
+            raise _BadRow(f"line {line}: timestamp_s must be a number") from None
+        if not (t >= 0 and math.isfinite(t)):
+            raise _BadRow(f"line {line}: timestamp_s must be >= 0")
+        for column, value in (("org", cells[1]), ("class", cells[2])):
+            if not _NAME_RE.fullmatch(value):
+                raise _BadRow(f"line {line}: {column} is not a valid name")
+        inp = _count(cells[3], "input_tokens", line)
+        out = _count(cells[4], "output_tokens", line)
+        if has_max and cells[5]:
+            max_tokens = _count(cells[5], "max_tokens", line)
+            if max_tokens < out:
+                raise _BadRow(f"line {line}: max_tokens must be >= output_tokens")
+        else:
+            max_tokens = _max_tokens(out, trace.max_tokens_multiplier)
+        out_rows.append((t / trace.compress, cells[1], cells[2], inp, out, max_tokens))
+    return out_rows
+
+
+def _assign_orgs(rows: list[_TraceRow], trace: TraceSpec, seed: int) -> list[_TraceRow]:
+    """Give each row an org ``org-1..org-N`` by a seeded Zipf draw (weight 1/k^zipf_s)."""
+    rng = random.Random(f"{seed}:trace:orgs")
+    cumulative: list[float] = []
+    total = 0.0
+    for k in range(1, trace.orgs + 1):
+        total += 1.0 / k**trace.zipf_s
+        cumulative.append(total)
+    names = [f"org-{k}" for k in range(1, trace.orgs + 1)]
+    last = len(names) - 1
+    picks = [names[min(last, bisect_right(cumulative, rng.random() * total))] for _ in rows]
+    return [(t, org, *rest) for (t, _, *rest), org in zip(rows, picks, strict=True)]
