@@ -19,6 +19,7 @@ from .request import InferenceRequest
 _PASS_HEADERS = ("Content-Type", "Retry-After")
 QUEUE_WAIT_HEADER = "X-Queue-Wait"
 _TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
+_NO_CHOICES = (b'"choices":[]', b'"choices": []')  # the mark of the usage-only chunk
 
 
 class UpstreamUnreachable(Exception):
@@ -82,25 +83,58 @@ async def forward(
         response.headers["Cache-Control"] = "no-cache"
         await response.prepare(client)
         relayed = Relayed(response, 0.0)
-        tail = b""
         try:
-            async for chunk in upstream.content.iter_any():
-                if relayed.first_chunk_s is None:
-                    relayed.first_chunk_s = pool.clock() - sent
-                await response.write(chunk)
-                tail = (tail + chunk)[-_TAIL_BYTES:]
+            await _relay_stream(upstream, relayed, inference.strip_usage, pool, sent)
         except aiohttp.ClientPayloadError:  # the backend died mid-stream
             pool.report_failure(backend)
             raise
         await response.write_eof()
         relayed.upstream_s = pool.clock() - sent
-        _read_usage(relayed, reversed(tail.split(b"\n\n")), sse=True)
         return relayed
     except BaseException:
         upstream.close()
         raise
     finally:
         upstream.release()
+
+
+async def _relay_stream(
+    upstream: aiohttp.ClientResponse, relayed: Relayed, strip_usage: bool, pool: Pool, sent: float
+) -> None:
+    """Write the stream's bytes as they come; keep only its tail, where the usage is.
+
+    With ``strip_usage`` (the proxy asked for the usage chunk, the client did not), complete
+    events pass at once and only a chunk holding a usage-only event is split, to drop it:
+    the client gets exactly the events it would have got.
+    """
+    tail = pending = b""
+    async for chunk in upstream.content.iter_any():
+        if relayed.first_chunk_s is None:
+            relayed.first_chunk_s = pool.clock() - sent
+        tail = (tail + chunk)[-_TAIL_BYTES:]
+        if strip_usage:
+            chunk, pending = _without_usage_event(pending + chunk)
+        if chunk:
+            await relayed.response.write(chunk)
+    if pending:
+        await relayed.response.write(pending)
+    _read_usage(relayed, reversed(tail.split(b"\n\n")), sse=True)
+
+
+def _without_usage_event(data: bytes) -> tuple[bytes, bytes]:
+    """Split ``data`` into complete events (minus a usage-only one) and a partial rest."""
+    cut = data.rfind(b"\n\n") + 2
+    if cut < 2:
+        return b"", data
+    complete, rest = data[:cut], data[cut:]
+    if any(marker in complete for marker in _NO_CHOICES):
+        events = complete.split(b"\n\n")[:-1]
+        complete = b"".join(e + b"\n\n" for e in events if not _usage_only(e))
+    return complete, rest
+
+
+def _usage_only(event: bytes) -> bool:
+    return b'"usage"' in event and any(marker in event for marker in _NO_CHOICES)
 
 
 def _read_usage(relayed: Relayed, bodies: Iterable[bytes], *, sse: bool = False) -> None:

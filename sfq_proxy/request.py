@@ -29,7 +29,20 @@ class InferenceRequest:
     text: str | None  # what input tokens are counted from when it is text
     token_ids: int  # how many input tokens were sent as token ids
     max_tokens: int | None  # as asked, None when the pool's default applies
-    raw: bytes
+    raw: bytes  # what the backend is sent: the client's bytes, unless usage had to be asked for
+    strip_usage: bool = False  # the proxy asked for the usage chunk; the client did not
+
+
+def _ask_for_usage(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
+    """A stream's token counts come in its usage chunk, sent only on request: ask for it,
+    and remember to strip it, when the client did not (calibration needs every count)."""
+    options = body.get("stream_options")
+    if not body.get("stream") or (isinstance(options, dict) and options.get("include_usage")):
+        return raw, False
+    if options is not None and not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object.")
+    body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
+    return json.dumps(body, separators=(",", ":")).encode(), True
 
 
 def parse(kind: Kind, raw: bytes) -> InferenceRequest:
@@ -50,6 +63,9 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
     if field not in body:
         raise ApiError(400, f"'{field}' is required.")
     texts, token_ids = _inputs(kind, body[field], field)
+    upstream, strip_usage = (
+        _ask_for_usage(body, raw) if kind is not Kind.EMBEDDING else (raw, False)
+    )
     return InferenceRequest(
         kind=kind,
         model=model,
@@ -57,7 +73,8 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
         text="".join(texts),
         token_ids=token_ids,
         max_tokens=_max_tokens(body) if kind is not Kind.EMBEDDING else None,
-        raw=raw,
+        raw=upstream,
+        strip_usage=strip_usage,
     )
 
 
