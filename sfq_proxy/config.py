@@ -267,10 +267,16 @@ class RetrySpec(_Spec):
 
 
 class CalibrationSpec(_Spec):
-    """Learning of the cost estimates; ``state_file`` None keeps them in memory only."""
+    """Learning of the cost estimates; ``state_file`` None keeps them in memory only.
+
+    Learned values start from each pool's ``cost.chars_per_token`` and ``cost.output_ratio``;
+    an org's own output ratio is used once it has ``min_org_samples`` completed requests.
+    """
 
     state_file: NonEmptyStr | None = None
     half_life_requests: PositiveInt = 5000
+    min_org_samples: PositiveInt = 50
+    save_interval_s: PositiveFloat = 60.0
 
 
 class MetricsSpec(_Spec):
@@ -391,6 +397,13 @@ class Config(_Spec):
             lines += [f"  {name}: {_org_summary(spec)}" for name, spec in self.orgs.items()]
         lines.append("flows (org/class/pool: weight):")
         lines += [f"  {flow}" for flow in self._flow_summary()]
+        cal = self.calibration
+        lines.append(
+            f"calibration: learns chars/token and output_ratio from usage, starting from each "
+            f"pool's cost settings; half-life {cal.half_life_requests} requests, an org's own "
+            f"ratio after {cal.min_org_samples} requests; state "
+            f"{cal.state_file or 'in memory only'}"
+        )
         return "\n".join(lines)
 
     def _flow_summary(self) -> list[str]:

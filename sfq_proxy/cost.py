@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from .calibration import Calibration
 from .config import ConfigError, CostSpec
 from .request import InferenceRequest, Kind
 
@@ -26,11 +27,20 @@ class Estimate:
 
 
 class CostModel:
-    """One pool's pricing: its token counter and its weights."""
+    """One pool's pricing: its token counter, its weights, and what calibration learned."""
 
-    def __init__(self, spec: CostSpec, path: str = "cost") -> None:
+    def __init__(
+        self,
+        spec: CostSpec,
+        path: str = "cost",
+        *,
+        pool: str = "",
+        calibration: Calibration | None = None,
+    ) -> None:
         """``path`` names ``spec`` in the config, for the error if its tokenizer won't load."""
         self.spec = spec
+        self._pool = pool
+        self._calibration = calibration
         self._tokenizer = None
         if spec.tokenizer:
             try:
@@ -44,19 +54,48 @@ class CostModel:
         if self._tokenizer is not None:
             counted = self._tokenizer.count(text) if text else 0
         else:
-            counted = math.ceil(len(text) / self.spec.chars_per_token)
+            counted = math.ceil(len(text) / self.chars_per_token())
         return counted + request.token_ids
 
-    def estimate(self, request: InferenceRequest) -> Estimate:
+    def chars_per_token(self) -> float:
+        default = self.spec.chars_per_token
+        cal = self._calibration
+        return default if cal is None else cal.chars_per_token(self._pool, default)
+
+    def output_ratio(self, org: str) -> float:
+        default = self.spec.output_ratio
+        cal = self._calibration
+        return default if cal is None else cal.output_ratio(self._pool, org, default)
+
+    def estimate(self, request: InferenceRequest, org: str = "") -> Estimate:
         tokens = self.input_tokens(request)
         if request.kind is Kind.EMBEDDING:
             max_tokens = 0
         else:
             max_tokens = request.max_tokens or self.spec.default_max_tokens
-        expected_output = max_tokens * self.spec.output_ratio
+        expected_output = max_tokens * self.output_ratio(org)
         cost = self.spec.input_weight * tokens + self.spec.output_weight * expected_output
         # floor of one token's worth: an empty prompt still occupies a slot, and SFQ needs > 0
         return Estimate(input_tokens=tokens, max_tokens=max_tokens, cost=max(cost, 1.0))
+
+    def observe(
+        self,
+        request: InferenceRequest,
+        org: str,
+        max_tokens: int,
+        prompt_tokens: int | None,
+        completion_tokens: int | None,
+    ) -> None:
+        """Feed a completed request's usage to calibration, for *future* estimates only."""
+        if self._calibration is None:
+            return
+        counted_from_text = self._tokenizer is None and not request.token_ids
+        self._calibration.observe(
+            self._pool, org,
+            chars=len(request.text or "") if counted_from_text else 0,
+            prompt_tokens=prompt_tokens, max_tokens=max_tokens,
+            completion_tokens=completion_tokens,
+        )  # fmt: skip
 
 
 class _HfTokenizer:

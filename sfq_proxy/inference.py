@@ -20,6 +20,7 @@ from aiohttp import web
 
 from .accesslog import AccessRecord
 from .classify import CLASS_HEADER, Flow, classify
+from .cost import Estimate
 from .errors import ApiError
 from .proxy import FLOW, PROXY, RECORD, Proxy
 from .relay import Relayed, UpstreamUnreachable, forward
@@ -65,7 +66,7 @@ async def _admit_and_serve(
     if not pool.placement.any_healthy():
         cooldown = pool.spec.health.cooldown_s
         raise ApiError(503, f"Pool '{flow.pool}' has no healthy backend.", retry_after=cooldown)
-    estimate = pool.cost.estimate(inference)
+    estimate = pool.cost.estimate(inference, flow.org)
     cls = proxy.config.classes[flow.cls]
     ticket = Ticket(
         org=flow.org,
@@ -83,7 +84,7 @@ async def _admit_and_serve(
     proxy.metrics.seen(flow.key)
     try:
         expires_at, expiry = _deadline(now, cls.max_queue_age_s, timeout)
-        return await _serve(proxy, request, ticket, inference, expires_at, expiry)
+        return await _serve(proxy, request, ticket, inference, estimate, expires_at, expiry)
     finally:
         proxy.admission.done(flow, idempotency_key)
 
@@ -93,6 +94,7 @@ async def _serve(
     request: web.Request,
     ticket: Ticket,
     inference: InferenceRequest,
+    estimate: Estimate,
     expires_at: float | None,
     expiry: ApiError | None,
 ) -> web.StreamResponse:
@@ -145,6 +147,11 @@ async def _serve(
     if relayed is None:
         raise ApiError(502, f"No backend of pool '{flow.pool}' could be reached.")
     _account(proxy, flow, record, relayed)
+    if relayed.response.status == 200:
+        pool.cost.observe(
+            inference, flow.org, estimate.max_tokens, relayed.prompt_tokens,
+            relayed.completion_tokens,
+        )  # fmt: skip
     return relayed.response
 
 

@@ -24,6 +24,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from .calibration import Calibration
 from .pool import Pool
 
 FLOW_LABELS = ["org", "class", "pool"]
@@ -100,8 +101,14 @@ class _Series:
 class Metrics(Collector):
     """The proxy's metrics: call the event methods, scrape ``registry``."""
 
-    def __init__(self, pools: Mapping[str, Pool], max_labelled_orgs: int = 200) -> None:
+    def __init__(
+        self,
+        pools: Mapping[str, Pool],
+        max_labelled_orgs: int = 200,
+        calibration: Calibration | None = None,
+    ) -> None:
         self._pools = pools
+        self._calibration = calibration
         self._max_orgs = max_labelled_orgs
         self._orgs: OrderedDict[str, None] = OrderedDict()  # labelled orgs, least recent first
         self._series: dict[Key, _Series] = {}
@@ -170,6 +177,7 @@ class Metrics(Collector):
         yield from self._flow_histograms()
         yield from self._flow_gauges()
         yield from self._backend_metrics()
+        yield from self._calibration_metrics()
 
     def _flow_counters(self) -> Iterable[Metric]:
         for name, (doc, extra) in COUNTERS.items():
@@ -216,6 +224,27 @@ class Metrics(Collector):
     def _gauge_key(self, flow: str, pool: str) -> Key:
         org, cls = flow.split("/", 1)
         return self.org_label(org), cls, pool
+
+    def _calibration_metrics(self) -> Iterable[Metric]:
+        """What calibration learned; org="" is the pool's own value."""
+        labels = ["pool", "org", "quantity"]
+        value = GaugeMetricFamily("sfq_calibration", "Learned estimate parameter", labels=labels)
+        samples = GaugeMetricFamily(
+            "sfq_calibration_samples", "Requests it was learned from", labels=labels
+        )
+        snapshot = self._calibration.snapshot() if self._calibration else {}
+        for pool, learned in snapshot.items():
+            entries = [("", name, learned[name]) for name in ("chars_per_token", "output_ratio")]
+            entries += [
+                (org, "output_ratio", v)
+                for org, v in learned["orgs"].items()
+                if self.org_label(org) == org
+            ]
+            for org, quantity, entry in entries:
+                if entry["value"] is not None:
+                    value.add_metric([pool, org, quantity], entry["value"])
+                samples.add_metric([pool, org, quantity], entry["samples"])
+        yield from (value, samples)
 
     def _backend_metrics(self) -> Iterable[Metric]:
         labels = ["pool", "backend"]

@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+from .calibration import Calibration
 from .config import Config
 from .cost import CostModel
 from .errors import ApiError
@@ -28,7 +29,9 @@ RECENT_DISPATCHES = 1000  # how many of the last dispatches /admin/state shows, 
 
 
 class Pool:
-    def __init__(self, name: str, config: Config, clock: Clock) -> None:
+    def __init__(
+        self, name: str, config: Config, clock: Clock, calibration: Calibration | None = None
+    ) -> None:
         self.name = name
         self.spec = spec = config.pools[name]
         self.clock = clock
@@ -44,7 +47,8 @@ class Pool:
             if rate
             else None,
         )
-        self.cost = CostModel(spec.cost, f"pools.{name}.cost")
+        self.calibration = calibration
+        self.cost = CostModel(spec.cost, f"pools.{name}.cost", pool=name, calibration=calibration)
         self.upstream_key = config.upstream_key(name)
         self.recent: deque[tuple[str, str]] = deque(maxlen=RECENT_DISPATCHES)  # (flow, backend)
         self._timer: asyncio.TimerHandle | None = None
@@ -139,6 +143,9 @@ class Pool:
                 for b in self.placement.backends
             ],
             "recent_dispatches": [{"flow": f, "backend": b} for f, b in self.recent],
+            "calibration": self.calibration.snapshot().get(self.name, {})
+            if self.calibration
+            else {},
         }
 
     def _run(self, tickets: list[Ticket]) -> None:

@@ -3,21 +3,26 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
+from . import calibration
 from .accesslog import AccessRecord
 from .admission import Admission
+from .calibration import Calibration
 from .classify import Authenticator, Flow
-from .config import Config
+from .config import CalibrationSpec, Config
 from .metrics import Metrics
 from .pool import Pool
 
 Clock = Callable[[], float]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -30,36 +35,68 @@ class Proxy:
     admission: Admission
     metrics: Metrics
     clock: Clock
+    calibration: Calibration | None = None
     session: aiohttp.ClientSession | None = None
-    _probes: list[asyncio.Task[None]] = field(default_factory=list)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock) -> Proxy:
-        pools = {name: Pool(name, config, clock) for name in config.pools}
+        calibration = _load_calibration(config.calibration)
+        pools = {name: Pool(name, config, clock, calibration) for name in config.pools}
         return cls(
             config=config,
             pools=pools,
             auth=Authenticator(config.resolved_keys()),
             admission=Admission(config),
-            metrics=Metrics(pools, config.metrics.max_labelled_orgs),
+            metrics=Metrics(pools, config.metrics.max_labelled_orgs, calibration),
             clock=clock,
+            calibration=calibration,
         )
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
-        """One pooled keep-alive session to the backends, and the health probes."""
+        """One pooled keep-alive session to the backends, the health probes, and the
+        calibration saved periodically and at shutdown."""
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self._probes = [
+        self._tasks = [
             asyncio.create_task(p.probe_forever(self.session)) for p in self.pools.values()
         ]
+        if self.config.calibration.state_file:
+            self._tasks.append(asyncio.create_task(self._save_calibration_forever()))
         yield
-        for task in self._probes:
+        for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._probes, return_exceptions=True)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.session.close()
+        self.save_calibration()
+
+    def save_calibration(self) -> None:
+        path = self.config.calibration.state_file
+        if path and self.calibration is not None:
+            try:
+                calibration.save(self.calibration, Path(path))
+            except OSError as err:  # a full disk must not take the proxy down
+                log.warning("cannot save calibration to %s: %s", path, err)
+
+    async def _save_calibration_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.calibration.save_interval_s)
+            self.save_calibration()
 
     def state(self) -> dict[str, Any]:
         return {name: pool.state() for name, pool in self.pools.items()}
+
+
+def _load_calibration(spec: CalibrationSpec) -> Calibration:
+    """What was learned before, if a state file holds it; else start from the defaults."""
+    settings = {
+        "half_life_requests": spec.half_life_requests,
+        "min_org_samples": spec.min_org_samples,
+        "min_pool_samples": spec.min_org_samples,
+    }
+    if spec.state_file:
+        return calibration.load(Path(spec.state_file), **settings)
+    return Calibration(**settings)
 
 
 PROXY = web.AppKey("proxy", Proxy)
