@@ -114,7 +114,9 @@ class SimConfig:
     time_scale: float = 1.0
     max_model_len: int = 8192
     chars_per_token: float = 4.0
-    output_mode: Literal["max", "random"] = "max"
+    # max: generate max_tokens; random: a seeded draw in [1, max_tokens]; min_tokens: stop at
+    # the request's min_tokens (replays a trace's real output lengths), else max_tokens
+    output_mode: Literal["max", "random", "min_tokens"] = "max"
     default_max_tokens: int = 256
     seed: int = 0
 
@@ -122,8 +124,8 @@ class SimConfig:
         object.__setattr__(self, "models", tuple(self.models))
         if not self.models:
             raise ValueError("at least one model name is required")
-        if self.output_mode not in ("max", "random"):
-            raise ValueError("output_mode must be 'max' or 'random'")
+        if self.output_mode not in ("max", "random", "min_tokens"):
+            raise ValueError("output_mode must be 'max', 'random' or 'min_tokens'")
         positive = (
             "max_num_seqs",
             "prefill_tokens_per_s",
@@ -294,6 +296,7 @@ class _GenRequest:
     stream: bool
     include_usage: bool
     user: str | None
+    min_tokens: int | None = None  # vLLM's sampling parameter; see output_mode "min_tokens"
 
 
 def _parse_generation(kind: Kind, body: object, cfg: SimConfig) -> _GenRequest:
@@ -327,7 +330,17 @@ def _parse_generation(kind: Kind, body: object, cfg: SimConfig) -> _GenRequest:
         stream=stream,
         include_usage=stream and isinstance(options, dict) and bool(options.get("include_usage")),
         user=user if isinstance(user, str) else None,
+        min_tokens=_min_tokens(body),
     )
+
+
+def _min_tokens(body: dict[str, Any]) -> int | None:
+    value = body.get("min_tokens")
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise _ApiError(400, "'min_tokens' must be a non-negative integer")
+    return value
 
 
 def _resolve_max_tokens(
@@ -783,6 +796,8 @@ class SimBackend:
         """Fix the whole answer at arrival, so it depends only on seed and arrival order."""
         if self.config.output_mode == "random":
             n_tokens = self._rng.randint(1, gen.max_tokens)
+        elif self.config.output_mode == "min_tokens" and gen.min_tokens:
+            n_tokens = min(gen.min_tokens, gen.max_tokens)  # a model that stops right there
         else:
             n_tokens = gen.max_tokens
         text_seed = self._rng.getrandbits(128)
@@ -860,7 +875,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode-tokens-per-s", type=float, default=d.decode_tokens_per_s)
     p.add_argument("--batch-slowdown", type=float, default=d.batch_slowdown)
     p.add_argument("--time-scale", type=float, default=d.time_scale)
-    p.add_argument("--output-mode", choices=("max", "random"), default=d.output_mode)
+    p.add_argument("--output-mode", choices=("max", "random", "min_tokens"), default=d.output_mode)
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=run_from_args)
 

@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import re
+from collections import Counter
+from pathlib import Path
 
-from e2e import KEYS, MODEL, Lab, proxy_config
+import pytest
+from e2e import KEYS, MODEL, Lab, Served, eventually, proxy_config
+
+from sfq_proxy.proxy import PROXY
+from sfq_proxy.scenario import Request, load_scenario
+from sfq_proxy.server import bound_url, running
+
+AZURE = Path(__file__).resolve().parent.parent / "config" / "scenarios" / "azure-conv.yaml"
 
 CHAT = [{"role": "user", "content": "Tell me about fair queueing."}]
 
@@ -42,3 +53,109 @@ async def test_stream_usage_is_asked_for_and_stripped_unless_the_client_wanted_i
     usage = json.loads(events[-2].removeprefix(b"data: "))
     assert (usage["choices"], usage["usage"]["completion_tokens"]) == ([], 6)
     assert registry.get_sample_value("sfq_completion_tokens_total", labels) == 12
+
+
+def mape(charged: list[float], actual: list[float]) -> float:
+    return sum(abs(c - a) / a for c, a in zip(charged, actual, strict=True)) / len(actual)
+
+
+async def test_calibration_brings_charges_close_to_actual_cost_on_the_azure_trace(
+    lab: Lab, caplog: pytest.LogCaptureFixture
+) -> None:
+    trace = load_scenario(AZURE).requests[:1500]  # max_tokens = 4 × the real output
+    sim = await lab.backend(output_mode="min_tokens", max_num_seqs=64, time_scale=1000,
+                            max_model_len=1 << 20)  # fmt: skip
+    config = proxy_config(
+        [sim.url], slots=64, pool={"cost": {"input_weight": 1, "output_weight": 2}},
+        calibration={"half_life_requests": 200, "min_org_samples": 20},
+    )  # fmt: skip
+    served = await lab.proxy(config)
+    caplog.set_level(logging.INFO, logger="sfq_proxy.access")
+    http, gate = await lab.http(), asyncio.Semaphore(32)
+    headers = {"Authorization": f"Bearer {KEYS['A']}"}
+
+    async def send(request: Request) -> None:
+        body = {"model": MODEL, "prompt": "x" * (4 * request.input_tokens),
+                "max_tokens": request.max_tokens, "min_tokens": request.output_tokens}  # fmt: skip
+        async with gate, http.post(f"{served.url}/v1/completions", json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+
+    for start in range(0, len(trace), 100):  # in order, so later requests see what was learned
+        await asyncio.gather(*(send(r) for r in trace[start : start + 100]))
+    lines = [rec.access for rec in caplog.records if rec.name == "sfq_proxy.access"]
+    assert len(lines) == len(trace)
+    actual = [line["prompt_tokens"] + 2 * line["completion_tokens"] for line in lines]
+    uncalibrated = [r.input_tokens + 2 * r.max_tokens for r in trace]  # the default estimate
+    before = mape(uncalibrated, actual)
+    after = mape([line["cost"] for line in lines[750:]], actual[750:])
+    print(f"charged vs actual cost, MAPE: uncalibrated {before:.1%}, calibrated {after:.1%}")
+    assert after <= 0.25 < before
+    pool = served.state.pools["sim"].state()["calibration"]
+    assert pool["output_ratio"]["value"] == pytest.approx(0.25, abs=0.01)
+    assert pool["chars_per_token"]["value"] == pytest.approx(4.0, abs=0.01)
+
+
+async def _contended_dispatches(lab: Lab, served: Served, per_org: int) -> Counter[str]:
+    """A and B (same real output, B asking 8× more max_tokens) queue behind one slot; how
+    many of the first ``per_org`` dispatches after the blocker went to each."""
+    blocker = await lab.client(served, "C").chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2000, stream=True
+    )
+    flood = [_ask(lab, served, org) for _ in range(per_org) for org in "AB"]
+    done = asyncio.gather(*flood)
+    await eventually(lambda: len(served.queue()) == 2 * per_org, within=10)
+    start = len(served.state.pools["sim"].recent)
+    await blocker.close()
+    await done
+    recent = list(served.state.pools["sim"].recent)[start + 1 : start + 1 + per_org]
+    return Counter(flow.split("/")[0] for flow, _ in recent)
+
+
+async def _ask(lab: Lab, served: Served, org: str) -> None:
+    max_tokens = {"A": 80, "B": 640}[org]  # both really generate 40
+    await lab.client(served, org).chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=max_tokens, extra_body={"min_tokens": 40}
+    )
+
+
+async def test_per_org_calibration_stops_punishing_an_org_for_its_max_tokens(lab: Lab) -> None:
+    calibration = {"half_life_requests": 50, "min_org_samples": 20}
+    fresh_sim = await lab.backend(output_mode="min_tokens", max_num_seqs=1)
+    fresh = await lab.proxy(proxy_config([fresh_sim.url], slots=1, calibration=calibration))
+    uncalibrated = await _contended_dispatches(lab, fresh, per_org=40)
+    assert uncalibrated["B"] < 0.3 * uncalibrated["A"], uncalibrated
+
+    sim = await lab.backend(output_mode="min_tokens", max_num_seqs=1)
+    served = await lab.proxy(proxy_config([sim.url], slots=1, calibration=calibration))
+    for _ in range(25):  # each org's own ratio is learned from 20+ completed requests
+        await asyncio.gather(_ask(lab, served, "A"), _ask(lab, served, "B"))
+    calibrated = await _contended_dispatches(lab, served, per_org=40)
+    # the same real output per request, so served actual tokens ∝ dispatches
+    assert abs(calibrated["A"] - calibrated["B"]) <= 0.2 * max(calibrated.values()), calibrated
+
+
+async def test_calibration_survives_a_restart_and_a_corrupt_file_does_not_stop_the_proxy(
+    lab: Lab, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sim = await lab.backend(output_mode="min_tokens")
+    state_file = tmp_path / "calibration.json"
+    config = proxy_config(
+        [sim.url], calibration={"state_file": str(state_file), "min_org_samples": 1}
+    )
+    async with running(config) as runner:
+        first = Served(bound_url(runner), runner.app[PROXY])
+        for _ in range(3):
+            await _ask(lab, first, "A")
+        learned = first.state.pools["sim"].state()["calibration"]
+    assert learned["orgs"]["A"]["samples"] == 3
+    assert json.loads(state_file.read_text())  # saved at shutdown
+    async with running(config) as runner:
+        assert runner.app[PROXY].pools["sim"].state()["calibration"] == learned
+
+    state_file.write_text("{not json")
+    caplog.set_level(logging.WARNING, logger="sfq_proxy.calibration")
+    async with running(config) as runner:
+        again = Served(bound_url(runner), runner.app[PROXY])
+        await _ask(lab, again, "A")  # serves, from the defaults
+        assert again.state.pools["sim"].state()["calibration"]["orgs"]["A"]["samples"] == 1
+    assert any("corrupt" in rec.getMessage() for rec in caplog.records)
