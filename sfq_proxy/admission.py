@@ -30,6 +30,20 @@ class Admission:
         self._budgets: dict[Flow, RetryBudget] = {}
         self._active: set[tuple[str, str]] = set()  # (org, Idempotency-Key) queued or running
 
+    def reconfigure(self, config: Config) -> None:
+        """A config reload: new limits; buckets whose limits did not change keep their level,
+        and retry budgets and live idempotency keys carry over."""
+        fresh = Admission(config)
+        for old, new in (
+            (self._org_rates, fresh._org_rates),
+            (self._pool_rates, fresh._pool_rates),
+        ):
+            for name, rate in new.items():
+                if name in old and _same_limits(old[name], rate):
+                    new[name] = old[name]
+        self._config = config
+        self._org_rates, self._pool_rates = fresh._org_rates, fresh._pool_rates
+
     def admit(
         self, flow: Flow, tokens: float, queued: int, idempotency_key: str | None, now: float
     ) -> None:
@@ -66,3 +80,12 @@ class Admission:
         if budget is None:
             budget = self._budgets[flow] = RetryBudget(self._config.retry.budget_ratio)
         return budget
+
+
+def _same_limits(a: Rate, b: Rate) -> bool:
+    def per_minute(rate: Rate) -> tuple[float | None, float | None]:
+        return tuple(
+            bucket.per_minute if bucket else None for bucket in (rate.requests, rate.tokens)
+        )
+
+    return per_minute(a) == per_minute(b)

@@ -10,24 +10,33 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .accesslog import REQUEST_ID_HEADER
-from .config import Config
+from .config import Config, ConfigError
 from .errors import ApiError
 from .inference import handler
 from .proxy import FLOW, PROXY, RECORD, Clock, Proxy
 from .request import Kind
 
+log = logging.getLogger(__name__)
 
-def build_app(config: Config, *, clock: Clock = time.monotonic) -> web.Application:
-    """The proxy as an aiohttp application; raises ConfigError if a tokenizer won't load."""
-    proxy = Proxy.from_config(config, clock)
+
+def build_app(
+    config: Config, *, clock: Clock = time.monotonic, config_path: Path | None = None
+) -> web.Application:
+    """The proxy as an aiohttp application; raises ConfigError if a tokenizer won't load.
+
+    ``config_path`` is the file a reload reads again.
+    """
+    proxy = Proxy.from_config(config, clock, config_path)
     app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[_errors])
     app[PROXY] = proxy
     app.cleanup_ctx.append(proxy.lifecycle)
@@ -38,6 +47,7 @@ def build_app(config: Config, *, clock: Clock = time.monotonic) -> web.Applicati
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/admin/state", _admin_state)
+    app.router.add_post("/admin/reload", _admin_reload)
     return app
 
 
@@ -105,6 +115,22 @@ async def _readyz(request: web.Request) -> web.Response:
 
 
 async def _admin_state(request: web.Request) -> web.Response:
+    proxy = _admin(request)
+    return web.json_response({"pools": proxy.state()})
+
+
+async def _admin_reload(request: web.Request) -> web.Response:
+    proxy = _admin(request)
+    try:
+        warnings = proxy.reload_from_file()
+    except ConfigError as err:
+        log.warning("reload refused, nothing changed:\n%s", err)
+        raise ApiError(400, f"Invalid configuration, nothing changed: {err}") from None
+    return web.json_response({"reloaded": True, "warnings": warnings})
+
+
+def _admin(request: web.Request) -> Proxy:
+    """The proxy, for a request that carries the admin key."""
     proxy = request.app[PROXY]
     digest = proxy.config.admin_digest()
     if digest is None:
@@ -112,4 +138,4 @@ async def _admin_state(request: web.Request) -> web.Response:
     token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
     if not hmac.compare_digest(hashlib.sha256(token.encode()).digest(), digest):
         raise ApiError(401, "Incorrect admin key.")
-    return web.json_response({"pools": proxy.state()})
+    return proxy

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from . import lab, simbackend
 from .config import Config, ConfigError, default_config, load_config
@@ -55,7 +56,7 @@ def _load(path: str) -> Config:
 def _serve(args: argparse.Namespace) -> int:
     config = _load(args.config)
     try:
-        run(lambda: serve(config))
+        run(lambda: serve(config, Path(args.config)))
     except ConfigError as err:  # found when building the app: a tokenizer that won't load
         sys.exit(f"{args.config}: invalid configuration:\n{err}")
     return 0

@@ -31,6 +31,21 @@ class Placement:
     def __init__(self, specs: list[BackendSpec]) -> None:
         self.backends = [Backend(name=s.name or s.url, url=s.url, slots=s.slots) for s in specs]
 
+    def update(self, specs: list[BackendSpec]) -> None:
+        """A config reload: keep the backends still listed (their in-flight requests and
+        health), take new ones only after their first good probe, and drop the others from
+        placement; a dropped backend's requests finish and release their slots as usual."""
+        current = {b.url: b for b in self.backends}
+        backends = []
+        for spec in specs:
+            backend = current.get(spec.url)
+            if backend is None:
+                backend = Backend(name=spec.name or spec.url, url=spec.url, slots=spec.slots)
+                backend.healthy = False  # joins after its first good probe
+            backend.name, backend.slots = spec.name or spec.url, spec.slots
+            backends.append(backend)
+        self.backends = backends
+
     def choose(self) -> Backend | None:
         """The least loaded healthy backend with a free slot (first listed on ties)."""
         free = [b for b in self.backends if b.healthy and b.in_flight < b.slots]

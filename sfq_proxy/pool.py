@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from .calibration import Calibration
-from .config import Config
+from .config import Config, PoolSpec
 from .cost import CostModel
 from .errors import ApiError
 from .limits import Rate
@@ -28,6 +28,17 @@ Clock = Callable[[], float]
 RECENT_DISPATCHES = 1000  # how many of the last dispatches /admin/state shows, oldest first
 
 
+def _limits(config: Config, spec: PoolSpec) -> tuple[dict[str, int], dict[str, int], Rate | None]:
+    """The pool's concurrency caps per org and per class, and its provider rate, if any."""
+    org_caps = {o: s.max_in_flight for o, s in config.orgs.items() if s.max_in_flight}
+    class_caps = {c: s.max_in_flight for c, s in config.classes.items() if s.max_in_flight}
+    rate = spec.rate
+    # a provider's rate paces dispatch, so queued work waits instead of meeting its 429s;
+    # providers enforce per-minute limits over seconds, so the burst is one second's worth
+    paced = Rate.of(rate.requests_per_minute, rate.tokens_per_minute, burst_s=1.0) if rate else None
+    return org_caps, class_caps, paced
+
+
 class Pool:
     def __init__(
         self, name: str, config: Config, clock: Clock, calibration: Calibration | None = None
@@ -36,22 +47,32 @@ class Pool:
         self.spec = spec = config.pools[name]
         self.clock = clock
         self.placement = Placement(spec.backends)
-        rate = spec.rate
+        org_caps, class_caps, rate = _limits(config, spec)
         self.scheduler = Scheduler(
-            self.placement,
-            org_caps={o: s.max_in_flight for o, s in config.orgs.items() if s.max_in_flight},
-            class_caps={c: s.max_in_flight for c, s in config.classes.items() if s.max_in_flight},
-            # a provider's rate paces dispatch, so queued work waits instead of meeting its
-            # 429s; providers enforce per-minute limits over seconds, so the burst is 1 s
-            rate=Rate.of(rate.requests_per_minute, rate.tokens_per_minute, burst_s=1.0)
-            if rate
-            else None,
+            self.placement, org_caps=org_caps, class_caps=class_caps, rate=rate
         )
         self.calibration = calibration
         self.cost = CostModel(spec.cost, f"pools.{name}.cost", pool=name, calibration=calibration)
         self.upstream_key = config.upstream_key(name)
         self.recent: deque[tuple[str, str]] = deque(maxlen=RECENT_DISPATCHES)  # (flow, backend)
         self._timer: asyncio.TimerHandle | None = None
+
+    def reconfigure(self, config: Config, cost: CostModel) -> None:
+        """A config reload; ``cost`` was built beforehand, so a bad tokenizer changes nothing.
+
+        Meters, the virtual time and queued requests stay; queued flows take their new
+        weights at their next charge.
+        """
+        self.spec = config.pools[self.name]
+        self.placement.update(self.spec.backends)
+        self.scheduler.set_limits(*_limits(config, self.spec))
+        for view in self.scheduler.queue.flows():
+            org, cls = view.flow.split("/", 1)
+            if cls in config.classes:
+                self.scheduler.queue.set_weight(view.flow, config.flow_weight(org, cls))
+        self.cost = cost
+        self.upstream_key = config.upstream_key(self.name)
+        self._run(self.scheduler.pump(self.clock()))
 
     async def acquire(
         self,
@@ -96,10 +117,9 @@ class Pool:
 
     async def probe_forever(self, session: aiohttp.ClientSession) -> None:
         """Active health: GET the health path of every backend each interval."""
-        health = self.spec.health
         while True:
             await asyncio.gather(*(self._probe(session, b) for b in self.placement.backends))
-            await asyncio.sleep(health.interval_s)
+            await asyncio.sleep(self.spec.health.interval_s)
 
     async def _probe(self, session: aiohttp.ClientSession, backend: Backend) -> None:
         url = backend.url + self.spec.health.path

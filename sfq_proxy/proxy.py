@@ -17,7 +17,8 @@ from .accesslog import AccessRecord
 from .admission import Admission
 from .calibration import Calibration
 from .classify import Authenticator, Flow
-from .config import CalibrationSpec, Config
+from .config import CalibrationSpec, Config, ConfigError, load_config
+from .cost import CostModel
 from .metrics import Metrics
 from .pool import Pool
 
@@ -36,11 +37,12 @@ class Proxy:
     metrics: Metrics
     clock: Clock
     calibration: Calibration | None = None
+    config_path: Path | None = None  # what SIGHUP and POST /admin/reload read again
     session: aiohttp.ClientSession | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
-    def from_config(cls, config: Config, clock: Clock) -> Proxy:
+    def from_config(cls, config: Config, clock: Clock, config_path: Path | None = None) -> Proxy:
         calibration = _load_calibration(config.calibration)
         pools = {name: Pool(name, config, clock, calibration) for name in config.pools}
         return cls(
@@ -51,7 +53,45 @@ class Proxy:
             metrics=Metrics(pools, config.metrics.max_labelled_orgs, calibration),
             clock=clock,
             calibration=calibration,
+            config_path=config_path,
         )
+
+    def reload(self, config: Config) -> list[str]:
+        """Apply ``config`` at once, or raise ConfigError and change nothing.
+
+        Keys, weights, limits, backends and cost settings change; meters, the virtual
+        time, queued and running requests stay. Returns warnings about what cannot change.
+        """
+        if set(config.pools) != set(self.config.pools):
+            raise ConfigError([("pools", "pools cannot be added or removed by a reload")])
+        costs = {  # built first: a tokenizer that will not load fails before any change
+            name: CostModel(
+                spec.cost, f"pools.{name}.cost", pool=name, calibration=self.calibration
+            )
+            for name, spec in config.pools.items()
+        }
+        warnings = []
+        if config.listen != self.config.listen:
+            warnings.append("listen cannot change by a reload: restart to use the new address")
+        self.config = config
+        self.auth = Authenticator(config.resolved_keys())
+        self.admission.reconfigure(config)
+        for name, pool in self.pools.items():
+            pool.reconfigure(config, costs[name])
+        for warning in warnings:
+            log.warning("reload: %s", warning)
+        log.warning("configuration reloaded")
+        return warnings
+
+    def reload_from_file(self) -> list[str]:
+        """SIGHUP and POST /admin/reload: read the config file again and apply it."""
+        if self.config_path is None:
+            raise ConfigError([("", "the proxy was started without a config file")])
+        try:
+            config = load_config(self.config_path)
+        except OSError as err:
+            raise ConfigError([("", f"cannot read {self.config_path}: {err.strerror}")]) from err
+        return self.reload(config)
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """One pooled keep-alive session to the backends, the health probes, and the

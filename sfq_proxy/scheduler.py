@@ -73,6 +73,19 @@ class Scheduler:
         # ("org" | "class", name) of each cap → the flows it applies to that may be queued
         self._capped_flows: dict[tuple[str, str], set[str]] = {}
 
+    def set_limits(
+        self, org_caps: Mapping[str, int], class_caps: Mapping[str, int], rate: Rate | None
+    ) -> None:
+        """A config reload: new caps and rate; queued flows keep their meters and places."""
+        self._org_caps, self._class_caps = dict(org_caps), dict(class_caps)
+        self._rate = rate
+        self._capped_flows.clear()
+        for view in self.queue.flows():
+            org, cls = view.flow.split("/", 1)
+            for cap in self._caps_of(Ticket(org=org, cls=cls, cost=1.0)):
+                self._capped_flows.setdefault(cap, set()).add(view.flow)
+            self.queue.set_eligible(view.flow, self._under_caps(org, cls))
+
     def submit(self, ticket: Ticket, now: float, *, front: bool = False) -> list[Ticket]:
         """Queue ``ticket`` (at its flow's head if ``front``); returns what got dispatched."""
         if ticket.priority:

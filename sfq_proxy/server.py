@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from . import accesslog
 from .app import build_app
-from .config import Config
+from .config import Config, ConfigError
+from .proxy import PROXY, Proxy
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.asynccontextmanager
@@ -35,6 +40,14 @@ async def running(config: Config, **app_options: Any) -> AsyncIterator[web.AppRu
         yield runner
     finally:
         await runner.cleanup()
+
+
+def _reload(proxy: Proxy) -> None:
+    """SIGHUP: reload the config file; a bad one is logged and changes nothing."""
+    try:
+        proxy.reload_from_file()
+    except ConfigError as err:
+        log.warning("reload refused, nothing changed:\n%s", err)
 
 
 def bound_url(runner: web.AppRunner) -> str:
@@ -61,9 +74,11 @@ def run(main: Callable[[], Any]) -> None:
         uvloop.run(main())
 
 
-async def serve(config: Config) -> None:
+async def serve(config: Config, config_path: Path | None = None) -> None:
     accesslog.configure()
-    async with running(config) as runner:
+    async with running(config, config_path=config_path) as runner:
         print(f"sfq-proxy listening on {bound_url(runner)}", flush=True)
+        proxy = runner.app[PROXY]
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload, proxy)
         await wait_for_signal()
         print("sfq-proxy draining…", flush=True)

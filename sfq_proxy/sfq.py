@@ -39,7 +39,8 @@ _RENORMALIZE_AT = 1 << 60
 @dataclass(slots=True)
 class _Flow(Generic[T]):
     meter: int
-    queue: deque[tuple[T, int]] = field(default_factory=deque)
+    weight: float = 1.0  # the flow's weight when it is next charged
+    queue: deque[tuple[T, float]] = field(default_factory=deque)  # (item, cost)
     entry: int = -1  # sequence number of this flow's live heap entry; -1 when it has none
 
 
@@ -77,21 +78,26 @@ class FairQueue(Generic[T]):
     def push(
         self, flow: str, item: T, cost: float, weight: float = 1.0, *, front: bool = False
     ) -> None:
-        """Queue ``item`` in ``flow``; its charge ``cost / weight`` is fixed now.
+        """Queue ``item`` in ``flow`` with its ``cost``; ``weight`` becomes the flow's weight.
+
+        The charge ``cost / weight`` is made at dispatch, at the flow's weight then (see
+        ``set_weight``); a cost, once queued, never changes.
 
         ``front`` puts it at the head of its flow (a retry, which is its flow's oldest
         request); it still waits for its flow's turn by meter like any other.
         """
-        charge = _charge_units(cost, weight)
+        _check_positive("cost", cost)
+        _check_positive("weight", weight)
         state = self._flows.get(flow)
         if state is None:
             state = self._flows[flow] = _Flow(meter=self._v)
         if not state.queue:
             state.meter = max(state.meter, self._v)
+        state.weight = weight
         if front:
-            state.queue.appendleft((item, charge))
+            state.queue.appendleft((item, cost))
         else:
-            state.queue.append((item, charge))
+            state.queue.append((item, cost))
         self._queued += 1
         if state.entry < 0 and flow not in self._ineligible:
             self._enter(flow, state)
@@ -109,8 +115,8 @@ class FairQueue(Generic[T]):
         flow, state = head
         heap = self._heap
         self._v = state.meter
-        item, charge = state.queue.popleft()
-        state.meter += charge
+        item, cost = state.queue.popleft()
+        state.meter += max(1, round(cost * UNITS_PER_COST / state.weight))
         self._max_meter = max(self._max_meter, state.meter)
         self._queued -= 1
         if state.queue:
@@ -141,6 +147,13 @@ class FairQueue(Generic[T]):
             state.entry = -1
             self._after_drain()
         return True
+
+    def set_weight(self, flow: str, weight: float) -> None:
+        """Change a queued flow's weight (a config reload): its next charges use it."""
+        _check_positive("weight", weight)
+        state = self._flows.get(flow)
+        if state is not None:
+            state.weight = weight
 
     def set_eligible(self, flow: str, ok: bool) -> None:
         """Skip ``flow`` in selection while it is at a cap; its meter and queue stay put.
@@ -242,13 +255,6 @@ class FairQueue(Generic[T]):
         for state in self._flows.values():
             state.meter -= shift
         self._heap = [(m - shift, f, s) for m, f, s in self._heap]  # order kept: heap intact
-
-
-def _charge_units(cost: float, weight: float) -> int:
-    """Validate a request's cost and its flow's weight; return the charge in meter units."""
-    _check_positive("cost", cost)
-    _check_positive("weight", weight)
-    return max(1, round(cost * UNITS_PER_COST / weight))
 
 
 def _check_positive(name: str, value: float) -> None:

@@ -24,17 +24,22 @@ KEYS = {"A": "sk-test-org-a", "B": "sk-test-org-b", "C": "sk-test-org-c", "OPS":
 
 
 def proxy_config(
+    backend_urls: list[str], *, environ: dict[str, str] | None = None, **options: Any
+) -> Config:
+    """A config with orgs A, B, C (keys in ``KEYS``) and one pool ``sim`` of ``backend_urls``;
+    ``options`` as for :func:`config_yaml`."""
+    return parse_config(config_yaml(backend_urls, **options), environ=environ or {})
+
+
+def config_yaml(
     backend_urls: list[str],
     *,
     slots: int = 4,
     pool: dict[str, Any] | None = None,
-    environ: dict[str, str] | None = None,
     **overrides: Any,
-) -> Config:
-    """A config with orgs A, B, C (keys in ``KEYS``) and one pool ``sim`` of ``backend_urls``.
-
-    ``pool`` adds settings to the pool, ``overrides`` replaces top-level sections.
-    """
+) -> str:
+    """The YAML of :func:`proxy_config`: ``pool`` adds settings to the pool, ``overrides``
+    replaces top-level sections."""
     data: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "keys": [
@@ -55,7 +60,7 @@ def proxy_config(
         "drain_timeout_s": 5,
     }
     data.update(overrides)
-    return parse_config(yaml.safe_dump(data), environ=environ or {})
+    return yaml.safe_dump(data)
 
 
 @dataclass(frozen=True)

@@ -362,3 +362,17 @@ def test_invalid_cost_or_weight_raises_and_changes_nothing(bad: object) -> None:
         q.push("b", 1, 1.0, weight=bad)  # type: ignore[arg-type]
     assert (len(q), q.virtual_time, q.flows()) == snapshot
     assert Fraction(q.meter("a")) == 0
+
+
+def test_set_weight_changes_the_charges_still_to_come() -> None:
+    q: FairQueue[int] = FairQueue()
+    for i in range(3):
+        q.push("a", i, 6.0, weight=1.0)
+    q.pop()
+    assert q.meter("a") == 6.0
+    q.set_weight("a", 3.0)  # e.g. a config reload
+    q.pop()
+    assert q.meter("a") == 6.0 + 2.0
+    q.set_weight("nobody", 2.0)  # a flow not tracked: nothing to change
+    with pytest.raises(ValueError, match="weight must be"):
+        q.set_weight("a", 0)
