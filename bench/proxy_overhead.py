@@ -22,6 +22,7 @@ import aiohttp
 import yaml
 
 SIM_PORT, PROXY_PORT = 18101, 18080
+DRAINS: list[asyncio.Task[None]] = []
 HEADER = f"{'target':<8}{'conc':>4} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'cpu µs/req':>8}"
 KEY = "sk-bench"
 BODY = {
@@ -36,7 +37,14 @@ async def spawn(*args: str) -> asyncio.subprocess.Process:
         sys.executable, "-m", "sfq_proxy.cli", *args, stdout=asyncio.subprocess.PIPE
     )
     await proc.stdout.readline()  # both print one line once they listen
+    DRAINS.append(asyncio.create_task(_drain(proc.stdout)))  # the access log goes on
     return proc
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    """Read and drop the access log: a full pipe would stall the proxy's event loop."""
+    while await stream.read(65536):
+        pass
 
 
 def cpu_seconds(pid: int) -> float:
