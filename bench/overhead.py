@@ -1,0 +1,226 @@
+"""Side-by-side overhead: direct to a fast fake backend, a bare pass-through, sfq-proxy.
+
+    python bench/overhead.py [--seconds 5] [--connections 1 16 64]
+
+nginx (Debian's package) plays two OpenAI-compatible backends much faster than any Python
+proxy: a fixed chat-completion JSON (with usage) and a 200-event SSE stream ending with a
+usage chunk and [DONE]. wrk (Debian's package) drives load with a realistic chat body and a
+key. The proxy runs `sfq-proxy serve` on a realistic config (several keys and orgs, two
+classes, metrics and the access log on, generous slots). One table: req/s, p50/p99 latency,
+ratio to direct, and the CPU microseconds per request of the process in the middle.
+Requires: apt-get install nginx-light wrk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+NGINX_PORTS = {"json": (18301, 18302), "stream": (18311, 18312)}
+PASS_PORT, PROXY_PORT = 18320, 18330
+KEYS = {"sk-bench-a": ("team-a", "interactive"), "sk-bench-b": ("team-b", "batch"),
+        "sk-bench-c": ("team-c", "batch"), "sk-bench-d": ("team-d", "interactive")}  # fmt: skip
+CHAT = {"messages": [{"role": "system", "content": "You are a helpful assistant."},
+                     {"role": "user", "content": "Summarise the quarterly report in three "
+                      "bullet points, focusing on revenue, costs and the outlook."}],
+        "max_tokens": 200, "temperature": 0.2}  # fmt: skip
+
+
+def completion() -> str:
+    return json.dumps({
+        "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "bench-json",
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": "Revenue up. " * 20}}],
+        "usage": {"prompt_tokens": 42, "completion_tokens": 60, "total_tokens": 102},
+    })  # fmt: skip
+
+
+def stream() -> str:
+    def event(delta: dict, finish: str | None = None) -> str:
+        chunk = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0,
+                 "model": "bench-stream",
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
+        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+
+    events = [event({"role": "assistant", "content": ""})]
+    events += [event({"content": f" tok{i}"}) for i in range(198)]
+    events.append(event({"content": " end"}, "stop"))
+    usage = {
+        "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0,
+        "model": "bench-stream", "choices": [],
+        "usage": {"prompt_tokens": 42, "completion_tokens": 200, "total_tokens": 242},
+    }  # fmt: skip
+    return "".join(events) + f"data: {json.dumps(usage, separators=(',', ':'))}\n\ndata: [DONE]\n\n"
+
+
+def nginx_conf(work: Path) -> str:
+    (work / "completion.json").write_text(completion())
+    (work / "stream.txt").write_text(stream())
+    servers = []
+    for mode, ports in NGINX_PORTS.items():
+        body, kind = (("completion.json", "application/json") if mode == "json"
+                      else ("stream.txt", "text/event-stream"))  # fmt: skip
+        for port in ports:
+            servers.append(f"""
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    keepalive_requests 1000000;
+    location = /health {{ return 200; }}
+    location / {{
+      # POST to a static file: answered by the 405 handler with the file and 200
+      error_page 405 =200 $uri;
+      default_type {kind};
+      root {work};
+      try_files /{body} =404;
+    }}
+  }}""")
+    return f"""worker_processes 1;
+daemon off;
+pid {work}/nginx.pid;
+error_log {work}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  {"".join(servers)}
+}}"""
+
+
+def proxy_config() -> str:
+    pools = {
+        mode: {"models": [f"bench-{mode}"], "health": {"interval_s": 5},
+               "backends": [{"url": f"http://127.0.0.1:{p}", "slots": 512} for p in ports]}
+        for mode, ports in NGINX_PORTS.items()
+    }  # fmt: skip
+    lines = [f"listen: {{host: 127.0.0.1, port: {PROXY_PORT}}}", "keys:"]
+    lines += [f"  - {{key: {k}, org: {o}, classes: [{c}, batch]}}" for k, (o, c) in KEYS.items()]
+    lines += ["orgs: {team-a: {weight: 2}, team-b: {weight: 1, max_in_flight: 400}}"]
+    lines += [f"pools: {json.dumps(pools)}"]
+    return "\n".join(lines) + "\n"
+
+
+def wrk(url: str, model: str, connections: int, seconds: float, work: Path) -> dict[str, float]:
+    script = work / f"{model}.lua"
+    body = json.dumps({**CHAT, "model": model, "stream": model.endswith("stream")})
+    script.write_text(
+        'wrk.method = "POST"\n'
+        f"wrk.body = {json.dumps(body)}\n"
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        'wrk.headers["Authorization"] = "Bearer sk-bench-a"\n'
+    )
+    out = subprocess.run(
+        ["wrk", f"-c{connections}", f"-t{min(connections, 2)}", f"-d{seconds}s", "--latency",
+         "-s", str(script), url + "/v1/chat/completions"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    if "Non-2xx" in out:
+        raise RuntimeError(f"errors under load:\n{out}")
+    return {
+        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
+        "requests": int(re.search(r"(\d+) requests in", out).group(1)),
+        "p50": _ms(re.search(r"50%\s+([\d.]+\w+)", out).group(1)),
+        "p99": _ms(re.search(r"99%\s+([\d.]+\w+)", out).group(1)),
+    }
+
+
+def _ms(text: str) -> float:
+    value, unit = re.match(r"([\d.]+)(\w+)", text).groups()
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_listening(port: int) -> None:
+    import socket
+
+    for _ in range(200):
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--connections", type=int, nargs="+", default=[1, 16, 64])
+    args = parser.parse_args()
+    for tool in ("nginx", "wrk"):
+        if not shutil.which(tool):
+            sys.exit(f"{tool} is missing: apt-get install nginx-light wrk")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        (work / "nginx.conf").write_text(nginx_conf(work))
+        (work / "proxy.yaml").write_text(proxy_config())
+        procs = [subprocess.Popen(["nginx", "-c", str(work / "nginx.conf")])]
+        try:
+            for ports in NGINX_PORTS.values():
+                for port in ports:
+                    wait_listening(port)
+            rows = []
+            for mode, ports in NGINX_PORTS.items():
+                backends = [f"http://127.0.0.1:{p}" for p in ports]
+                passthrough = subprocess.Popen(
+                    [sys.executable, str(HERE / "passthrough.py"), str(PASS_PORT), *backends],
+                    stdout=subprocess.DEVNULL,
+                )
+                proxy = subprocess.Popen(
+                    [sys.executable, "-m", "sfq_proxy.cli", "serve", "--config",
+                     str(work / "proxy.yaml")], stdout=subprocess.DEVNULL,  # the access log
+                )  # fmt: skip
+                procs += [passthrough, proxy]
+                wait_listening(PASS_PORT)
+                wait_listening(PROXY_PORT)
+                for connections in args.connections:
+                    targets = [
+                        ("direct", backends[0], None),
+                        ("bare", f"http://127.0.0.1:{PASS_PORT}", passthrough),
+                        ("sfq-proxy", f"http://127.0.0.1:{PROXY_PORT}", proxy),
+                    ]
+                    direct_rps = None
+                    for name, url, proc in targets:
+                        before = cpu_seconds(proc.pid) if proc else 0.0
+                        result = wrk(url, f"bench-{mode}", connections, args.seconds, work)
+                        cpu = (cpu_seconds(proc.pid) - before) if proc else None
+                        direct_rps = direct_rps or result["rps"]
+                        rows.append((mode, connections, name, result, direct_rps, cpu))
+                        print(_row(*rows[-1]), flush=True)
+                for proc in (passthrough, proxy):
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait()
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    proc.wait()
+
+
+HEADER = (
+    f"{'mode':<7}{'conn':>5} {'target':<10}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+    f"{'×direct':>8}{'cpu µs/req':>12}"
+)
+
+
+def _row(mode: str, conns: int, name: str, r: dict, direct_rps: float, cpu: float | None) -> str:
+    if name == "direct" and conns == 1 and mode == "json":
+        print(HEADER)
+    per_request = f"{cpu / r['requests'] * 1e6:>12.0f}" if cpu is not None else f"{'':>12}"
+    return (f"{mode:<7}{conns:>5} {name:<10}{r['rps']:>9.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}"
+            f"{r['rps'] / direct_rps:>8.2f}{per_request}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
