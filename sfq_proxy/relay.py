@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ _PASS_HEADERS = ("Content-Type", "Retry-After")
 QUEUE_WAIT_HEADER = "X-Queue-Wait"
 _TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
 _NO_CHOICES = (b'"choices":[]', b'"choices": []')  # the mark of the usage-only chunk
+_FINISHING = b'"finish_reason":"'  # a choice that ends (it is null while tokens flow)
+_FINGERPRINT = re.compile(rb'("system_fingerprint":\s*(?:"[^"]*"|null))')
 
 
 class UpstreamUnreachable(Exception):
@@ -101,40 +104,72 @@ async def forward(
 async def _relay_stream(
     upstream: aiohttp.ClientResponse, relayed: Relayed, strip_usage: bool, pool: Pool, sent: float
 ) -> None:
-    """Write the stream's bytes as they come; keep only its tail, where the usage is.
-
-    With ``strip_usage`` (the proxy asked for the usage chunk, the client did not), complete
-    events pass at once and only a chunk holding a usage-only event is split, to drop it:
-    the client gets exactly the events it would have got.
-    """
-    tail = pending = b""
+    """Write the stream's bytes as they come; keep only its tail, where the usage is."""
+    tail = b""
+    stripper = _UsageStripper() if strip_usage else None
     async for chunk in upstream.content.iter_any():
         if relayed.first_chunk_s is None:
             relayed.first_chunk_s = pool.clock() - sent
         tail = (tail + chunk)[-_TAIL_BYTES:]
-        if strip_usage:
-            chunk, pending = _without_usage_event(pending + chunk)
-        if chunk:
-            await relayed.response.write(chunk)
-    if pending:
-        await relayed.response.write(pending)
+        out = chunk if stripper is None else stripper.feed(chunk)
+        if out:
+            await relayed.response.write(out)
+    if stripper is not None and (rest := stripper.close()):
+        await relayed.response.write(rest)
     _read_usage(relayed, reversed(tail.split(b"\n\n")), sse=True)
 
 
-def _without_usage_event(data: bytes) -> tuple[bytes, bytes]:
-    """Split ``data`` into complete events (minus a usage-only one) and a partial rest."""
-    cut = data.rfind(b"\n\n") + 2
-    if cut < 2:
-        return b"", data
-    complete, rest = data[:cut], data[cut:]
-    if any(marker in complete for marker in _NO_CHOICES):
-        events = complete.split(b"\n\n")[:-1]
-        complete = b"".join(e + b"\n\n" for e in events if not _usage_only(e))
-    return complete, rest
+class _UsageStripper:
+    """Drops the usage-only event that the proxy asked for and the client did not.
+
+    Chunks pass at once unless they hold a finishing or a usage-only event (found by a
+    byte search, not by parsing): a finishing event waits for the next one, because vLLM
+    moves its ``system_fingerprint`` from the finishing chunk to the usage chunk when usage
+    is asked for; it is moved back, so the client gets exactly the events it asked for.
+    """
+
+    def __init__(self) -> None:
+        self._partial = b""  # an event not complete yet
+        self._held = b""  # a finishing event, until we know whether usage follows it
+
+    def feed(self, chunk: bytes) -> bytes:
+        data = self._partial + chunk
+        cut = data.rfind(b"\n\n") + 2
+        if cut < 2:
+            self._partial = data
+            return b""
+        complete, self._partial = data[:cut], data[cut:]
+        if not self._held and _FINISHING not in complete and not _has_no_choices(complete):
+            return complete
+        out = []
+        for event in complete.split(b"\n\n")[:-1]:
+            if b'"usage"' in event and _has_no_choices(event):
+                self._held = _with_fingerprint_of(self._held, event)
+                continue
+            if self._held:
+                out.append(self._held)
+                self._held = b""
+            if _FINISHING in event:
+                self._held = event
+            else:
+                out.append(event)
+        return b"".join(event + b"\n\n" for event in out)
+
+    def close(self) -> bytes:
+        held = self._held + b"\n\n" if self._held else b""
+        return held + self._partial
 
 
-def _usage_only(event: bytes) -> bool:
-    return b'"usage"' in event and any(marker in event for marker in _NO_CHOICES)
+def _has_no_choices(data: bytes) -> bool:
+    return any(marker in data for marker in _NO_CHOICES)
+
+
+def _with_fingerprint_of(finishing: bytes, usage_event: bytes) -> bytes:
+    """Put the usage event's ``system_fingerprint`` back on the finishing event (vLLM)."""
+    found = _FINGERPRINT.search(usage_event)
+    if not finishing or found is None or b'"system_fingerprint"' in finishing:
+        return finishing
+    return finishing[:-1] + b"," + found.group(1) + b"}"
 
 
 def _read_usage(relayed: Relayed, bodies: Iterable[bytes], *, sse: bool = False) -> None:

@@ -1,0 +1,49 @@
+"""The usage chunk the proxy asked for is dropped byte-exactly, however the stream is cut."""
+
+from __future__ import annotations
+
+import itertools
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sfq_proxy.relay import _UsageStripper
+
+TOKEN = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}'
+FINISH = b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}'
+FP = b'"system_fingerprint":"vllm-0.32.0-x"'
+USAGE = (
+    b'data: {"id":"c","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2},' + FP + b"}"
+)
+DONE = b"data: [DONE]"
+
+
+def sse(*events: bytes) -> bytes:
+    return b"".join(e + b"\n\n" for e in events)
+
+
+# What vLLM sends with include_usage, and what it would have sent without it
+ASKED = sse(TOKEN, TOKEN, FINISH, USAGE, DONE)
+WANTED = sse(TOKEN, TOKEN, FINISH[:-1] + b"," + FP + b"}", DONE)
+
+
+def strip(chunks: list[bytes]) -> bytes:
+    stripper = _UsageStripper()
+    return b"".join(stripper.feed(chunk) for chunk in chunks) + stripper.close()
+
+
+def test_whole_stream_in_one_chunk() -> None:
+    assert strip([ASKED]) == WANTED
+
+
+@given(st.lists(st.integers(0, len(ASKED)), max_size=12))
+def test_any_cut_of_the_stream_gives_the_same_bytes(cuts: list[int]) -> None:
+    edges = [0, *sorted(cuts), len(ASKED)]
+    assert strip([ASKED[a:b] for a, b in itertools.pairwise(edges)]) == WANTED
+
+
+def test_token_events_are_not_held_back() -> None:
+    stripper = _UsageStripper()
+    assert stripper.feed(sse(TOKEN)) == sse(TOKEN)  # at once: time to first token intact
+    assert stripper.feed(sse(FINISH)) == b""  # held until we know whether usage follows
+    assert stripper.feed(sse(DONE)) == sse(FINISH, DONE)  # no usage chunk: unchanged
