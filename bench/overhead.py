@@ -155,7 +155,7 @@ def wait_listening(port: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 16, 64])
     args = parser.parse_args()
     for tool in ("nginx", "wrk"):
@@ -163,6 +163,7 @@ def main() -> None:
             sys.exit(f"{tool} is missing: apt-get install nginx-light wrk")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        work.chmod(0o755)  # nginx's workers (not root) read the bodies from here
         (work / "nginx.conf").write_text(nginx_conf(work))
         (work / "proxy.yaml").write_text(proxy_config())
         procs = [subprocess.Popen(["nginx", "-c", str(work / "nginx.conf")])]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
-import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from typing import IO, Any
 
 log = logging.getLogger("sfq_proxy.access")
@@ -40,12 +40,15 @@ class AccessRecord:
         """Propagate the client's ``X-Request-Id`` (if sane) or make one."""
         given = headers.get(REQUEST_ID_HEADER, "")
         ok = 0 < len(given) <= 128 and given.isprintable()
-        return cls(request_id=given if ok else uuid.uuid4().hex)
+        return cls(request_id=given if ok else os.urandom(16).hex())
 
     def emit(self) -> None:
-        fields = asdict(self)
-        fields["class"] = fields.pop("cls")
-        log.info("access", extra={"access": fields})
+        if log.isEnabledFor(logging.INFO):  # on the hot path: build nothing nobody prints
+            fields = {name: getattr(self, attr) for name, attr in _FIELDS}
+            log.info("access", extra={"access": fields})
+
+
+_FIELDS = [(f.name if f.name != "cls" else "class", f.name) for f in fields(AccessRecord)]
 
 
 class _JsonFormatter(logging.Formatter):

@@ -215,10 +215,13 @@ def _deadline(
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
-    too_large = ApiError(413, f"The body is larger than the {limit} bytes allowed.")
     if request.content_length is not None and request.content_length > limit:
-        raise too_large
+        raise _too_large(limit)
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise too_large from None
+        raise _too_large(limit) from None
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"The body is larger than the {limit} bytes allowed.")

@@ -92,6 +92,8 @@ class Pool:
         future: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
         ticket.payload = future
         self._run(self.scheduler.submit(ticket, self.clock(), front=front))
+        if future.done():  # dispatched at once: the common case when the pool is not full
+            return future.result()
         delay = None if expires_at is None else max(0.0, expires_at - self.clock())
         try:
             async with asyncio.timeout(delay):

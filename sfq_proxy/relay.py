@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -105,18 +106,22 @@ async def _relay_stream(
     upstream: aiohttp.ClientResponse, relayed: Relayed, strip_usage: bool, pool: Pool, sent: float
 ) -> None:
     """Write the stream's bytes as they come; keep only its tail, where the usage is."""
-    tail = b""
+    tail: deque[bytes] = deque()  # the last chunks, about _TAIL_BYTES of them
+    kept = 0
     stripper = _UsageStripper() if strip_usage else None
     async for chunk in upstream.content.iter_any():
         if relayed.first_chunk_s is None:
             relayed.first_chunk_s = pool.clock() - sent
-        tail = (tail + chunk)[-_TAIL_BYTES:]
+        tail.append(chunk)
+        kept += len(chunk)
+        while kept - len(tail[0]) >= _TAIL_BYTES:
+            kept -= len(tail.popleft())
         out = chunk if stripper is None else stripper.feed(chunk)
         if out:
             await relayed.response.write(out)
     if stripper is not None and (rest := stripper.close()):
         await relayed.response.write(rest)
-    _read_usage(relayed, reversed(tail.split(b"\n\n")), sse=True)
+    _read_usage(relayed, reversed(b"".join(tail).split(b"\n\n")), sse=True)
 
 
 class _UsageStripper:
@@ -139,10 +144,14 @@ class _UsageStripper:
             self._partial = data
             return b""
         complete, self._partial = data[:cut], data[cut:]
-        if not self._held and _FINISHING not in complete and not _has_no_choices(complete):
+        first = _first_marker(complete)
+        if not self._held and first < 0:
             return complete
-        out = []
-        for event in complete.split(b"\n\n")[:-1]:
+        # only the events from the first marked one on are looked at one by one
+        boundary = -1 if self._held else complete.rfind(b"\n\n", 0, first)
+        start = boundary + 2 if boundary >= 0 else 0
+        out = [complete[:boundary]] if boundary >= 0 else []
+        for event in complete[start:].split(b"\n\n")[:-1]:
             if b'"usage"' in event and _has_no_choices(event):
                 self._held = _with_fingerprint_of(self._held, event)
                 continue
@@ -162,6 +171,12 @@ class _UsageStripper:
 
 def _has_no_choices(data: bytes) -> bool:
     return any(marker in data for marker in _NO_CHOICES)
+
+
+def _first_marker(data: bytes) -> int:
+    """Where the first finishing or usage-only event's mark is, or -1."""
+    found = [i for i in (data.find(m) for m in (_FINISHING, *_NO_CHOICES)) if i >= 0]
+    return min(found, default=-1)
 
 
 def _with_fingerprint_of(finishing: bytes, usage_event: bytes) -> bytes:

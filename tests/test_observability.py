@@ -58,6 +58,7 @@ async def test_counters_and_histograms_after_a_known_workload(lab: Lab) -> None:
     queued = asyncio.create_task(a.chat.completions.create(model=MODEL, messages=CHAT))
     await eventually(lambda: served.queue().backlog("A/batch") == 1)
     queued.cancel()
+    await eventually(lambda: served.queue().backlog("A/batch") == 0)  # left before a slot frees
     await running.close()
     await eventually(lambda: sim.stats.aborted == 1)
 
