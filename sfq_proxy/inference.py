@@ -128,6 +128,9 @@ async def _serve(
         except asyncio.CancelledError:
             record.outcome = "cancelled_running"
             raise
+        except ConnectionResetError:  # the client hung up as we wrote: a cancellation too
+            record.outcome = "cancelled_running"
+            raise asyncio.CancelledError from None
         finally:
             pool.release(ticket)
         status = None if relayed is None else relayed.response.status
