@@ -390,3 +390,17 @@ def test_random_operations_keep_slots_and_tickets_consistent(
             case ("pump",):
                 accept(sched, model, sched.pump(0.0))
         check(sched, model)
+
+
+def test_update_keeps_known_backends_and_adds_new_ones_unhealthy() -> None:
+    p = Placement([BackendSpec(url="http://a:1", slots=2), BackendSpec(url="http://b:1", slots=2)])
+    a, b = p.backends
+    p.acquire(b)
+    p.update([BackendSpec(url="http://a:1", slots=3), BackendSpec(url="http://c:1", slots=1)])
+    assert p.backends[0] is a
+    assert a.slots == 3
+    assert [x.url for x in p.backends] == ["http://a:1", "http://c:1"]
+    assert not p.backends[1].healthy  # joins after its first good probe
+    assert p.choose() is a
+    p.release(b)  # a removed backend's request still finishes and frees its slot
+    assert b.in_flight == 0

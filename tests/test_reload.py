@@ -176,3 +176,19 @@ async def test_sighup_reloads_the_file_of_sfq_proxy_serve(lab: Lab, tmp_path: Pa
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 10) == 0
+
+
+async def test_an_added_backend_takes_requests_after_its_first_good_probe(
+    lab: Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, added = await lab.backend(), await lab.backend()
+    async with reloadable(tmp_path, monkeypatch, [first.url]) as (served, path):
+        path.write_text(config_yaml([first.url, added.url], admin_key_env="ADMIN_KEY"))
+        assert (await reload(lab, served))[0] == 200
+        new = served.state.pools["sim"].placement.backends[1]
+        await eventually(lambda: new.healthy)  # after its first good probe
+        client = lab.client(served)
+        await asyncio.gather(
+            *(client.chat.completions.create(model=MODEL, messages=CHAT) for _ in range(8))
+        )
+    assert added.stats.requests_seen > 0
