@@ -243,7 +243,9 @@ async def test_a_stopped_vllm_is_routed_around_and_used_again_after_restart(
     # engine died first, or a shortened answer — passed through as is; the failure takes the
     # backend out, so everything after it went to the other server, in full.
     cut_short = [r for r in results if r != 100]
-    assert len(cut_short) <= 2, results  # its slots
+    # its 2 slots' worth shortened, then its 2 slots' worth of 500s ("cannot schedule new
+    # futures after shutdown") before the first 500 takes it out
+    assert len(cut_short) <= 2 * 2, results
     assert all(isinstance(r, openai.InternalServerError | int) for r in cut_short), cut_short
 
     backend = served.state.pools["sim"].placement.backends[1]
@@ -258,11 +260,14 @@ async def test_a_stopped_vllm_is_routed_around_and_used_again_after_restart(
     assert served_by_restarted["vllm:generation_tokens_total"] > 0
 
 
-async def test_usage_the_proxy_asks_for_is_stripped_byte_for_byte(
+async def test_usage_the_proxy_asks_for_is_stripped_as_vllm_would_not_have_sent_it(
     lab: Lab, vllm_servers: list[VllmServer]
 ) -> None:
-    """Without include_usage the client gets exactly vLLM's own events (ids aside), while the
-    proxy asked for, read and dropped the usage chunk."""
+    """Without include_usage the client gets vLLM's own events: the same text, the same
+    finishing event (with the system_fingerprint vLLM moves to the usage chunk when usage is
+    asked for), no usage chunk. vLLM groups tokens into chunks by timing, so the events are
+    compared as a stream, not one by one (the byte-exact checks are against the simulator
+    and, for every cut of a recorded vLLM stream, in tests/test_usage_stripper.py)."""
     served = await proxy_for(lab, vllm_servers[:1], slots=4)
     http = await lab.http()
     body = {"model": SERVED_NAME, "messages": CHAT, "max_tokens": 12, "stream": True,
@@ -270,13 +275,21 @@ async def test_usage_the_proxy_asks_for_is_stripped_byte_for_byte(
 
     async def events(url: str, headers: dict[str, str]) -> list[bytes]:
         async with http.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
-            raw = await r.read()
+            return [e for e in (await r.read()).split(b"\n\n") if e]
+
+    def text(events: list[bytes]) -> str:
+        chunks = [json.loads(e.removeprefix(b"data: ")) for e in events[:-1]]
+        return "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+
+    def tail(events: list[bytes]) -> list[bytes]:  # the finishing event and [DONE], ids aside
         volatile = rb'"(id|created|system_fingerprint)":("[^"]*"|\d+)'
-        return [re.sub(volatile, b"", e) for e in raw.split(b"\n\n") if e]
+        return [re.sub(volatile, b"", e) for e in events[-2:]]
 
     direct = await events(vllm_servers[0].url, {})
     proxied = await events(served.url, {"Authorization": f"Bearer {KEYS['A']}"})
-    assert proxied == direct
+    assert text(proxied) == text(direct)
+    assert tail(proxied) == tail(direct)
+    assert b'"system_fingerprint"' in proxied[-2]  # put back where vLLM puts it
     assert not any(b'"usage":{' in e for e in proxied)
     labels = {"org": "A", "class": "batch", "pool": "sim"}
     tokens = served.state.metrics.registry.get_sample_value("sfq_completion_tokens_total", labels)
