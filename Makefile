@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast vllm lint bench clean
+.PHONY: run test test-fast vllm tools lint bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -14,8 +14,16 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/sfq-proxy demo --traffic
 
-test: $(STAMP)
+test: $(STAMP) tools
 	$(PY) -m pytest
+
+# Debian tools the deploy tests run: docker-compose (validates deploy/compose, no engine) and
+# promtool (checks deploy/prometheus). Installed with apt when missing and we are root.
+tools:
+	@command -v docker-compose >/dev/null && command -v promtool >/dev/null || { \
+	  [ "$$(id -u)" = 0 ] || { echo "install docker-compose and prometheus (apt)"; exit 1; }; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends \
+	    docker-compose prometheus >/dev/null; }
 
 test-fast: $(STAMP)  # everything but the real-vLLM tests
 	$(PY) -m pytest -m "not vllm"
