@@ -75,6 +75,3 @@ class Placement:
 
     def any_healthy(self) -> bool:
         return any(b.healthy for b in self.backends)
-
-    def free_slots(self) -> int:
-        return sum(b.slots - b.in_flight for b in self.backends if b.healthy)

@@ -117,13 +117,6 @@ class Scenario:
     teams: tuple[Team, ...]
     requests: tuple[Request, ...]
 
-    def team(self, name: str) -> Team:
-        """The team called ``name`` (KeyError if there is none)."""
-        for team in self.teams:
-            if team.name == name:
-                return team
-        raise KeyError(name)
-
     def requests_of(self, team: str) -> tuple[Request, ...]:
         """The requests of ``team``, in time order."""
         return tuple(r for r in self.requests if r.team == team)

@@ -125,19 +125,6 @@ def test_mark_down_keeps_the_later_cooldown() -> None:
     assert p.mark_up(a, now=20.0) is True
 
 
-def test_free_slots_counts_healthy_backends_only() -> None:
-    p = placement(4, 2, 3)
-    a, b, c = p.backends
-    assert p.free_slots() == 9
-    fill(p, a, 3)
-    assert p.free_slots() == 6
-    p.mark_down(c, until=1.0)
-    assert p.free_slots() == 3
-    fill(p, b, 2)
-    assert p.free_slots() == 1
-    assert p.any_healthy()
-
-
 # -- Scheduler --------------------------------------------------------------------------------
 
 
