@@ -111,6 +111,21 @@ class Lab:
         return session
 
 
+async def dispatched_behind(
+    served: Served, blocker: Any, flood: list[Awaitable[Any]], *, within: float = 10
+) -> list[str]:
+    """Queue ``flood`` behind ``blocker`` (a stream holding the pool's only slot), close it
+    once all of ``flood`` waits, and return the orgs dispatched after that, in order: the
+    order is then the scheduler's alone, not the order the requests happened to arrive in."""
+    replies = asyncio.gather(*flood)
+    await eventually(lambda: len(served.queue()) == len(flood), within=within)
+    recent = served.state.pools["sim"].recent
+    start = len(recent)
+    await blocker.close()
+    await replies
+    return [flow.split("/")[0] for flow, _ in list(recent)[start:]]
+
+
 async def eventually(predicate: Callable[[], bool | Awaitable[bool]], within: float = 2.0) -> None:
     """Poll ``predicate`` (state in another server) until it holds; fail after ``within`` s."""
     for _ in range(round(within / 0.01)):

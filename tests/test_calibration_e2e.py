@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from e2e import KEYS, MODEL, Lab, Served, eventually, proxy_config
+from e2e import KEYS, MODEL, Lab, Served, dispatched_behind, proxy_config
 
 from sfq_proxy.proxy import PROXY
 from sfq_proxy.scenario import Request, load_scenario
@@ -97,18 +97,14 @@ async def test_calibration_brings_charges_close_to_actual_cost_on_the_azure_trac
 
 async def _contended_dispatches(lab: Lab, served: Served, per_org: int) -> Counter[str]:
     """A and B (same real output, B asking 8× more max_tokens) queue behind one slot; how
-    many of the first ``per_org`` dispatches after the blocker went to each."""
+    many of ``per_org`` dispatches after the blocker went to each (from the second on: the
+    first is decided by the tie of two flows joining at the same meter)."""
     blocker = await lab.client(served, "C").chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=2000, stream=True
     )
     flood = [_ask(lab, served, org) for _ in range(per_org) for org in "AB"]
-    done = asyncio.gather(*flood)
-    await eventually(lambda: len(served.queue()) == 2 * per_org, within=10)
-    start = len(served.state.pools["sim"].recent)
-    await blocker.close()
-    await done
-    recent = list(served.state.pools["sim"].recent)[start + 1 : start + 1 + per_org]
-    return Counter(flow.split("/")[0] for flow, _ in recent)
+    order = await dispatched_behind(served, blocker, flood)
+    return Counter(order[1 : 1 + per_org])
 
 
 async def _ask(lab: Lab, served: Served, org: str) -> None:

@@ -7,7 +7,7 @@ from collections import Counter
 
 import openai
 import pytest
-from e2e import KEYS, MODEL, Lab, Served, eventually, proxy_config
+from e2e import KEYS, MODEL, Lab, Served, dispatched_behind, eventually, proxy_config
 
 from sfq_proxy.proxy import PROXY
 from sfq_proxy.server import bound_url, running
@@ -91,11 +91,8 @@ async def test_200_concurrent_requests_complete_once_within_slots(lab: Lab) -> N
 
 
 async def _flood(lab: Lab, sim: SimBackend, served: Served, per_org: int) -> list[str]:
-    """Orgs A and B each queue ``per_org`` identical requests behind a busy single slot.
-
-    A long streaming request of org C holds the slot until all of them are queued, so the
-    order the backend sees afterwards is the scheduler's alone. Returns A/B in that order.
-    """
+    """Orgs A and B each queue ``per_org`` identical requests behind C's long stream, which
+    holds the only slot; returns A/B in the order the backend then saw them."""
     blocker = await lab.client(served, "C").chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=4000, stream=True, user="C"
     )
@@ -105,10 +102,7 @@ async def _flood(lab: Lab, sim: SimBackend, served: Served, per_org: int) -> lis
         for _ in range(per_org)
         for org in "AB"
     ]
-    replies = asyncio.gather(*flood)
-    await eventually(lambda: len(served.queue()) == 2 * per_org, within=10)
-    await blocker.close()
-    await replies
+    await dispatched_behind(served, blocker, flood)
     return [r.user for r in sim.stats.log if r.user != "C"]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from e2e import KEYS, Lab, Served, eventually, proxy_config
+from e2e import KEYS, Lab, Served, dispatched_behind, eventually, proxy_config
 from vllm_backend import SERVED_NAME, VllmServer, parse_metrics
 
 pytestmark = pytest.mark.vllm
@@ -162,12 +162,7 @@ async def _blocked_flood(lab: Lab, served: Served, per_org: int) -> list[str]:
         for _ in range(per_org)
         for org in "AB"
     ]
-    replies = asyncio.gather(*flood)
-    await eventually(lambda: len(served.queue()) == 2 * per_org, within=30)
-    await blocker.close()
-    await replies
-    pool = served.state.pools["sim"]
-    return [flow.split("/")[0] for flow, _ in pool.recent if not flow.startswith("C/")]
+    return await dispatched_behind(served, blocker, flood, within=30)
 
 
 async def test_two_orgs_flooding_one_slot_alternate(
