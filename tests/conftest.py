@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import io
+import json
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from e2e import Lab
+from e2e import AccessLines, Lab
 from hypothesis import settings
 from vllm_backend import VllmServer
+
+from sfq_proxy import accesslog
 
 # No timing assertions, hypothesis's per-example deadline included: shared machines stall.
 settings.register_profile("sfq", deadline=None)
@@ -20,6 +25,20 @@ async def lab() -> AsyncIterator[Lab]:
     """Simulated backends and proxies, all stopped when the test ends."""
     async with contextlib.AsyncExitStack() as stack:
         yield Lab(stack)
+
+
+@pytest.fixture
+def access_log() -> Iterator[AccessLines]:
+    """The proxy's access lines, parsed: ``await access_log()`` once the requests are done."""
+    buffer = io.StringIO()
+    accesslog.configure(buffer)
+
+    async def lines() -> list[dict]:
+        await asyncio.sleep(0)  # lines leave when the loop turns
+        return [json.loads(line) for line in buffer.getvalue().splitlines()]
+
+    yield lines
+    accesslog.configure(None)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,8 @@ from sfq_proxy.sfq import FairQueue
 from sfq_proxy.simbackend import SimBackend, SimConfig
 
 MODEL = "sim-llama"
+# what the ``access_log`` fixture gives: the access lines so far, parsed
+AccessLines = Callable[[], Awaitable[list[dict[str, Any]]]]
 KEYS = {"A": "sk-test-org-a", "B": "sk-test-org-b", "C": "sk-test-org-c", "OPS": "sk-test-ops"}
 
 

@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from e2e import KEYS, MODEL, Lab, Served, dispatched_behind, proxy_config
+from e2e import KEYS, MODEL, AccessLines, Lab, Served, dispatched_behind, proxy_config
 
 from sfq_proxy.proxy import PROXY
 from sfq_proxy.scenario import Request, load_scenario
@@ -60,7 +60,7 @@ def mape(charged: list[float], actual: list[float]) -> float:
 
 
 async def test_calibration_brings_charges_close_to_actual_cost_on_the_azure_trace(
-    lab: Lab, caplog: pytest.LogCaptureFixture
+    lab: Lab, access_log: AccessLines
 ) -> None:
     trace = load_scenario(AZURE).requests[:1500]  # max_tokens = 4 × the real output
     sim = await lab.backend(output_mode="min_tokens", max_num_seqs=64, time_scale=1000,
@@ -70,7 +70,6 @@ async def test_calibration_brings_charges_close_to_actual_cost_on_the_azure_trac
         calibration={"half_life_requests": 200, "min_org_samples": 20},
     )  # fmt: skip
     served = await lab.proxy(config)
-    caplog.set_level(logging.INFO, logger="sfq_proxy.access")
     http, gate = await lab.http(), asyncio.Semaphore(32)
     headers = {"Authorization": f"Bearer {KEYS['A']}"}
 
@@ -82,7 +81,7 @@ async def test_calibration_brings_charges_close_to_actual_cost_on_the_azure_trac
 
     for start in range(0, len(trace), 100):  # in order, so later requests see what was learned
         await asyncio.gather(*(send(r) for r in trace[start : start + 100]))
-    lines = [rec.access for rec in caplog.records if rec.name == "sfq_proxy.access"]
+    lines = await access_log()
     assert len(lines) == len(trace)
     actual = [line["prompt_tokens"] + 2 * line["completion_tokens"] for line in lines]
     uncalibrated = [r.input_tokens + 2 * r.max_tokens for r in trace]  # the default estimate

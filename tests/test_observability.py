@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 
 import openai
 import pytest
-from e2e import KEYS, MODEL, Lab, Served, eventually, proxy_config
+from e2e import KEYS, MODEL, AccessLines, Lab, Served, eventually, proxy_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from sfq_proxy.metrics import OTHER, Metrics
@@ -177,11 +176,10 @@ async def test_admin_state_reflects_a_known_state_and_needs_the_admin_key(lab: L
 
 
 async def test_access_log_line_per_request_with_ids_and_no_secrets(
-    lab: Lab, caplog: pytest.LogCaptureFixture
+    lab: Lab, access_log: AccessLines
 ) -> None:
     sim = await lab.backend()
     served = await lab.proxy(proxy_config([sim.url]))
-    caplog.set_level(logging.INFO, logger="sfq_proxy.access")
     http = await lab.http()
     body = {
         "model": MODEL,
@@ -196,7 +194,7 @@ async def test_access_log_line_per_request_with_ids_and_no_secrets(
                          headers={"Authorization": f"Bearer {KEYS['B']}"}) as r:  # fmt: skip
         assert r.status == 404
         generated = r.headers["X-Request-Id"]
-    lines = [rec.access for rec in caplog.records if rec.name == "sfq_proxy.access"]
+    lines = await access_log()
     assert [line["request_id"] for line in lines] == ["trace-123", generated]
     ok, rejected = lines
     fields = ("org", "class", "pool", "model", "status", "outcome", "retries")
