@@ -6,7 +6,7 @@ import asyncio
 import json
 import re
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -22,7 +22,11 @@ _PASS_HEADERS = ("Content-Type", "Retry-After")
 QUEUE_WAIT_HEADER = "X-Queue-Wait"
 _TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
 _NO_CHOICES = (b'"choices":[]', b'"choices": []')  # the mark of the usage-only chunk
-_FINISHING = b'"finish_reason":"'  # a choice that ends (it is null while tokens flow)
+_FINISHING = (b'"finish_reason":"', b'"finish_reason": "')  # null while tokens flow
+_MARKS = (*_FINISHING, *_NO_CHOICES)
+_USAGE = b'"usage"'
+_USAGE_BYTES = 4096  # more than any usage object: the part of the tail that is parsed
+_DECODER = json.JSONDecoder()
 _FINGERPRINT = re.compile(rb'("system_fingerprint":\s*(?:"[^"]*"|null))')
 
 
@@ -81,7 +85,7 @@ async def forward(
             response = web.Response(status=upstream.status, body=body, headers=headers)
             relayed = Relayed(response, pool.clock() - sent)
             if upstream.status == 200:
-                _read_usage(relayed, [body])
+                _read_usage(relayed, body)
             return relayed
         response = web.StreamResponse(status=200, headers=headers)
         response.headers["Cache-Control"] = "no-cache"
@@ -121,7 +125,7 @@ async def _relay_stream(
             await relayed.response.write(out)
     if stripper is not None and (rest := stripper.close()):
         await relayed.response.write(rest)
-    _read_usage(relayed, reversed(b"".join(tail).split(b"\n\n")), sse=True)
+    _read_usage(relayed, b"".join(tail))
 
 
 class _UsageStripper:
@@ -131,11 +135,14 @@ class _UsageStripper:
     byte search, not by parsing): a finishing event waits for the next one, because vLLM
     moves its ``system_fingerprint`` from the finishing chunk to the usage chunk when usage
     is asked for; it is moved back, so the client gets exactly the events it asked for.
+    The usage chunk comes after the last choice has finished, so until one has, each chunk
+    is searched for the finishing mark only.
     """
 
     def __init__(self) -> None:
         self._partial = b""  # an event not complete yet
         self._held = b""  # a finishing event, until we know whether usage follows it
+        self._finished = False  # a choice has finished: the usage chunk may come from now on
 
     def feed(self, chunk: bytes) -> bytes:
         data = self._partial + chunk
@@ -144,21 +151,23 @@ class _UsageStripper:
             self._partial = data
             return b""
         complete, self._partial = data[:cut], data[cut:]
-        first = _first_marker(complete)
+        # until a choice finishes, one mark is searched for, not all of them
+        first = _first_of(complete, _MARKS if self._finished else _FINISHING)
         if not self._held and first < 0:
             return complete
+        self._finished = True
         # only the events from the first marked one on are looked at one by one
         boundary = -1 if self._held else complete.rfind(b"\n\n", 0, first)
         start = boundary + 2 if boundary >= 0 else 0
         out = [complete[:boundary]] if boundary >= 0 else []
         for event in complete[start:].split(b"\n\n")[:-1]:
-            if b'"usage"' in event and _has_no_choices(event):
+            if _USAGE in event and _first_of(event, _NO_CHOICES) >= 0:
                 self._held = _with_fingerprint_of(self._held, event)
                 continue
             if self._held:
                 out.append(self._held)
                 self._held = b""
-            if _FINISHING in event:
+            if _first_of(event, _FINISHING) >= 0:
                 self._held = event
             else:
                 out.append(event)
@@ -169,13 +178,9 @@ class _UsageStripper:
         return held + self._partial
 
 
-def _has_no_choices(data: bytes) -> bool:
-    return any(marker in data for marker in _NO_CHOICES)
-
-
-def _first_marker(data: bytes) -> int:
-    """Where the first finishing or usage-only event's mark is, or -1."""
-    found = [i for i in (data.find(m) for m in (_FINISHING, *_NO_CHOICES)) if i >= 0]
+def _first_of(data: bytes, marks: tuple[bytes, ...]) -> int:
+    """Where the first of ``marks`` is in ``data``, or -1."""
+    found = [i for i in map(data.find, marks) if i >= 0]
     return min(found, default=-1)
 
 
@@ -187,15 +192,18 @@ def _with_fingerprint_of(finishing: bytes, usage_event: bytes) -> bytes:
     return finishing[:-1] + b"," + found.group(1) + b"}"
 
 
-def _read_usage(relayed: Relayed, bodies: Iterable[bytes], *, sse: bool = False) -> None:
-    """Take ``usage`` from the first body (or SSE event, newest first) that carries one."""
-    for body in bodies:
-        data = body.removeprefix(b"data: ") if sse else body
-        if b'"usage"' not in data:
-            continue
+def _read_usage(relayed: Relayed, data: bytes) -> None:
+    """Take the last ``"usage": {...}`` in ``data`` (a body, or a stream's tail), parsing that
+    object alone: an answer's usage is at its end, so the answer is never parsed whole."""
+    end = len(data)
+    while (at := data.rfind(_USAGE, 0, end)) >= 0:
+        end = at
+        text = data[at + len(_USAGE) : at + _USAGE_BYTES].decode(errors="replace").lstrip()
+        if not text.startswith(":"):
+            continue  # the word in a text, not the key
         try:
-            usage = json.loads(data).get("usage")
-        except (ValueError, AttributeError):
+            usage, _ = _DECODER.raw_decode(text, len(text) - len(text[1:].lstrip()))
+        except ValueError:
             continue
         if isinstance(usage, dict):
             relayed.prompt_tokens = usage.get("prompt_tokens")

@@ -21,6 +21,9 @@ class Kind(Enum):
     EMBEDDING = "/v1/embeddings"
 
 
+_INPUT_FIELD = {Kind.CHAT: "messages", Kind.COMPLETION: "prompt", Kind.EMBEDDING: "input"}
+
+
 @dataclass(frozen=True, slots=True)
 class InferenceRequest:
     kind: Kind
@@ -39,9 +42,11 @@ def _ask_for_usage(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
     options = body.get("stream_options")
     if not body.get("stream") or (isinstance(options, dict) and options.get("include_usage")):
         return raw, False
-    if options is not None and not isinstance(options, dict):
+    if options is None:  # the common case: add the member, leave the client's bytes be
+        return raw.rstrip()[:-1] + b',"stream_options":{"include_usage":true}}', True
+    if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object.")
-    body = {**body, "stream_options": {**(options or {}), "include_usage": True}}
+    body = {**body, "stream_options": {**options, "include_usage": True}}
     return json.dumps(body, separators=(",", ":")).encode(), True
 
 
@@ -59,7 +64,7 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean.")
-    field = {Kind.CHAT: "messages", Kind.COMPLETION: "prompt", Kind.EMBEDDING: "input"}[kind]
+    field = _INPUT_FIELD[kind]
     if field not in body:
         raise ApiError(400, f"'{field}' is required.")
     texts, token_ids = _inputs(kind, body[field], field)

@@ -82,6 +82,33 @@ def test_stream_true_is_read() -> None:
     assert chat({"role": "user", "content": "x"}, stream=True).stream is True
 
 
+def test_a_stream_asks_for_usage_keeping_the_clients_bytes() -> None:
+    raw = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]} \n'
+    req = parse(Kind.CHAT, raw)
+    assert req.strip_usage is True
+    assert req.raw.startswith(raw.rstrip()[:-1])  # the client's bytes, one member added
+    assert json.loads(req.raw) == {**json.loads(raw), "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize(
+    ("options", "sent", "strip"),
+    [
+        ({"continuous_usage_stats": True}, {"continuous_usage_stats": True, "include_usage": True},
+         True),
+        ({"include_usage": False}, {"include_usage": True}, True),
+        ({"include_usage": True}, {"include_usage": True}, False),
+    ],
+)  # fmt: skip
+def test_a_streams_own_options_are_kept(options: dict, sent: dict, strip: bool) -> None:
+    req = chat({"role": "user", "content": "x"}, stream=True, stream_options=options)
+    assert (json.loads(req.raw)["stream_options"], req.strip_usage) == (sent, strip)
+
+
+def test_without_stream_the_body_is_sent_as_it_came() -> None:
+    raw = body(messages=[{"role": "user", "content": "x"}], stream_options={"x": 1})
+    assert (parse(Kind.CHAT, raw).raw, parse(Kind.CHAT, raw).strip_usage) == (raw, False)
+
+
 @pytest.mark.parametrize(
     ("prompt", "text", "token_ids"),
     [

@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sfq_proxy.relay import _UsageStripper
+from sfq_proxy.relay import Relayed, _read_usage, _UsageStripper
 
 TOKEN = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}'
 FINISH = b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}'
@@ -47,3 +47,26 @@ def test_token_events_are_not_held_back() -> None:
     assert stripper.feed(sse(TOKEN)) == sse(TOKEN)  # at once: time to first token intact
     assert stripper.feed(sse(FINISH)) == b""  # held until we know whether usage follows
     assert stripper.feed(sse(DONE)) == sse(FINISH, DONE)  # no usage chunk: unchanged
+
+
+def usage_of(data: bytes) -> tuple[int | None, int | None]:
+    relayed = Relayed(response=None, upstream_s=0.0)  # type: ignore[arg-type]
+    _read_usage(relayed, data)
+    return relayed.prompt_tokens, relayed.completion_tokens
+
+
+def test_usage_is_read_from_the_streams_tail() -> None:
+    assert usage_of(ASKED) == (3, 2)
+    assert usage_of(sse(TOKEN, FINISH, DONE)) == (None, None)
+
+
+def test_usage_is_the_last_usage_object_not_the_word_nor_a_null() -> None:
+    word = b'data: {"choices":[{"delta":{"content":"usage"},"finish_reason":null}],"usage":null}'
+    spaced = b'data: {"choices": [], "usage" : {"prompt_tokens": 7, "completion_tokens": 1}}'
+    assert usage_of(sse(TOKEN, spaced, word, DONE)) == (7, 1)
+
+
+def test_usage_of_a_json_answer() -> None:
+    body = b'{"choices":[{"message":{"content":"\\"usage\\": {}"}}],"usage":{"prompt_tokens":5,'
+    assert usage_of(body + b'"completion_tokens":9,"total_tokens":14}}') == (5, 9)
+    assert usage_of(b'{"choices":[],"usage":{"prompt_tokens":') == (None, None)  # cut short
