@@ -48,8 +48,11 @@ class Placement:
 
     def choose(self) -> Backend | None:
         """The least loaded healthy backend with a free slot (first listed on ties)."""
-        free = [b for b in self.backends if b.healthy and b.in_flight < b.slots]
-        return min(free, key=lambda b: b.load, default=None)
+        best = None
+        for b in self.backends:
+            if b.healthy and b.in_flight < b.slots and (best is None or b.load < best.load):
+                best = b
+        return best
 
     def acquire(self, backend: Backend) -> None:
         if backend.in_flight >= backend.slots:

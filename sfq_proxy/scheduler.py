@@ -36,11 +36,11 @@ class Ticket:
     payload: Any = None
     backend: Backend | None = field(default=None, repr=False)
     dispatches: int = 0  # how many times it was sent (a retry is sent again, charged again)
+    # the flow's name in the fair queue; its order breaks ties between equal meters
+    flow: str = field(init=False)
 
-    @property
-    def flow(self) -> str:
-        """The flow's name in the fair queue; its order breaks ties between equal meters."""
-        return f"{self.org}/{self.cls}"
+    def __post_init__(self) -> None:
+        self.flow = f"{self.org}/{self.cls}"
 
 
 class Scheduler:
@@ -136,9 +136,9 @@ class Scheduler:
 
     def _dispatch(self, now: float) -> Iterator[Ticket]:
         self.wake_at = None
-        while (backend := self.placement.choose()) is not None:
-            ticket = self._band_next() or _item(self.queue.peek())
-            if ticket is None:
+        while (ticket := self._band_next() or _item(self.queue.peek())) is not None:
+            backend = self.placement.choose()
+            if backend is None:
                 return
             if self._rate is not None:
                 wait = self._rate.wait(ticket.tokens, now)
