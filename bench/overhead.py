@@ -1,13 +1,14 @@
 """Side-by-side overhead: direct to a fast fake backend, a bare pass-through, sfq-proxy.
 
-    python bench/overhead.py [--seconds 5] [--connections 1 16 64]
+    python bench/overhead.py [--seconds 5] [--connections 1 16 64] [--rounds 3]
 
 nginx (Debian's package) plays two OpenAI-compatible backends much faster than any Python
 proxy: a fixed chat-completion JSON (with usage) and a 200-event SSE stream ending with a
 usage chunk and [DONE]. wrk (Debian's package) drives load with a realistic chat body and a
 key. The proxy runs `sfq-proxy serve` on a realistic config (several keys and orgs, two
 classes, metrics and the access log on, generous slots). One table: req/s, p50/p99 latency,
-ratio to direct, and the CPU microseconds per request of the process in the middle.
+ratio to direct, and the CPU microseconds per request of the process in the middle and its
+ratio to the bare pass-through's: medians of --rounds runs, interleaved across targets.
 Requires: apt-get install nginx-light wrk.
 """
 
@@ -19,6 +20,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -157,6 +159,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--rounds", type=int, default=3, help="runs per target; medians shown")
     args = parser.parse_args()
     for tool in ("nginx", "wrk"):
         if not shutil.which(tool):
@@ -171,7 +174,7 @@ def main() -> None:
             for ports in NGINX_PORTS.values():
                 for port in ports:
                     wait_listening(port)
-            rows = []
+            print(HEADER)
             for mode, ports in NGINX_PORTS.items():
                 backends = [f"http://127.0.0.1:{p}" for p in ports]
                 passthrough = subprocess.Popen(
@@ -191,14 +194,19 @@ def main() -> None:
                         ("bare", f"http://127.0.0.1:{PASS_PORT}", passthrough),
                         ("sfq-proxy", f"http://127.0.0.1:{PROXY_PORT}", proxy),
                     ]
-                    direct_rps = None
-                    for name, url, proc in targets:
-                        before = cpu_seconds(proc.pid) if proc else 0.0
-                        result = wrk(url, f"bench-{mode}", connections, args.seconds, work)
-                        cpu = (cpu_seconds(proc.pid) - before) if proc else None
-                        direct_rps = direct_rps or result["rps"]
-                        rows.append((mode, connections, name, result, direct_rps, cpu))
-                        print(_row(*rows[-1]), flush=True)
+                    runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in targets}
+                    for _ in range(args.rounds):  # interleaved: a noisy spell hits all alike
+                        for name, url, proc in targets:
+                            before = cpu_seconds(proc.pid) if proc else 0.0
+                            result = wrk(url, f"bench-{mode}", connections, args.seconds, work)
+                            if proc:
+                                result["cpu_us"] = (cpu_seconds(proc.pid) - before) * 1e6
+                                result["cpu_us"] /= result["requests"]
+                            runs[name].append(result)
+                    direct, bare = _median(runs["direct"]), _median(runs["bare"])
+                    for name, *_ in targets:
+                        row = _row(mode, connections, name, _median(runs[name]), direct, bare)
+                        print(row, flush=True)
                 for proc in (passthrough, proxy):
                     proc.send_signal(signal.SIGTERM)
                     proc.wait()
@@ -211,16 +219,19 @@ def main() -> None:
 
 HEADER = (
     f"{'mode':<7}{'conn':>5} {'target':<10}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
-    f"{'×direct':>8}{'cpu µs/req':>12}"
+    f"{'×direct':>8}{'cpu µs/req':>12}{'cpu ×bare':>10}"
 )
 
 
-def _row(mode: str, conns: int, name: str, r: dict, direct_rps: float, cpu: float | None) -> str:
-    if name == "direct" and conns == 1 and mode == "json":
-        print(HEADER)
-    per_request = f"{cpu / r['requests'] * 1e6:>12.0f}" if cpu is not None else f"{'':>12}"
+def _median(results: list[dict[str, float]]) -> dict[str, float]:
+    """Each figure's median over the rounds (shared cores make single runs jumpy)."""
+    return {key: statistics.median(r[key] for r in results) for key in results[0]}
+
+
+def _row(mode: str, conns: int, name: str, r: dict, direct: dict, bare: dict) -> str:
+    cpu = f"{r['cpu_us']:>12.0f}{r['cpu_us'] / bare['cpu_us']:>10.2f}" if "cpu_us" in r else ""
     return (f"{mode:<7}{conns:>5} {name:<10}{r['rps']:>9.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}"
-            f"{r['rps'] / direct_rps:>8.2f}{per_request}")  # fmt: skip
+            f"{r['rps'] / direct['rps']:>8.2f}{cpu}")  # fmt: skip
 
 
 if __name__ == "__main__":
