@@ -97,7 +97,11 @@ class Proxy:
         """One pooled keep-alive session to the backends, the health probes, and the
         calibration saved periodically and at shutdown."""
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-        self.session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        # no cookie jar: one session serves every client, and a backend's cookie must not
+        # ride on other orgs' requests
+        self.session = aiohttp.ClientSession(
+            connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        )
         self._tasks = [
             asyncio.create_task(p.probe_forever(self.session)) for p in self.pools.values()
         ]

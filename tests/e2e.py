@@ -12,6 +12,7 @@ from typing import Any
 import aiohttp
 import openai
 import yaml
+from aiohttp import web
 
 from sfq_proxy.config import Config, parse_config
 from sfq_proxy.proxy import PROXY, Proxy
@@ -106,6 +107,14 @@ class Lab:
         if not options:
             self._clients[cache_key] = client
         return client
+
+    async def serve(self, app: web.Application) -> int:
+        """Run ``app`` on a free loopback port (a hand-made backend); returns the port."""
+        runner = web.AppRunner(app)
+        await runner.setup()
+        self._stack.push_async_callback(runner.cleanup)
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner.addresses[0][1]
 
     async def http(self) -> aiohttp.ClientSession:
         session = aiohttp.ClientSession()

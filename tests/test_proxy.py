@@ -7,6 +7,7 @@ from collections import Counter
 
 import openai
 import pytest
+from aiohttp import web
 from e2e import KEYS, MODEL, Lab, Served, dispatched_behind, eventually, proxy_config
 
 from sfq_proxy.proxy import PROXY
@@ -303,3 +304,29 @@ async def test_embeddings_are_relayed_and_cost_their_input_only(lab: Lab) -> Non
     labels = {"org": "A", "class": "batch", "pool": "sim"}
     charged = served.state.metrics.registry.get_sample_value("sfq_cost_charged_total", labels)
     assert charged == 15  # input_weight 1 × 60 chars / 4; no output
+
+
+async def test_a_backends_cookie_is_never_sent_on_anyones_later_request(lab: Lab) -> None:
+    """One upstream session serves every client: a cookie kept in it (a load balancer's
+    affinity cookie, say) would ride on every other org's requests."""
+    cookies: list[str | None] = []
+
+    async def chat(request: web.Request) -> web.Response:
+        cookies.append(request.headers.get("Cookie"))
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        response = web.json_response({"object": "chat.completion", "choices": [], "usage": usage})
+        response.set_cookie("affinity", "backend-1")
+        return response
+
+    async def health(_: web.Request) -> web.Response:
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_get("/health", health)
+    port = await lab.serve(app)
+    # a host name, not an IP: aiohttp's default jar keeps cookies only for host names
+    served = await lab.proxy(proxy_config([f"http://localhost:{port}"]))
+    for org in ("A", "B"):
+        await lab.client(served, org).chat.completions.create(model=MODEL, messages=CHAT)
+    assert cookies == [None, None]
