@@ -1,32 +1,33 @@
-"""The HTTP front end: the routes, and the one place where rejections become responses.
+"""The HTTP front end: the routes, and where rejections become OpenAI-style JSON errors.
 
 Inference requests go through ``inference.py``; every decision is made by a sans-I/O
 piece (``classify``, ``cost``, ``admission``, the pool's ``Scheduler``) and every rejection
-is an :class:`ApiError`, turned into an OpenAI-style JSON error by the middleware.
+is an :class:`ApiError`. There is no middleware: aiohttp wraps every request in two more
+coroutines when there is one, which is CPU on every request and memory for every queued
+one. Each handler answers its own errors, and unrouted paths get a route of their own.
 """
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .accesslog import REQUEST_ID_HEADER
 from .config import Config, ConfigError
 from .errors import ApiError
 from .inference import handler
-from .proxy import FLOW, PROXY, RECORD, Clock, Proxy
+from .proxy import PROXY, Clock, Proxy
 from .request import Kind
 
 log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def build_app(
@@ -37,56 +38,50 @@ def build_app(
     ``config_path`` is the file a reload reads again.
     """
     proxy = Proxy.from_config(config, clock, config_path)
-    app = web.Application(client_max_size=config.limits.max_body_bytes, middlewares=[_errors])
+    app = web.Application(client_max_size=config.limits.max_body_bytes)
     app[PROXY] = proxy
     app.cleanup_ctx.append(proxy.lifecycle)
     for kind in Kind:
         app.router.add_post(kind.value, handler(kind))
-    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/v1/models", _answering_errors(_models))
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
-    app.router.add_get("/admin/state", _admin_state)
-    app.router.add_post("/admin/reload", _admin_reload)
+    app.router.add_get("/admin/state", _answering_errors(_admin_state))
+    app.router.add_post("/admin/reload", _answering_errors(_admin_reload))
+    allowed: dict[str, set[str]] = {}
+    for route in app.router.routes():
+        allowed.setdefault(route.resource.canonical, set()).add(route.method)
+    app.router.add_route("*", "/{path:.*}", _unrouted(allowed))
     return app
 
 
-@web.middleware
-async def _errors(request: web.Request, handler: Callable[..., Any]) -> web.StreamResponse:
-    """Every rejection leaves as an OpenAI-style JSON error, aiohttp's own included, and
-    every finished inference request is counted once, by its outcome."""
-    proxy = request.app[PROXY]
-    try:
-        response = await handler(request)
-    except ApiError as err:
-        response = err.response()
-        _count(proxy, request, "rejected" if err.reason else "failed", err.reason)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return ApiError(exc.status, exc.reason).response()
-    except asyncio.CancelledError:
-        record = request.get(RECORD)
-        if record is not None:
-            _count(proxy, request, record.outcome or "cancelled_queued")
-        raise
-    else:
-        record = request.get(RECORD)
-        if record is not None and record.outcome:
-            _count(proxy, request, record.outcome)
-    if RECORD in request and not response.prepared:
-        response.headers[REQUEST_ID_HEADER] = request[RECORD].request_id
-    return response
+def _answering_errors(serve: Handler) -> Handler:
+    """``serve``, with its ApiError turned into the error response."""
+
+    @functools.wraps(serve)
+    async def answer(request: web.Request) -> web.StreamResponse:
+        try:
+            return await serve(request)
+        except ApiError as err:
+            return err.response()
+
+    return answer
 
 
-def _count(proxy: Proxy, request: web.Request, outcome: str, reason: str | None = None) -> None:
-    flow = request.get(FLOW)
-    record = request.get(RECORD)
-    org = flow.org if flow else (record.org or "" if record else "")
-    key = (org, flow.cls, flow.pool) if flow else (org, "", "")
-    proxy.metrics.count(key, "requests", outcome)
-    if reason:
-        proxy.metrics.count(key, "rejections", reason)
+def _unrouted(allowed: dict[str, set[str]]) -> Handler:
+    """What answers a path no route serves (404), or serves for other methods (405)."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        methods = allowed.get(request.path)
+        if methods is None:
+            return ApiError(404, f"No such endpoint: {request.path}").response()
+        message = f"{request.method} is not allowed here; use {', '.join(sorted(methods))}."
+        response = ApiError(405, message).response()
+        response.headers["Allow"] = ", ".join(sorted(methods))
+        return response
+
+    return answer
 
 
 async def _models(request: web.Request) -> web.Response:

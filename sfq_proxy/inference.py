@@ -18,11 +18,11 @@ from functools import partial
 
 from aiohttp import web
 
-from .accesslog import AccessRecord
+from .accesslog import REQUEST_ID_HEADER, AccessRecord
 from .classify import CLASS_HEADER, Flow, classify
 from .cost import Estimate
 from .errors import ApiError
-from .proxy import FLOW, PROXY, RECORD, Proxy
+from .proxy import PROXY, Proxy
 from .relay import Relayed, UpstreamUnreachable, forward
 from .request import InferenceRequest, Kind, parse
 from .scheduler import Ticket
@@ -34,21 +34,38 @@ IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 def handler(kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
     async def handle(request: web.Request) -> web.StreamResponse:
+        """Serve one request; whatever becomes of it, it is counted once and logged once."""
         proxy = request.app[PROXY]
-        record = request[RECORD] = AccessRecord.for_request(request.headers)
+        record = AccessRecord.for_request(request.headers)
+        reason = None
         try:
             return await _admit_and_serve(proxy, request, kind, record)
         except ApiError as err:
-            record.status = err.status
-            record.outcome = "rejected" if err.reason else "failed"
-            raise
+            record.status, reason = err.status, err.reason
+            record.outcome = "rejected" if reason else "failed"
+            response = err.response()
+            response.headers[REQUEST_ID_HEADER] = record.request_id
+            return response
         except asyncio.CancelledError:
             record.outcome = record.outcome or "cancelled_queued"
             raise
+        except Exception:  # e.g. the backend died mid-stream: the client's answer is cut
+            record.outcome = "failed"
+            raise
         finally:
+            _count(proxy, record, reason)
             record.emit()
 
     return handle
+
+
+def _count(proxy: Proxy, record: AccessRecord, reason: str | None) -> None:
+    if record.outcome is None:
+        return
+    key = (record.org or "", record.cls or "", record.pool or "")
+    proxy.metrics.count(key, "requests", record.outcome)
+    if reason:
+        proxy.metrics.count(key, "rejections", reason)
 
 
 async def _admit_and_serve(
@@ -59,7 +76,6 @@ async def _admit_and_serve(
     inference = parse(kind, await _read_body(request, proxy.config.limits.max_body_bytes))
     record.model = inference.model
     flow = classify(proxy.config, key, request.headers.get(CLASS_HEADER), inference.model)
-    request[FLOW] = flow
     record.cls, record.pool = flow.cls, flow.pool
     timeout = _client_timeout(request)
     pool = proxy.pools[flow.pool]
@@ -84,7 +100,9 @@ async def _admit_and_serve(
     proxy.metrics.seen(flow.key)
     try:
         expires_at, expiry = _deadline(now, cls.max_queue_age_s, timeout)
-        return await _serve(proxy, request, ticket, inference, estimate, expires_at, expiry)
+        return await _serve(
+            proxy, request, flow, record, ticket, inference, estimate, expires_at, expiry
+        )
     finally:
         proxy.admission.done(flow, idempotency_key)
 
@@ -92,14 +110,14 @@ async def _admit_and_serve(
 async def _serve(
     proxy: Proxy,
     request: web.Request,
+    flow: Flow,
+    record: AccessRecord,
     ticket: Ticket,
     inference: InferenceRequest,
     estimate: Estimate,
     expires_at: float | None,
     expiry: ApiError | None,
 ) -> web.StreamResponse:
-    flow: Flow = request[FLOW]
-    record: AccessRecord = request[RECORD]
     pool = proxy.pools[flow.pool]
     key = flow.key
     metrics = proxy.metrics

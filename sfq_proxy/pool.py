@@ -94,9 +94,10 @@ class Pool:
         self._run(self.scheduler.submit(ticket, self.clock(), front=front))
         if future.done():  # dispatched at once: the common case when the pool is not full
             return future.result()
-        delay = None if expires_at is None else max(0.0, expires_at - self.clock())
         try:
-            async with asyncio.timeout(delay):
+            if expires_at is None:
+                return await future
+            async with asyncio.timeout(max(0.0, expires_at - self.clock())):
                 return await future
         except TimeoutError:
             if self.scheduler.cancel(ticket) or ticket.backend is None:

@@ -13,10 +13,9 @@ import aiohttp
 from aiohttp import web
 
 from . import calibration
-from .accesslog import AccessRecord
 from .admission import Admission
 from .calibration import Calibration
-from .classify import Authenticator, Flow
+from .classify import Authenticator
 from .config import CalibrationSpec, Config, ConfigError, load_config
 from .cost import CostModel
 from .metrics import Metrics
@@ -144,5 +143,3 @@ def _load_calibration(spec: CalibrationSpec) -> Calibration:
 
 
 PROXY = web.AppKey("proxy", Proxy)
-FLOW = web.RequestKey("flow", Flow)
-RECORD = web.RequestKey("access_record", AccessRecord)

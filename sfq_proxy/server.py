@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
@@ -77,6 +78,10 @@ def run(main: Callable[[], Any]) -> None:
 async def serve(config: Config, config_path: Path | None = None) -> None:
     accesslog.configure()
     async with running(config, config_path=config_path) as runner:
+        # What start-up made (modules, config, app: ~50k objects) lives as long as the
+        # process: out of the collector's sight, a full collection takes ~0 ms, not ~30 ms
+        # of a stalled event loop.
+        gc.freeze()
         print(f"sfq-proxy listening on {bound_url(runner)}", flush=True)
         proxy = runner.app[PROXY]
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload, proxy)

@@ -87,8 +87,10 @@ async def test_404_and_405_of_aiohttp_are_openai_errors_too(lab: Lab, served: Se
         assert r.status == 404
         assert (await r.json())["error"]["type"] == "invalid_request_error"
     async with http.get(f"{served.url}/v1/chat/completions") as r:
-        assert r.status == 405
-        assert "error" in await r.json()
+        assert (r.status, r.headers["Allow"]) == (405, "POST")
+        assert (await r.json())["error"]["code"] == "method_not_allowed"
+    async with http.post(f"{served.url}/metrics") as r:
+        assert (r.status, r.headers["Allow"]) == (405, "GET, HEAD")
 
 
 async def test_413_for_a_body_over_the_limit(lab: Lab, served: Served) -> None:
