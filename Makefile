@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast vllm tools lint bench clean
+.PHONY: run test test-fast vllm tools lint bench bench-proxy clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -17,13 +17,17 @@ run: $(STAMP)
 test: $(STAMP) tools
 	$(PY) -m pytest
 
+# apt-get install the Debian packages $(1) when one of the commands $(2) is missing (as root)
+define apt_need
+	@for c in $(2); do command -v $$c >/dev/null || missing=1; done; [ -z "$$missing" ] || { \
+	  [ "$$(id -u)" = 0 ] || { echo "install $(1) (apt)"; exit 1; }; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $(1) >/dev/null; }
+endef
+
 # Debian tools the deploy tests run: docker-compose (validates deploy/compose, no engine) and
-# promtool (checks deploy/prometheus). Installed with apt when missing and we are root.
+# promtool (checks deploy/prometheus).
 tools:
-	@command -v docker-compose >/dev/null && command -v promtool >/dev/null || { \
-	  [ "$$(id -u)" = 0 ] || { echo "install docker-compose and prometheus (apt)"; exit 1; }; \
-	  apt-get update -qq && apt-get install -y -qq --no-install-recommends \
-	    docker-compose prometheus >/dev/null; }
+	$(call apt_need,docker-compose prometheus,docker-compose promtool)
 
 test-fast: $(STAMP)  # everything but the real-vLLM tests
 	$(PY) -m pytest -m "not vllm"
@@ -38,6 +42,12 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/sfq_core.py
+
+# the proxy against a bare pass-through (nginx as the backend, wrk as the load), and queueing
+bench-proxy: $(STAMP)
+	$(call apt_need,nginx-light wrk,nginx wrk)
+	$(PY) bench/overhead.py
+	$(PY) bench/queue.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
