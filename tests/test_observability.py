@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import aiohttp
 import openai
 import pytest
 from e2e import KEYS, MODEL, AccessLines, Lab, Served, eventually, proxy_config
@@ -211,3 +212,27 @@ async def test_access_log_line_per_request_with_ids_and_no_secrets(
     text = json.dumps(lines)
     assert SECRET_PROMPT not in text
     assert all(key not in text for key in KEYS.values())
+
+
+async def test_a_stream_cut_by_a_dying_backend_is_counted_and_logged_as_failed(
+    lab: Lab, access_log: AccessLines
+) -> None:
+    sim = await lab.backend()
+    served = await lab.proxy(proxy_config([sim.url]))
+    await sim.update_faults(die_after_tokens=3)
+    http = await lab.http()
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 10, "stream": True}
+    headers = {"Authorization": f"Bearer {KEYS['A']}"}
+    async with http.post(f"{served.url}/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):  # the client sees the cut too
+            await r.read()
+
+    async def counted() -> bool:
+        got = await scrape(lab, served)
+        flow = {"org": "A", "class": "batch", "pool": "sim"}
+        return sample(got, "sfq_requests_total", **flow, outcome="failed") == 1
+
+    await eventually(counted)
+    # no status: the answer was never completed (its 200 had been sent)
+    assert [(line["outcome"], line["status"]) for line in await access_log()] == [("failed", None)]
