@@ -24,6 +24,9 @@ class Estimate:
     input_tokens: int
     max_tokens: int  # 0 for embeddings, which generate nothing
     cost: float
+    # the characters input_tokens was derived from by chars/token (0 when a tokenizer counted
+    # them, or token ids were sent): what calibration learns chars/token from
+    chars: int = 0
 
 
 class CostModel:
@@ -75,26 +78,24 @@ class CostModel:
             max_tokens = request.max_tokens or self.spec.default_max_tokens
         expected_output = max_tokens * self.output_ratio(org)
         cost = self.spec.input_weight * tokens + self.spec.output_weight * expected_output
+        counted_by_chars = self._tokenizer is None and not request.token_ids
+        chars = len(request.text or "") if counted_by_chars else 0
         # floor of one token's worth: an empty prompt still occupies a slot, and SFQ needs > 0
-        return Estimate(input_tokens=tokens, max_tokens=max_tokens, cost=max(cost, 1.0))
+        return Estimate(tokens, max_tokens, max(cost, 1.0), chars)
 
     def observe(
         self,
-        request: InferenceRequest,
+        estimate: Estimate,
         org: str,
-        max_tokens: int,
         prompt_tokens: int | None,
         completion_tokens: int | None,
     ) -> None:
         """Feed a completed request's usage to calibration, for *future* estimates only."""
         if self._calibration is None:
             return
-        counted_from_text = self._tokenizer is None and not request.token_ids
         self._calibration.observe(
-            self._pool, org,
-            chars=len(request.text or "") if counted_from_text else 0,
-            prompt_tokens=prompt_tokens, max_tokens=max_tokens,
-            completion_tokens=completion_tokens,
+            self._pool, org, chars=estimate.chars, prompt_tokens=prompt_tokens,
+            max_tokens=estimate.max_tokens, completion_tokens=completion_tokens,
         )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ import contextlib
 import math
 import random
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from functools import partial
 
 from aiohttp import web
@@ -83,6 +84,7 @@ async def _admit_and_serve(
         cooldown = pool.spec.health.cooldown_s
         raise ApiError(503, f"Pool '{flow.pool}' has no healthy backend.", retry_after=cooldown)
     estimate = pool.cost.estimate(inference, flow.org)
+    inference = replace(inference, text=None)  # queued, it holds its body, not its prompt twice
     cls = proxy.config.classes[flow.cls]
     ticket = Ticket(
         org=flow.org,
@@ -169,10 +171,7 @@ async def _serve(
         raise ApiError(502, f"No backend of pool '{flow.pool}' could be reached.")
     _account(proxy, flow, record, relayed)
     if relayed.response.status == 200:
-        pool.cost.observe(
-            inference, flow.org, estimate.max_tokens, relayed.prompt_tokens,
-            relayed.completion_tokens,
-        )  # fmt: skip
+        pool.cost.observe(estimate, flow.org, relayed.prompt_tokens, relayed.completion_tokens)
     return relayed.response
 
 

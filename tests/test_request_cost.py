@@ -256,15 +256,15 @@ def test_chat_text_length_counts_every_message() -> None:
 
 def test_default_max_tokens_applies_when_request_sets_none() -> None:
     model = CostModel(CostSpec(default_max_tokens=300))
-    assert model.estimate(completion("x" * 8)) == Estimate(2, 300, 302.0)
-    assert model.estimate(completion("x" * 8, max_tokens=10)) == Estimate(2, 10, 12.0)
+    assert model.estimate(completion("x" * 8)) == Estimate(2, 300, 302.0, chars=8)
+    assert model.estimate(completion("x" * 8, max_tokens=10)) == Estimate(2, 10, 12.0, chars=8)
 
 
 def test_weights_and_output_ratio() -> None:
     spec = CostSpec(input_weight=0.5, output_weight=3.0, output_ratio=0.25, chars_per_token=2.0)
     estimate = CostModel(spec).estimate(completion("x" * 20, max_completion_tokens=100))
     # 0.5 * 10 + 3 * 100 * 0.25
-    assert estimate == Estimate(input_tokens=10, max_tokens=100, cost=80.0)
+    assert estimate == Estimate(input_tokens=10, max_tokens=100, cost=80.0, chars=20)
 
 
 def test_zero_input_weight_prices_output_only() -> None:
@@ -275,7 +275,9 @@ def test_zero_input_weight_prices_output_only() -> None:
 def test_embeddings_cost_input_only() -> None:
     spec = CostSpec(input_weight=2.0, output_weight=5.0, default_max_tokens=512)
     req = parse(Kind.EMBEDDING, body(input="x" * 40))
-    assert CostModel(spec).estimate(req) == Estimate(input_tokens=10, max_tokens=0, cost=20.0)
+    assert CostModel(spec).estimate(req) == Estimate(
+        input_tokens=10, max_tokens=0, cost=20.0, chars=40
+    )
 
 
 @pytest.mark.parametrize(
