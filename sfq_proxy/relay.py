@@ -96,7 +96,6 @@ async def forward(
         except aiohttp.ClientPayloadError:  # the backend died mid-stream
             pool.report_failure(backend)
             raise
-        await response.write_eof()
         relayed.upstream_s = pool.clock() - sent
         return relayed
     except BaseException:
@@ -109,7 +108,8 @@ async def forward(
 async def _relay_stream(
     upstream: aiohttp.ClientResponse, relayed: Relayed, strip_usage: bool, pool: Pool, sent: float
 ) -> None:
-    """Write the stream's bytes as they come; keep only its tail, where the usage is."""
+    """Write the stream's bytes as they come, then end it; keep only its tail, where the
+    usage is."""
     tail: deque[bytes] = deque()  # the last chunks, about _TAIL_BYTES of them
     kept = 0
     stripper = _UsageStripper() if strip_usage else None
@@ -123,8 +123,7 @@ async def _relay_stream(
         out = chunk if stripper is None else stripper.feed(chunk)
         if out:
             await relayed.response.write(out)
-    if stripper is not None and (rest := stripper.close()):
-        await relayed.response.write(rest)
+    await relayed.response.write_eof(stripper.close() if stripper else b"")  # one write
     _read_usage(relayed, b"".join(tail))
 
 
