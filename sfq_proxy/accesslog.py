@@ -59,7 +59,7 @@ class _Sink:
 
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
-        self._format = _text if stream.isatty() else json.dumps
+        self._format = _text if stream.isatty() else _to_json
         self._lines: list[str] = []
 
     def write(self, fields: dict[str, Any]) -> None:
@@ -72,6 +72,9 @@ class _Sink:
             self._stream.write("\n".join(self._lines) + "\n")
             self._lines.clear()
             self._stream.flush()
+
+
+_to_json = json.JSONEncoder(check_circular=False).encode  # flat fields: no cycle to look for
 
 
 def _text(fields: dict[str, Any]) -> str:
