@@ -180,6 +180,7 @@ def main() -> None:
                 passthrough = subprocess.Popen(
                     [sys.executable, str(HERE / "passthrough.py"), str(PASS_PORT), *backends],
                     stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,  # a traceback for each request wrk cuts at its end
                 )
                 proxy = subprocess.Popen(
                     [sys.executable, "-m", "sfq_proxy.cli", "serve", "--config",
