@@ -146,37 +146,36 @@ class _UsageStripper:
         self._finished = False  # a choice has finished: the usage chunk may come from now on
 
     def feed(self, chunk: bytes) -> bytes:
-        quiet = not (self._partial or self._held or self._finished)
-        if quiet and chunk.endswith(b"\n\n") and _FINISHING.search(chunk) is None:
-            return chunk  # whole token events, as a server sends them: the hot path
-        data = self._partial + chunk
+        data = self._partial + chunk  # no copy while no event is cut in two
         cut = data.rfind(b"\n\n") + 2
         if cut < 2:
             self._partial = data
             return b""
-        complete, self._partial = data[:cut], data[cut:]
+        if cut == len(data):  # whole events, as servers send them: passed on uncopied
+            complete, self._partial = data, b""
+        else:
+            complete, self._partial = data[:cut], data[cut:]
         # until a choice finishes, one mark is searched for, not all of them
         found = (_MARKS if self._finished else _FINISHING).search(complete)
-        first = found.start() if found else -1
-        if not self._held and first < 0:
+        if found is None and not self._held:
             return complete
         self._finished = True
-        # only the events from the first marked one on are looked at one by one
-        boundary = -1 if self._held else complete.rfind(b"\n\n", 0, first)
+        # the events before the first marked one go as they came; the rest one by one
+        boundary = -1 if self._held or found is None else complete.rfind(b"\n\n", 0, found.start())
         start = boundary + 2 if boundary >= 0 else 0
-        out = [complete[:boundary]] if boundary >= 0 else []
+        out = [complete[:start]]
         for event in complete[start:].split(b"\n\n")[:-1]:
             if _USAGE in event and _NO_CHOICES.search(event):
                 self._held = _with_fingerprint_of(self._held, event)
                 continue
             if self._held:
-                out.append(self._held)
+                out.append(self._held + b"\n\n")
                 self._held = b""
             if _FINISHING.search(event):
                 self._held = event
             else:
-                out.append(event)
-        return b"".join(event + b"\n\n" for event in out)
+                out.append(event + b"\n\n")
+        return b"".join(out)
 
     def close(self) -> bytes:
         held = self._held + b"\n\n" if self._held else b""
