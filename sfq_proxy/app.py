@@ -14,7 +14,6 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from aiohttp import web
@@ -22,12 +21,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from .config import Config, ConfigError
 from .errors import ApiError
-from .inference import handler
+from .inference import Handler, handler
 from .proxy import PROXY, Clock, Proxy
 from .request import Kind
 
 log = logging.getLogger(__name__)
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def build_app(

@@ -33,7 +33,10 @@ TIMEOUT_HEADER = "X-Request-Timeout"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 
-def handler(kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def handler(kind: Kind) -> Handler:
     async def handle(request: web.Request) -> web.StreamResponse:
         """Serve one request; whatever becomes of it, it is counted once and logged once."""
         proxy = request.app[PROXY]
