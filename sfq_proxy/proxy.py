@@ -12,7 +12,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from . import calibration
+from . import calibration, logs
 from .admission import Admission
 from .calibration import Calibration
 from .classify import Authenticator
@@ -42,6 +42,7 @@ class Proxy:
 
     @classmethod
     def from_config(cls, config: Config, clock: Clock, config_path: Path | None = None) -> Proxy:
+        _hide_upstream_keys(config)
         calibration = _load_calibration(config.calibration)
         pools = {name: Pool(name, config, clock, calibration) for name in config.pools}
         return cls(
@@ -69,6 +70,7 @@ class Proxy:
             )
             for name, spec in config.pools.items()
         }
+        _hide_upstream_keys(config)
         warnings = []
         if config.listen != self.config.listen:
             warnings.append("listen cannot change by a reload: restart to use the new address")
@@ -128,6 +130,11 @@ class Proxy:
 
     def state(self) -> dict[str, Any]:
         return {name: pool.state() for name, pool in self.pools.items()}
+
+
+def _hide_upstream_keys(config: Config) -> None:
+    """The upstream keys are the only secrets the proxy holds in plain text: no log shows them."""
+    logs.hide(*(key for pool in config.pools if (key := config.upstream_key(pool))))
 
 
 def _load_calibration(spec: CalibrationSpec) -> Calibration:
