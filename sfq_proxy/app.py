@@ -10,7 +10,6 @@ one. Each handler answers its own errors, and unrouted paths get a route of thei
 from __future__ import annotations
 
 import functools
-import hashlib
 import hmac
 import logging
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from .classify import key_digest
 from .config import Config, ConfigError
 from .errors import ApiError
 from .inference import Handler, handler
@@ -129,6 +129,6 @@ def _admin(request: web.Request) -> Proxy:
     if digest is None:
         raise ApiError(403, "The admin API is off: set admin_key_env in the config.")
     token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
-    if not hmac.compare_digest(hashlib.sha256(token.encode()).digest(), digest):
+    if not hmac.compare_digest(key_digest(token), digest):
         raise ApiError(401, "Incorrect admin key.")
     return proxy

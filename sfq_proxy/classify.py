@@ -46,10 +46,16 @@ class Authenticator:
         token = _bearer(authorization)
         if token is None:
             raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.")
-        found = self._keys.get(hashlib.sha256(token.encode()).digest())
+        found = self._keys.get(key_digest(token))
         if found is None:
             raise ApiError(401, "Incorrect API key provided.")
         return found
+
+
+def key_digest(token: str) -> bytes:
+    """SHA-256 of a key as the client sent it. aiohttp keeps header bytes that are not
+    UTF-8 as surrogate escapes: they are hashed as the bytes they were, never an error."""
+    return hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest()
 
 
 def classify(config: Config, key: ResolvedKey, requested_class: str | None, model: str) -> Flow:

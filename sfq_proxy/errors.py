@@ -14,7 +14,9 @@ _TYPES = {
     405: ("invalid_request_error", "method_not_allowed"),
     409: ("invalid_request_error", "conflict"),
     413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_encoding"),
     429: ("rate_limit_error", "rate_limit_exceeded"),
+    500: ("server_error", "internal_error"),
     502: ("upstream_error", "bad_gateway"),
     503: ("service_unavailable", "no_healthy_backend"),
     504: ("timeout_error", "deadline_exceeded"),
@@ -23,7 +25,7 @@ _TYPES = {
 
 # Why a request was refused, for the metrics; an error without one is a failure to serve.
 _REASONS = {400: "invalid", 401: "auth", 403: "auth", 404: "invalid", 405: "invalid",
-            409: "invalid", 413: "invalid", 503: "no_backend"}  # fmt: skip
+            409: "invalid", 413: "invalid", 415: "invalid", 503: "no_backend"}  # fmt: skip
 _REASONS_BY_CODE = {"rate_limited": "rate", "queue_full": "queue_full",
                     "queue_age": "queue_age", "deadline": "deadline"}  # fmt: skip
 
@@ -52,8 +54,12 @@ class ApiError(Exception):
         return _REASONS_BY_CODE.get(self.code) or _REASONS.get(self.status)
 
     def response(self) -> web.Response:
+        """The JSON error; every 429 and 503 says when to come back (1 s unless known)."""
         headers = {}
-        if self.retry_after is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        retry_after = self.retry_after
+        if retry_after is None and self.status in (429, 503):
+            retry_after = 1.0
+        if retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
         body = {"error": {"message": self.message, "type": self.type, "code": self.code}}
         return web.json_response(body, status=self.status, headers=headers)

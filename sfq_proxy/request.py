@@ -1,13 +1,17 @@
 """The body of an inference request, checked just enough to route and price it.
 
 The proxy forwards the client's bytes unchanged; it parses them only to read ``model``,
-``stream``, the text it is priced on and ``max_tokens``. Anything else is the backend's
-business, and its own 400 passes through.
+``stream``, the text it is priced on and the token fields. Those are checked strictly,
+because the proxy prices and queues on them and then forwards the bytes: a body it cannot
+read exactly as a backend would (not UTF-8, NaN, lone surrogates) or a number it cannot
+price is a 400 here, never a surprise upstream or an overflow in the scheduler. Anything
+else is the backend's business, and its own 400 passes through.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -20,6 +24,16 @@ class Kind(Enum):
     COMPLETION = "/v1/completions"
     EMBEDDING = "/v1/embeddings"
 
+
+MAX_OUTPUT_TOKENS = 10_000_000
+"""The most ``max_tokens`` a request may ask for: beyond any model's context, and small
+enough that no charge derived from it can overflow the fair queue's meters."""
+MAX_CHOICES = 128
+"""The most ``n`` / ``best_of`` a request may ask for (OpenAI's own limit for ``n``)."""
+_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens")  # the first one set is charged
+_CHOICE_FIELDS = ("n", "best_of")
+# a JSON escape of a UTF-16 surrogate: only then can a string hold a lone one
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 _INPUT_FIELD = {Kind.CHAT: "messages", Kind.COMPLETION: "prompt", Kind.EMBEDDING: "input"}
 
@@ -52,12 +66,7 @@ def _ask_for_usage(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
 
 def parse(kind: Kind, raw: bytes) -> InferenceRequest:
     """Parse and check ``raw``; a body the proxy cannot route or price is a 400."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError):  # bad syntax or encoding, or nesting too deep
-        raise ApiError(400, "The body is not valid JSON.") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "The body must be a JSON object.")
+    body = _json_object(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' is required and must be a string.")
@@ -68,6 +77,9 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
     if field not in body:
         raise ApiError(400, f"'{field}' is required.")
     texts, token_ids = _inputs(kind, body[field], field)
+    max_tokens = _max_tokens(body)
+    for name in _CHOICE_FIELDS:
+        _bounded_int(body, name, MAX_CHOICES)
     upstream, strip_usage = (
         _ask_for_usage(body, raw) if kind is not Kind.EMBEDDING else (raw, False)
     )
@@ -77,10 +89,50 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
         stream=stream,
         text="".join(texts),
         token_ids=token_ids,
-        max_tokens=_max_tokens(body) if kind is not Kind.EMBEDDING else None,
+        max_tokens=max_tokens if kind is not Kind.EMBEDDING else None,
         raw=upstream,
         strip_usage=strip_usage,
     )
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object, read as strictly as RFC 8259 says a backend may read it.
+
+    ``json.loads`` on bytes would guess UTF-16 or UTF-32 and pass encoded surrogates, and
+    it takes ``NaN`` and ``Infinity``: a backend may read such a body otherwise or not at
+    all, and the proxy edits the bytes of streaming bodies, so only UTF-8 is accepted.
+    """
+    try:
+        text = raw.decode("utf-8")  # strict: no BOM-less UTF-16, no encoded surrogates
+        body = json.loads(text, parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise ApiError(400, "The body must be JSON encoded as UTF-8.") from None
+    except (ValueError, RecursionError):  # bad syntax, NaN, huge integers, nesting too deep
+        raise ApiError(400, "The body is not valid JSON.") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "The body must be a JSON object.")
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
+        raise ApiError(400, "The body holds a lone UTF-16 surrogate, which is not text.")
+    return body
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a string anywhere in ``value`` cannot be encoded as UTF-8 (a lone surrogate)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
 
 
 def _inputs(kind: Kind, value: Any, field: str) -> tuple[list[str], int]:
@@ -107,22 +159,28 @@ def _message_text(message: Any, index: int) -> str:
     content = message.get("content")
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list):
-        texts = [p.get("text", "") for p in content if isinstance(p, dict)]
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        texts = [p.get("text", "") for p in content]
         if all(isinstance(t, str) for t in texts):
             return "".join(texts)
     raise ApiError(400, f"'messages[{index}].content' must be a string or an array of parts.")
 
 
 def _max_tokens(body: dict[str, Any]) -> int | None:
-    for name in ("max_completion_tokens", "max_tokens"):
-        value = body.get(name)
-        if value is None:
-            continue
-        if not _is_token(value) or value < 1:
-            raise ApiError(400, f"'{name}' must be a positive integer.")
-        return value
-    return None
+    """The output budget asked for; every token field present is checked, not only the
+    one charged, because the backend may read the other."""
+    values = [_bounded_int(body, name, MAX_OUTPUT_TOKENS) for name in _OUTPUT_FIELDS]
+    return next((v for v in values if v is not None), None)
+
+
+def _bounded_int(body: dict[str, Any], name: str, limit: int) -> int | None:
+    """``body[name]``: absent or null, or an integer in [1, ``limit``] (else a 400)."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if not _is_token(value) or not 1 <= value <= limit:
+        raise ApiError(400, f"'{name}' must be an integer from 1 to {limit}.")
+    return value
 
 
 def _is_token(value: Any) -> bool:

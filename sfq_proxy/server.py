@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from . import accesslog
+from . import accesslog, logs
 from .app import build_app
 from .config import Config, ConfigError
 from .proxy import PROXY, Proxy
@@ -33,6 +33,7 @@ async def running(config: Config, **app_options: Any) -> AsyncIterator[web.AppRu
         shutdown_timeout=config.drain_timeout_s,
         handler_cancellation=True,  # a client that leaves cancels its handler: queue exit, abort
         access_log=None,
+        auto_decompress=False,  # compressed bodies reach the handler as sent, and are refused
     )
     await runner.setup()
     try:
@@ -66,7 +67,8 @@ async def wait_for_signal() -> None:
 
 
 def run(main: Callable[[], Any]) -> None:
-    """``asyncio.run`` on uvloop when it is installed."""
+    """``asyncio.run`` on uvloop when it is installed, with the process's logs redacted."""
+    logs.configure()
     try:
         import uvloop
     except ImportError:

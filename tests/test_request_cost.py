@@ -14,7 +14,8 @@ from tokenizers.pre_tokenizers import Whitespace
 from sfq_proxy.config import ConfigError, CostSpec
 from sfq_proxy.cost import CostModel, Estimate
 from sfq_proxy.errors import ApiError
-from sfq_proxy.request import InferenceRequest, Kind, parse
+from sfq_proxy.request import MAX_OUTPUT_TOKENS, InferenceRequest, Kind, parse
+from sfq_proxy.scheduler import Ticket
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -62,7 +63,6 @@ def test_chat_with_list_of_parts_reads_only_text_parts() -> None:
         {"type": "text", "text": "What is "},
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
         {"type": "text", "text": "this?"},
-        "not a part",
     ]
     req = chat({"role": "user", "content": parts})
     assert req.text == "What is this?"
@@ -214,6 +214,13 @@ def test_missing_prompt_and_input_are_400() -> None:
     assert "'input'" in rejected(Kind.EMBEDDING, body(input=[{"a": 1}])).message
 
 
+@pytest.mark.parametrize("part", ["not a part", None, 5, [{"text": "a"}]], ids=repr)
+def test_a_content_part_that_is_not_an_object_is_400(part: Any) -> None:
+    """The API's parts are objects: a backend refuses anything else, so it never gets there."""
+    raw = body(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, part]}])
+    assert "'messages[0].content'" in rejected(Kind.CHAT, raw).message
+
+
 @pytest.mark.parametrize("text", [None, 5])
 def test_non_string_text_part_is_400(text: Any) -> None:
     raw = body(messages=[{"role": "user", "content": [{"type": "text", "text": text}]}])
@@ -222,6 +229,82 @@ def test_non_string_text_part_is_400(text: Any) -> None:
 
 def test_deeply_nested_json_is_400() -> None:
     assert "JSON" in rejected(Kind.CHAT, b"[" * 100_000).message
+
+
+CHAT_TEXT = '{"model": "m", "stream": true, "messages": [{"role": "user", "content": "x"}]}'
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        CHAT_TEXT.encode("utf-16"),  # with its BOM
+        CHAT_TEXT.encode("utf-16-le"),
+        CHAT_TEXT.encode("utf-32"),
+        CHAT_TEXT.encode("utf-8-sig"),  # a BOM is not JSON text
+        CHAT_TEXT.replace('"x"', '"\xed\xa0\x80"').encode("latin-1"),  # an encoded surrogate
+        CHAT_TEXT.replace('"x"', '"caf\xe9"').encode("latin-1"),
+    ],
+    ids=["utf-16", "utf-16-le", "utf-32", "utf-8-bom", "encoded-surrogate", "latin-1"],
+)
+def test_a_body_not_in_utf8_is_400(raw: bytes) -> None:
+    """JSON bytes are UTF-8 (RFC 8259 §8.1); a guess at another encoding would forward bytes
+    that a backend reads otherwise, and the usage edit of a stream would corrupt them."""
+    assert "JSON" in rejected(Kind.CHAT, raw).message
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udfff", "a\\ud83d", "\\ude00\\ud83d"])
+def test_a_lone_surrogate_escape_is_400(escape: str) -> None:
+    raw = CHAT_TEXT.replace('"x"', f'"{escape}"').encode()
+    assert "surrogate" in rejected(Kind.CHAT, raw).message
+
+
+def test_an_escaped_surrogate_pair_is_text() -> None:
+    raw = CHAT_TEXT.replace('"x"', '"\\ud83d\\ude00 ok"').encode()
+    assert parse(Kind.CHAT, raw).text == "\U0001f600 ok"
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_anywhere_are_400(constant: str) -> None:
+    raw = CHAT_TEXT.replace('"stream"', f'"temperature": {constant}, "stream"').encode()
+    assert "JSON" in rejected(Kind.CHAT, raw).message
+
+
+@pytest.mark.parametrize(
+    ("name", "literal", "limit"),
+    [
+        ("max_tokens", "1" + "0" * 305, "10000000"),  # the integer that broke a pool
+        ("max_tokens", "10000001", "10000000"),
+        ("max_completion_tokens", "99999999999", "10000000"),
+        ("n", "129", "128"),
+        ("best_of", "0", "128"),
+        ("n", "-1", "128"),
+    ],
+)
+def test_numbers_beyond_their_documented_limit_are_400_naming_field_and_limit(
+    name: str, literal: str, limit: str
+) -> None:
+    raw = CHAT_TEXT.replace('"stream"', f'"{name}": {literal}, "stream"').encode()
+    message = rejected(Kind.CHAT, raw).message
+    assert f"'{name}'" in message
+    assert limit in message
+
+
+def test_integers_longer_than_python_reads_are_400() -> None:
+    raw = CHAT_TEXT.replace('"stream"', f'"max_tokens": {"9" * 5000}, "stream"').encode()
+    assert "JSON" in rejected(Kind.CHAT, raw).message
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_every_token_field_is_checked_not_only_the_charged_one(bad: int) -> None:
+    """vLLM reads ``max_tokens`` when ``max_completion_tokens`` is absent *or* when it is
+    its own alias: a bad one beside a good one must not pass because it is not charged."""
+    raw = body(messages=[{"content": "x"}], max_completion_tokens=5, max_tokens=bad)
+    assert "'max_tokens'" in rejected(Kind.CHAT, raw).message
+
+
+def test_the_largest_allowed_values_parse() -> None:
+    req = chat({"content": "x"}, max_tokens=10_000_000, n=128, best_of=128)
+    assert req.max_tokens == 10_000_000
 
 
 # -- CostModel.estimate -----------------------------------------------------------------------
@@ -333,3 +416,15 @@ def test_missing_tokenizer_error_names_the_path(tmp_path: Path) -> None:
         ConfigError, match=r"^pools\.p\.cost\.tokenizer: cannot load '.*absent\.json'"
     ):
         CostModel(CostSpec(tokenizer=str(path)), "pools.p.cost")
+
+
+def test_the_largest_request_under_the_most_extreme_config_is_a_valid_ticket() -> None:
+    """The config's and the parser's bounds together keep every charge within what the fair
+    queue takes: the biggest body at the top cost weights, fewest chars per token and the
+    lowest flow weight still makes a ticket (a ValueError here would be a 500 per request)."""
+    spec = CostSpec(input_weight=1000, output_weight=1000, chars_per_token=0.1)
+    text = "x" * (1 << 30)  # limits.max_body_bytes at its maximum
+    request = InferenceRequest(Kind.CHAT, "m", False, text, 0, MAX_OUTPUT_TOKENS, b"")
+    estimate = CostModel(spec).estimate(request)
+    tokens = estimate.input_tokens + estimate.max_tokens
+    Ticket(org="a", cls="batch", cost=estimate.cost, weight=0.001 * 0.001, tokens=tokens)
