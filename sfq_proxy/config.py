@@ -36,6 +36,8 @@ from pydantic import (
     model_validator,
 )
 
+from .request import MAX_OUTPUT_TOKENS
+
 __all__ = [
     "BackendSpec",
     "CalibrationSpec",
@@ -70,6 +72,14 @@ NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# Bounds that keep every number derived from the config finite and every timer valid:
+# a flow's weight (class × org) stays within the fair queue's [1e-6, 1e6], and the largest
+# request (max body, max_tokens) at the largest cost weights stays below its MAX_COST.
+Weight = Annotated[float, Field(ge=0.001, le=1000, allow_inf_nan=False)]
+CostWeight = Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(gt=0, le=31_536_000, allow_inf_nan=False)]  # a year
+NonNegativeSeconds = Annotated[float, Field(ge=0, le=31_536_000, allow_inf_nan=False)]
+PerMinute = Annotated[float, Field(gt=0, le=1e12, allow_inf_nan=False)]
 
 
 class _Spec(BaseModel):
@@ -88,7 +98,7 @@ class Listen(_Spec):
 class Limits(_Spec):
     """Request limits enforced before a request is parsed (413 above the body size)."""
 
-    max_body_bytes: PositiveInt = 10 * 1024 * 1024
+    max_body_bytes: int = Field(10 * 1024 * 1024, gt=0, le=1 << 30)
 
 
 class KeySpec(_Spec):
@@ -132,10 +142,10 @@ class KeySpec(_Spec):
 class ClassSpec(_Spec):
     """A workload class. Priority classes bypass SFQ (strict band, FIFO, capped)."""
 
-    weight: PositiveFloat = 1.0
+    weight: Weight = 1.0
     priority: bool = False
     max_in_flight: PositiveInt | None = None
-    max_queue_age_s: PositiveFloat | None = None
+    max_queue_age_s: Seconds | None = None
     max_queue_len: PositiveInt | None = None
 
 
@@ -151,20 +161,20 @@ def default_classes() -> dict[str, ClassSpec]:
 class OrgSpec(_Spec):
     """Per-organisation share (weight), concurrency cap and rate limits."""
 
-    weight: PositiveFloat = 1.0
+    weight: Weight = 1.0
     max_in_flight: PositiveInt | None = None
-    rpm: PositiveFloat | None = None
-    tpm: PositiveFloat | None = None
+    rpm: PerMinute | None = None
+    tpm: PerMinute | None = None
 
 
 class CostSpec(_Spec):
     """Cost model of a pool (DESIGN §4): weighted input plus expected output tokens."""
 
-    input_weight: NonNegativeFloat = 1.0
-    output_weight: NonNegativeFloat = 1.0
-    default_max_tokens: PositiveInt = 512
+    input_weight: CostWeight = 1.0
+    output_weight: CostWeight = 1.0
+    default_max_tokens: int = Field(512, gt=0, le=MAX_OUTPUT_TOKENS)
     tokenizer: NonEmptyStr | None = None
-    chars_per_token: PositiveFloat = 4.0
+    chars_per_token: float = Field(4.0, ge=0.1, le=100, allow_inf_nan=False)
     output_ratio: float = Field(1.0, gt=0, le=1)
 
     @model_validator(mode="after")
@@ -179,9 +189,9 @@ class HealthSpec(_Spec):
     """Active health probe of each backend, and the cooldown after a failure."""
 
     path: str = "/health"
-    interval_s: PositiveFloat = 5.0
-    cooldown_s: NonNegativeFloat = 10.0
-    timeout_s: PositiveFloat = 2.0
+    interval_s: Seconds = 5.0
+    cooldown_s: NonNegativeSeconds = 10.0
+    timeout_s: Seconds = 2.0
 
     @field_validator("path")
     @classmethod
@@ -193,10 +203,12 @@ class HealthSpec(_Spec):
 
 
 class TimeoutSpec(_Spec):
-    """Upstream timeouts: TCP/TLS connect, and time to the first response byte."""
+    """Upstream timeouts: TCP/TLS connect, time to the response headers, and the longest
+    silence after them (between a stream's chunks, or while a body arrives)."""
 
-    connect_s: PositiveFloat = 5.0
-    first_byte_s: PositiveFloat = 300.0
+    connect_s: Seconds = 5.0
+    first_byte_s: Seconds = 300.0
+    idle_s: Seconds = 60.0
 
 
 class BackendSpec(_Spec):
@@ -241,8 +253,8 @@ class BackendSpec(_Spec):
 class RateSpec(_Spec):
     """Rate limits of a provider pool, shared by every flow of the pool."""
 
-    requests_per_minute: PositiveFloat | None = None
-    tokens_per_minute: PositiveFloat | None = None
+    requests_per_minute: PerMinute | None = None
+    tokens_per_minute: PerMinute | None = None
 
 
 class PoolSpec(_Spec):
@@ -262,8 +274,8 @@ class RetrySpec(_Spec):
 
     max_attempts: int = Field(3, ge=1)
     budget_ratio: float = Field(0.1, ge=0, le=1)
-    backoff_base_s: NonNegativeFloat = 0.5
-    backoff_max_s: NonNegativeFloat = 8.0
+    backoff_base_s: NonNegativeSeconds = 0.5
+    backoff_max_s: NonNegativeSeconds = 8.0
 
 
 class CalibrationSpec(_Spec):
@@ -276,7 +288,7 @@ class CalibrationSpec(_Spec):
     state_file: NonEmptyStr | None = None
     half_life_requests: PositiveInt = 5000
     min_org_samples: PositiveInt = 50
-    save_interval_s: PositiveFloat = 60.0
+    save_interval_s: Seconds = 60.0
 
 
 class MetricsSpec(_Spec):
@@ -317,7 +329,7 @@ class Config(_Spec):
     calibration: CalibrationSpec = CalibrationSpec()
     metrics: MetricsSpec = MetricsSpec()
     admin_key_env: NonEmptyStr | None = None
-    drain_timeout_s: NonNegativeFloat = 30.0
+    drain_timeout_s: NonNegativeSeconds = 30.0
 
     _resolved: tuple[ResolvedKey, ...] = PrivateAttr(default=())
     _upstream_keys: dict[str, str] = PrivateAttr(default_factory=dict)

@@ -16,7 +16,9 @@ class TokenBucket:
     """``per_minute`` tokens a minute, bursting up to ``burst_s`` seconds' worth; starts full.
 
     A take larger than the burst waits for a full bucket and leaves it in debt, so the
-    average rate still holds for requests bigger than one burst.
+    average rate still holds for requests bigger than one burst. Callers that must never
+    wait years refuse what does not ``fit`` first. Amounts are checked before anything
+    changes: a NaN or an infinity would leave the bucket unusable for everyone.
     """
 
     per_minute: float
@@ -29,16 +31,28 @@ class TokenBucket:
         self.capacity = max(1.0, self.per_minute * self.burst_s / 60.0)
         self.level = self.capacity
 
+    def fits(self, amount: float) -> bool:
+        """Whether ``amount`` is at most what a full bucket holds."""
+        return amount <= self.capacity
+
     def wait(self, amount: float, now: float) -> float:
         """Seconds until ``amount`` tokens may be taken (0 when they may be taken now)."""
+        _check_amount(amount)
         self._refill(now)
         missing = min(amount, self.capacity) - self.level
         return max(0.0, missing * 60.0 / self.per_minute)
 
     def take(self, amount: float, now: float) -> None:
         """Take ``amount`` tokens; callers check ``wait`` first."""
+        _check_amount(amount)
         self._refill(now)
         self.level -= amount
+
+    def give_back(self, amount: float, now: float) -> None:
+        """Return tokens taken for work that was never done (never above a full bucket)."""
+        _check_amount(amount)
+        self._refill(now)
+        self.level = min(self.capacity, self.level + amount)
 
     def _refill(self, now: float) -> None:
         if now > self.updated:
@@ -75,9 +89,25 @@ class Rate:
         for bucket, amount in self._buckets(tokens):
             bucket.take(amount, now)
 
+    def give_back(self, tokens: float, now: float) -> None:
+        for bucket, amount in self._buckets(tokens):
+            bucket.give_back(amount, now)
+
+    def too_large(self, tokens: float) -> TokenBucket | None:
+        """The bucket that ``tokens`` would overflow even when full, if any."""
+        return self.tokens if self.tokens is not None and not self.tokens.fits(tokens) else None
+
     def _buckets(self, tokens: float) -> list[tuple[TokenBucket, float]]:
         pairs = [(self.requests, 1.0), (self.tokens, tokens)]
         return [(bucket, amount) for bucket, amount in pairs if bucket is not None]
+
+
+MAX_AMOUNT = 1e18  # far beyond any bucket; a bound that keeps every sum finite
+
+
+def _check_amount(amount: float) -> None:
+    if isinstance(amount, bool) or not 0 <= amount <= MAX_AMOUNT:  # NaN fails too
+        raise ValueError(f"a token amount must be a number in [0, {MAX_AMOUNT:g}], got {amount!r}")
 
 
 @dataclass(slots=True)

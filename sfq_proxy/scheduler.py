@@ -12,20 +12,24 @@ ineligible and keeps its place), and a provider pool's token buckets pace the *r
 from __future__ import annotations
 
 from collections import Counter, deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .limits import Rate
 from .placement import Backend, Placement
-from .sfq import FairQueue
+from .sfq import MAX_COST, FairQueue, check_cost, check_weight
 
 NO_CAP = 1 << 62
 
 
 @dataclass(eq=False, slots=True)
 class Ticket:
-    """A request's place in line. ``payload`` is whatever the shell needs to resume it."""
+    """A request's place in line. ``payload`` is whatever the shell needs to resume it.
+
+    Its numbers are checked when it is made (ValueError), so a ticket that exists can be
+    queued, charged and paced without any operation failing half-way.
+    """
 
     org: str
     cls: str
@@ -40,6 +44,11 @@ class Ticket:
     flow: str = field(init=False)
 
     def __post_init__(self) -> None:
+        check_cost(self.cost)
+        check_weight(self.weight)
+        tokens = self.tokens
+        if isinstance(tokens, bool) or not (0 <= tokens <= MAX_COST):  # NaN fails too
+            raise ValueError(f"tokens must be a number in [0, {MAX_COST:g}], got {tokens!r}")
         self.flow = f"{self.org}/{self.cls}"
 
 
@@ -91,9 +100,9 @@ class Scheduler:
         if ticket.priority:
             (self.band.appendleft if front else self.band.append)(ticket)
         else:
-            self._track(ticket)
             self.queue.push(ticket.flow, ticket, ticket.cost, ticket.weight, front=front)
-        return list(self._dispatch(now))
+            self._track(ticket)
+        return self._dispatch(now)
 
     def cancel(self, ticket: Ticket) -> bool:
         """Take a still-queued ticket out, uncharged; False if it was not queued."""
@@ -118,11 +127,16 @@ class Scheduler:
         self._org_running[ticket.org] -= 1
         self._class_running[ticket.cls] -= 1
         self._refresh(ticket)
-        return list(self._dispatch(now))
+        return self._dispatch(now)
 
     def pump(self, now: float) -> list[Ticket]:
         """Dispatch what capacity allows now (a backend came back, the rate refilled)."""
-        return list(self._dispatch(now))
+        return self._dispatch(now)
+
+    def refund(self, tokens: float, now: float) -> None:
+        """Give back the pacing tokens of a dispatch the upstream refused without generating."""
+        if self._rate is not None:
+            self._rate.give_back(tokens, now)
 
     def queued(self) -> int:
         return len(self.queue) + len(self.band)
@@ -134,23 +148,27 @@ class Scheduler:
             return sum(t.cls == ticket.cls for t in self.band)
         return self.queue.backlog(ticket.flow)
 
-    def _dispatch(self, now: float) -> Iterator[Ticket]:
+    def _dispatch(self, now: float) -> list[Ticket]:
+        """Dispatch while a ticket and a slot are there: each one is decided (what, where,
+        whether the rate allows it) before any state changes, so nothing raises half-way."""
         self.wake_at = None
+        dispatched = []
         while (ticket := self._band_next() or _item(self.queue.peek())) is not None:
             backend = self.placement.choose()
             if backend is None:
-                return
+                break
             if self._rate is not None:
                 wait = self._rate.wait(ticket.tokens, now)
                 if wait > 0:
                     self.wake_at = now + wait
-                    return
+                    break
+            self.placement.acquire(backend)  # the one step that checks: it goes first
+            if self._rate is not None:
                 self._rate.take(ticket.tokens, now)
             if ticket.priority:
                 self.band.remove(ticket)
             else:
                 self.queue.pop()
-            self.placement.acquire(backend)
             ticket.backend = backend
             ticket.dispatches += 1
             self.running += 1
@@ -158,7 +176,8 @@ class Scheduler:
             self._org_running[ticket.org] += 1
             self._class_running[ticket.cls] += 1
             self._refresh(ticket)
-            yield ticket
+            dispatched.append(ticket)
+        return dispatched
 
     def _band_next(self) -> Ticket | None:
         """The oldest band ticket whose class is under its cap."""

@@ -20,17 +20,31 @@ makes renormalisation (subtracting ``v`` from everything) change no future decis
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-__all__ = ["UNITS_PER_COST", "FairQueue", "FlowView"]
+__all__ = [
+    "MAX_COST",
+    "MAX_WEIGHT",
+    "MIN_WEIGHT",
+    "UNITS_PER_COST",
+    "FairQueue",
+    "FlowView",
+    "check_cost",
+    "check_weight",
+]
 
 T = TypeVar("T")
 
 UNITS_PER_COST = 1 << 20
 """Fixed-point resolution of meters: a charge is rounded to about a millionth of a token."""
+
+MAX_COST = 1e15
+"""The largest cost one item may have. With weights within [MIN_WEIGHT, MAX_WEIGHT] every
+charge is a finite number of units, so no operation can overflow half-way through."""
+MIN_WEIGHT = 1e-9
+MAX_WEIGHT = 1e9
 
 _RENORMALIZE_AT = 1 << 60
 """Internal virtual time above which meters are shifted down, to stay in machine-size ints."""
@@ -57,6 +71,9 @@ class FlowView:
 
 class FairQueue(Generic[T]):
     """SFQ over string-named flows, each a FIFO of opaque items with a positive cost.
+
+    Every operation checks its arguments before it changes anything, so one that raises
+    leaves the queue exactly as it was.
 
     ``renormalize_at`` exists so tests can force renormalisation often and show that it
     never changes the dispatch order; production code leaves it at its default.
@@ -86,8 +103,8 @@ class FairQueue(Generic[T]):
         ``front`` puts it at the head of its flow (a retry, which is its flow's oldest
         request); it still waits for its flow's turn by meter like any other.
         """
-        _check_positive("cost", cost)
-        _check_positive("weight", weight)
+        check_cost(cost)
+        check_weight(weight)
         state = self._flows.get(flow)
         if state is None:
             state = self._flows[flow] = _Flow(meter=self._v)
@@ -114,9 +131,11 @@ class FairQueue(Generic[T]):
             return None
         flow, state = head
         heap = self._heap
+        item, cost = state.queue[0]
+        charge = max(1, round(cost * UNITS_PER_COST / state.weight))  # finite: bounded inputs
         self._v = state.meter
-        item, cost = state.queue.popleft()
-        state.meter += max(1, round(cost * UNITS_PER_COST / state.weight))
+        state.queue.popleft()
+        state.meter += charge
         self._max_meter = max(self._max_meter, state.meter)
         self._queued -= 1
         if state.queue:
@@ -150,7 +169,7 @@ class FairQueue(Generic[T]):
 
     def set_weight(self, flow: str, weight: float) -> None:
         """Change a queued flow's weight (a config reload): its next charges use it."""
-        _check_positive("weight", weight)
+        check_weight(weight)
         state = self._flows.get(flow)
         if state is not None:
             state.weight = weight
@@ -257,7 +276,22 @@ class FairQueue(Generic[T]):
         self._heap = [(m - shift, f, s) for m, f, s in self._heap]  # order kept: heap intact
 
 
-def _check_positive(name: str, value: float) -> None:
+def check_cost(cost: float) -> None:
+    """Raise ValueError unless ``cost`` is a number in (0, MAX_COST]."""
+    _check_range("cost", cost, MAX_COST)
+
+
+def check_weight(weight: float) -> None:
+    """Raise ValueError unless ``weight`` is a number in [MIN_WEIGHT, MAX_WEIGHT]."""
+    _check_range("weight", weight, MAX_WEIGHT, MIN_WEIGHT)
+
+
+def _check_range(name: str, value: float, high: float, low: float = 0.0) -> None:
+    """``value`` must be a real number in (0, ``high``] and at least ``low``.
+
+    Compared, never converted: a huge int must fail the check, not overflow inside it.
+    NaN fails every comparison.
+    """
     ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (ok and math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    if not (ok and 0 < value <= high and value >= low):
+        raise ValueError(f"{name} must be a number in (0, {high:g}] and >= {low:g}, got {value!r}")

@@ -332,12 +332,38 @@ ERROR_CASES: list[tuple[str, Mutation, str]] = [
         _set("pools.llama-8b.backends.0.slots", -3),
         "pools.llama-8b.backends[0].slots: must be > 0",
     ),
-    ("org weight 0", _set("orgs.product.weight", 0), "orgs.product.weight: must be > 0"),
-    ("org weight < 0", _set("orgs.product.weight", -1.5), "orgs.product.weight: must be > 0"),
+    ("org weight 0", _set("orgs.product.weight", 0), "orgs.product.weight: must be >= 0.001"),
+    ("org weight < 0", _set("orgs.product.weight", -1.5), "orgs.product.weight: must be >= 0.001"),
     (
         "class weight 0",
         _set("classes", {"batch": {"weight": 0}}),
-        "classes.batch.weight: must be > 0",
+        "classes.batch.weight: must be >= 0.001",
+    ),
+    ("org weight huge", _set("orgs.product.weight", 1e6), "orgs.product.weight: must be <= 1000"),
+    (
+        "cost weight huge",
+        _set("pools.llama-8b.cost", {"input_weight": 1e300}),
+        "pools.llama-8b.cost.input_weight: must be <= 1000",
+    ),
+    (
+        "chars per token tiny",
+        _set("pools.llama-8b.cost", {"chars_per_token": 1e-300}),
+        "pools.llama-8b.cost.chars_per_token: must be >= 0.1",
+    ),
+    (
+        "default max tokens huge",
+        _set("pools.llama-8b.cost", {"default_max_tokens": 10**12}),
+        "pools.llama-8b.cost.default_max_tokens: must be <= 10000000",
+    ),
+    (
+        "timeout of 10^308 s",
+        _set("pools.llama-8b.timeouts", {"idle_s": 1e308}),
+        "pools.llama-8b.timeouts.idle_s: must be <= 31536000",
+    ),
+    (
+        "body limit above 1 GiB",
+        _set("limits", {"max_body_bytes": 1 << 40}),
+        "limits.max_body_bytes: must be <= 1073741824",
     ),
     (
         "infinite weight",
@@ -578,7 +604,7 @@ def test_several_errors_reported_together() -> None:
     lines = error_lines(data)
     assert sorted(lines) == [
         "keys[0].colour: unknown field",
-        "orgs.product.weight: must be > 0",
+        "orgs.product.weight: must be >= 0.001",
         "pools.llama-8b.backends[0].slots: must be > 0",
     ]
 
@@ -641,7 +667,7 @@ def test_load_config_reads_file(tmp_path: Path) -> None:
 
 # --- property tests -------------------------------------------------------------------
 
-positive = st.floats(min_value=1e-6, max_value=1e6, allow_nan=False)
+positive = st.floats(min_value=0.001, max_value=1000, allow_nan=False)
 non_positive = st.floats(max_value=0, allow_nan=False, allow_infinity=False)
 
 
@@ -668,10 +694,10 @@ def test_non_positive_values_fail(field: str, int_value: int, float_value: float
         expected = "pools.llama-8b.backends[1].slots: must be > 0"
     elif field == "org weight":
         data["orgs"]["product"]["weight"] = float_value
-        expected = "orgs.product.weight: must be > 0"
+        expected = "orgs.product.weight: must be >= 0.001"
     else:
         data["classes"] = {"interactive": {"weight": float_value}, "batch": {}}
-        expected = "classes.interactive.weight: must be > 0"
+        expected = "classes.interactive.weight: must be >= 0.001"
     with pytest.raises(ConfigError) as info:
         parse(data)
     assert str(info.value).splitlines() == [expected]

@@ -7,6 +7,7 @@ that every wait is exact in binary floating point, and is compared with ``==``.
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +24,7 @@ from sfq_proxy.errors import ApiError
 from sfq_proxy.limits import Rate, RetryBudget, TokenBucket
 from sfq_proxy.placement import Placement
 from sfq_proxy.scheduler import Scheduler, Ticket
+from sfq_proxy.sfq import MAX_COST, MIN_WEIGHT
 
 fast = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -878,3 +880,99 @@ def test_caps_are_never_exceeded_and_free_slots_never_idle(
                 t = model.queued.pop(i % len(model.queued))
                 assert sched.cancel(t) is True
         check_caps_and_work_conservation(sched, model)
+
+
+# -- bounded amounts: one request can neither break a bucket nor overdraw it for years -------
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -1.0, 1e19, 10**400, True])
+def test_a_bucket_refuses_amounts_it_cannot_count_and_stays_as_it_was(bad: Any) -> None:
+    bucket = TokenBucket(600)
+    bucket.take(100, 0.0)
+    for step in (bucket.wait, bucket.take, bucket.give_back):
+        with pytest.raises(ValueError, match="token amount"):
+            step(bad, 1.0)
+    assert (bucket.level, bucket.updated) == (500, 0.0)
+
+
+def test_give_back_returns_tokens_up_to_a_full_bucket() -> None:
+    bucket = TokenBucket(60)
+    bucket.take(50, 0.0)
+    bucket.give_back(20, 0.0)
+    assert bucket.level == 30
+    bucket.give_back(1000, 0.0)
+    assert bucket.level == bucket.capacity == 60
+
+
+def test_a_request_larger_than_a_full_tokens_bucket_is_400_naming_the_limit() -> None:
+    """Taken, it would overdraw the bucket: ``max_tokens: 1e7`` against 1,000 tokens a minute
+    locked every org of the pool out for hours. It could never fit, so it is refused."""
+    adm = admission(orgs={"a": {"tpm": 1000}}, pool_rate={"tokens_per_minute": 5000})
+    err = rejection(adm, A, tokens=1001)
+    assert (err.status, err.code) == (400, "tokens_exceed_limit")
+    assert "1000 tokens per minute of org a" in err.message
+    err = rejection(adm, B, tokens=10_000_000)
+    assert "5000 tokens per minute of pool prov" in err.message
+    assert admitted(adm, B, 5, tokens=1000) == 5  # nothing was taken by the refusals
+    assert admitted(adm, A, 1, tokens=1000) == 0  # b used the pool's bucket up
+
+
+def test_a_refund_gives_the_org_and_the_pool_their_tokens_back() -> None:
+    adm = admission(orgs={"a": {"tpm": 1000}}, pool_rate={"tokens_per_minute": 1000})
+    adm.admit(A, 1000, 0, None, 0.0)
+    assert rejection(adm, A, tokens=500).code == "rate_limited"
+    assert rejection(adm, B, tokens=500).code == "rate_limited"  # the pool's is empty too
+    adm.refund(A, 1000, 0.0)  # e.g. the backend answered 400 at once
+    adm.admit(A, 1000, 0, None, 0.0)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"cost": math.nan},
+        {"cost": 1e305},
+        {"cost": 0},
+        {"weight": 1e-300},
+        {"weight": math.inf},
+        {"tokens": math.nan},
+        {"tokens": -1.0},
+        {"tokens": 1e16},
+    ],
+    ids=repr,
+)
+def test_a_ticket_with_numbers_the_scheduler_cannot_use_is_never_made(
+    fields: dict[str, float],
+) -> None:
+    with pytest.raises(ValueError, match="must be"):
+        Ticket(**{"org": "a", "cls": "batch", "cost": 1.0, **fields})  # type: ignore[arg-type]
+
+
+def test_the_largest_valid_ticket_is_queued_charged_and_paced_like_any() -> None:
+    sched = Scheduler(placement(1), rate=Rate.of(None, 600, burst_s=1.0))
+    huge = Ticket(org="a", cls="batch", cost=MAX_COST, weight=MIN_WEIGHT, tokens=MAX_COST)
+    small = sfq("b", tokens=1)
+    assert sched.submit(huge, 0.0) == [huge]
+    assert sched.submit(small, 0.0) == []
+    assert sched.finish(huge, 0.0) == []  # the pacing bucket is deep in debt, not broken
+    assert sched.wake_at is not None
+    assert math.isfinite(sched.wake_at)
+    sched.refund(MAX_COST, 0.0)  # the upstream refused it at once: the debt is forgiven
+    assert sched.pump(0.0) == [small]
+
+
+def test_a_dispatch_that_fails_leaves_the_ticket_queued_and_every_slot_free() -> None:
+    """The only check of a dispatch (a free slot) comes before any change: a placement that
+    raises leaves the ticket in line, uncharged, and nothing held."""
+    place = placement(1)
+    sched = Scheduler(place)
+    ticket = sfq("a")
+
+    def broken(backend: Any) -> None:
+        raise RuntimeError("injected")
+
+    place.acquire = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError):
+        sched.submit(ticket, 0.0)
+    assert (sched.queued(), sched.running, sched.queue.meter("a")) == (1, 0, 0.0)
+    del place.acquire
+    assert sched.pump(0.0) == [ticket]

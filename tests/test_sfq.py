@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 from sfq_harness import Op, QueueLike, ReferenceSFQ, Trace, check_band, check_pairwise, run
 
-from sfq_proxy.sfq import FairQueue
+from sfq_proxy.sfq import MAX_COST, MAX_WEIGHT, MIN_WEIGHT, FairQueue
 
 FLOWS = ["a", "b", "c", "d"]
 Make = Callable[[], QueueLike]
@@ -376,3 +376,99 @@ def test_set_weight_changes_the_charges_still_to_come() -> None:
     q.set_weight("nobody", 2.0)  # a flow not tracked: nothing to change
     with pytest.raises(ValueError, match="weight must be"):
         q.set_weight("a", 0)
+
+
+# -- exception safety: an operation that raises changes nothing ---------------------------------
+
+EXTREMES = [0, -1, -0.0, math.nan, math.inf, -math.inf, 1e305, 10**400, 1e-300, 2e15, True, "1"]
+bad_values = st.sampled_from(EXTREMES)
+valid_weights = st.sampled_from([MIN_WEIGHT, 0.5, 1.0, 4.0, MAX_WEIGHT])
+risky_op = st.one_of(
+    op,
+    st.tuples(st.just("push"), st.sampled_from(FLOWS), bad_values),
+    st.tuples(st.just("push_w"), st.sampled_from(FLOWS), costs, bad_values),
+    st.tuples(st.just("weight"), st.sampled_from(FLOWS), bad_values),
+    st.tuples(st.just("weight"), st.sampled_from(FLOWS), valid_weights),
+)
+
+
+def _snapshot(q: FairQueue[int]) -> tuple[object, ...]:
+    return (len(q), q.virtual_time, q.flows(), q.peek(), repr(q))
+
+
+def _apply(q: FairQueue[int], step: tuple[object, ...], n: int, popped: list[object]) -> None:
+    """One operation of ``risky_op`` on ``q``; ``n`` makes every pushed item distinct."""
+    kind, *args = step
+    if kind in ("push", "front"):
+        q.push(args[0], n, args[1], front=kind == "front")  # type: ignore[arg-type]
+    elif kind == "push_w":
+        q.push(args[0], n, args[1], weight=args[2])  # type: ignore[arg-type]
+    elif kind == "weight":
+        q.set_weight(args[0], args[1])  # type: ignore[arg-type]
+    elif kind == "pop":
+        popped.append(q.pop())
+    elif kind == "remove":
+        q.remove(args[0], args[1])  # type: ignore[arg-type]
+    else:
+        q.set_eligible(args[0], args[1])  # type: ignore[arg-type]
+
+
+@fast
+@given(st.lists(risky_op, max_size=200))
+def test_an_operation_that_raises_leaves_the_queue_as_it_was(ops: list[tuple]) -> None:
+    """Extreme and non-finite values on every operation: each one either succeeds or raises
+    ValueError before any change, so the queue then behaves exactly as one that never saw it
+    (what a bad request once did to a pool: taken off its flow, then overflowed)."""
+    q: FairQueue[int] = FairQueue()
+    clean: FairQueue[int] = FairQueue()
+    popped: list[object] = []
+    clean_popped: list[object] = []
+    for n, step in enumerate(ops):
+        before = _snapshot(q)
+        try:
+            _apply(q, step, n, popped)
+        except ValueError:
+            assert _snapshot(q) == before, step
+            continue
+        _apply(clean, step, n, clean_popped)
+        assert _snapshot(q) == _snapshot(clean)
+    while (item := q.pop()) is not None:
+        popped.append(item)
+    while (item := clean.pop()) is not None:
+        clean_popped.append(item)
+    assert popped == clean_popped
+
+
+def test_the_extreme_valid_charge_is_finite_and_orders_as_usual() -> None:
+    """The largest cost at the smallest weight still makes an exact integer charge."""
+    q: FairQueue[str] = FairQueue()
+    q.push("huge", "h1", MAX_COST, weight=MIN_WEIGHT)
+    q.push("huge", "h2", MAX_COST, weight=MIN_WEIGHT)
+    q.push("tiny", "t1", 1.0, weight=MAX_WEIGHT)
+    q.push("tiny", "t2", 1.0, weight=MAX_WEIGHT)
+    assert [q.pop() for _ in range(4)] == [
+        ("huge", "h1"), ("tiny", "t1"), ("tiny", "t2"), ("huge", "h2")
+    ]  # fmt: skip
+    assert math.isfinite(q.virtual_time)
+    assert len(q) == 0
+
+
+@pytest.mark.parametrize("bad", [MAX_COST * 2, 10**400, 1e305])
+def test_costs_above_the_maximum_are_refused(bad: float) -> None:
+    q: FairQueue[int] = FairQueue()
+    with pytest.raises(ValueError, match="cost must be"):
+        q.push("a", 1, bad)
+    assert len(q) == 0
+    assert q.flows() == []
+
+
+@pytest.mark.parametrize("bad", [MIN_WEIGHT / 2, MAX_WEIGHT * 2, 1e-300])
+def test_weights_beyond_their_range_are_refused(bad: float) -> None:
+    q: FairQueue[int] = FairQueue()
+    q.push("a", 1, 1.0)
+    with pytest.raises(ValueError, match="weight must be"):
+        q.set_weight("a", bad)
+    with pytest.raises(ValueError, match="weight must be"):
+        q.push("a", 2, 1.0, weight=bad)
+    assert q.pop() == ("a", 1)
+    assert q.meter("a") == 1.0
