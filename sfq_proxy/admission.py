@@ -2,7 +2,10 @@
 
 Sans-I/O: the caller passes the time. Checked in this order, so that a rejected request
 never spends rate tokens: a duplicate ``Idempotency-Key`` (409), a full flow queue (429),
-then the org's and the pool's token buckets (429 with the wait as ``Retry-After``).
+a request larger than a full tokens-per-minute bucket (400: it could never be admitted,
+and taking it would lock the org or the pool out for as long as it overdraws), then the
+org's and the pool's token buckets (429 with the wait as ``Retry-After``). Tokens of a
+request that generated nothing upstream are given back (``refund``).
 """
 
 from __future__ import annotations
@@ -56,15 +59,33 @@ class Admission:
                 429, f"The queue of flow {flow.id} is full ({cap}).", code="queue_full",
                 retry_after=1.0,
             )  # fmt: skip
-        rates = [r for r in (self._org_rates.get(flow.org), self._pool_rates.get(flow.pool)) if r]
-        wait = max((rate.wait(tokens, now) for rate in rates), default=0.0)
+        rates = self._rates(flow)
+        for rate, owner in zip(rates, (f"org {flow.org}", f"pool {flow.pool}"), strict=True):
+            if rate is not None and (full := rate.too_large(tokens)) is not None:
+                raise ApiError(
+                    400, f"This request's {tokens:.0f} estimated tokens exceed the "
+                    f"{full.per_minute:g} tokens per minute of {owner}; lower max_tokens or "
+                    "the input.", code="tokens_exceed_limit",
+                )  # fmt: skip
+        wait = max((rate.wait(tokens, now) for rate in rates if rate), default=0.0)
         if wait > 0:
             raise ApiError(429, "Rate limit reached.", code="rate_limited", retry_after=wait)
         for rate in rates:
-            rate.take(tokens, now)
+            if rate is not None:
+                rate.take(tokens, now)
         self._budget(flow).record_request(now)
         if idempotency_key is not None:
             self._active.add((flow.org, idempotency_key))
+
+    def refund(self, flow: Flow, tokens: float, now: float) -> None:
+        """Give back what ``admit`` took for a request that generated nothing upstream."""
+        for rate in self._rates(flow):
+            if rate is not None:
+                rate.give_back(tokens, now)
+
+    def _rates(self, flow: Flow) -> tuple[Rate | None, Rate | None]:
+        """The org's and the pool's intake buckets, where they have one."""
+        return self._org_rates.get(flow.org), self._pool_rates.get(flow.pool)
 
     def done(self, flow: Flow, idempotency_key: str | None) -> None:
         """The admitted request is over, whatever its outcome."""

@@ -5,12 +5,19 @@ Retries happen only while nothing has reached the client (connect error, or a ba
 by meter like any request, is charged again when dispatched, waits a backoff with full
 jitter first (at least the backend's ``Retry-After``), and draws on the flow's retry
 budget. Out of attempts, budget or time, the client gets the upstream's own error.
+
+Whatever fails while a request is served, its slot, its queue entry and its idempotency key
+are given back: the relay answers the backend's faults itself, a bug before the answer
+starts is an OpenAI-style 500, and a failure to *count* an answer never changes it.
+Rate tokens come back when the request generated nothing upstream (never dispatched, no
+backend reached, or a 4xx), so a request the backend refused at once costs its org nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import math
 import random
 from collections.abc import Awaitable, Callable
@@ -24,10 +31,11 @@ from .classify import CLASS_HEADER, Flow, classify
 from .cost import Estimate
 from .errors import ApiError
 from .proxy import PROXY, Proxy
-from .relay import Relayed, UpstreamUnreachable, forward
+from .relay import Relayed, UpstreamUnreachable, forward, read_usage
 from .request import InferenceRequest, Kind, parse
 from .scheduler import Ticket
 
+log = logging.getLogger(__name__)
 RETRYABLE = frozenset({429, 502, 503})
 TIMEOUT_HEADER = "X-Request-Timeout"
 IDEMPOTENCY_HEADER = "Idempotency-Key"
@@ -53,9 +61,13 @@ def handler(kind: Kind) -> Handler:
         except asyncio.CancelledError:
             record.outcome = record.outcome or "cancelled_queued"
             raise
-        except Exception:  # e.g. the backend died mid-stream: the client's answer is cut
-            record.outcome = "failed"
-            raise
+        except Exception:  # a bug: the answer has not started (the relay ends its own)
+            log.exception("request %s failed", record.request_id)
+            record.status, record.outcome = 500, "failed"
+            error = ApiError(500, "The proxy failed to serve this request.")
+            response = error.response()
+            response.headers[REQUEST_ID_HEADER] = record.request_id
+            return response
         finally:
             _count(proxy, record, reason)
             record.emit()
@@ -102,8 +114,8 @@ async def _admit_and_serve(
     idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
     now = proxy.clock()
     proxy.admission.admit(flow, ticket.tokens, queued, idempotency_key, now)
-    proxy.metrics.seen(flow.key)
     try:
+        proxy.metrics.seen(flow.key)
         expires_at, expiry = _deadline(now, cls.max_queue_age_s, timeout)
         return await _serve(
             proxy, request, flow, record, ticket, inference, estimate, expires_at, expiry
@@ -131,23 +143,29 @@ async def _serve(
     relayed: Relayed | None = None
     for attempt in range(1, retry.max_attempts + 1):
         queued_at = proxy.clock()
-        backend = await pool.acquire(
-            ticket, expires_at=expires_at, expiry=expiry, front=attempt > 1
-        )
+        try:
+            backend = await pool.acquire(
+                ticket, expires_at=expires_at, expiry=expiry, front=attempt > 1
+            )
+        except BaseException:  # expired or cancelled in line: this attempt generated nothing
+            proxy.admission.refund(flow, ticket.tokens, proxy.clock())
+            raise
         waited = proxy.clock() - queued_at
         record.queue_wait_s += waited
         record.backend = backend.name
         metrics.observe(key, "queue_wait_seconds", waited)
         if not ticket.priority:
             metrics.count(key, "cost_charged", amount=ticket.cost)  # the cost, not cost/weight
+        relayed, generated = None, True
         try:
             relayed = await forward(
                 proxy.session, pool, backend, request, inference, record.request_id,
                 record.queue_wait_s,
                 on_headers=partial(metrics.first_byte, flow.pool, backend.name),
             )  # fmt: skip
+            generated = not _refused(relayed)
         except UpstreamUnreachable:
-            relayed = None
+            generated = False
         except asyncio.CancelledError:
             record.outcome = "cancelled_running"
             raise
@@ -155,7 +173,7 @@ async def _serve(
             record.outcome = "cancelled_running"
             raise asyncio.CancelledError from None
         finally:
-            pool.release(ticket)
+            pool.release(ticket, refund=not generated)
         status = None if relayed is None else relayed.response.status
         if status is not None and status not in RETRYABLE:
             break
@@ -170,12 +188,23 @@ async def _serve(
         metrics.count(key, "retries", "unreachable" if status is None else str(status))
         record.retries += 1
         await asyncio.sleep(delay)
+    if _refused(relayed):
+        proxy.admission.refund(flow, ticket.tokens, proxy.clock())
     if relayed is None:
-        raise ApiError(502, f"No backend of pool '{flow.pool}' could be reached.")
-    _account(proxy, flow, record, relayed)
-    if relayed.response.status == 200:
-        pool.cost.observe(estimate, flow.org, relayed.prompt_tokens, relayed.completion_tokens)
+        raise ApiError(502, f"No backend of pool '{flow.pool}' gave an answer.")
+    try:  # the answer is the backend's: a failure to count it is logged, never sent
+        read_usage(relayed)
+        _account(proxy, flow, record, relayed)
+        if relayed.response.status == 200 and not relayed.cut:
+            pool.cost.observe(estimate, flow.org, relayed.prompt_tokens, relayed.completion_tokens)
+    except Exception:
+        log.exception("request %s: its answer could not be counted", record.request_id)
     return relayed.response
+
+
+def _refused(relayed: Relayed | None) -> bool:
+    """Whether the upstream answered without generating anything: a 4xx, or no answer."""
+    return relayed is None or 400 <= relayed.response.status < 500
 
 
 def _account(proxy: Proxy, flow: Flow, record: AccessRecord, relayed: Relayed) -> None:
@@ -187,7 +216,9 @@ def _account(proxy: Proxy, flow: Flow, record: AccessRecord, relayed: Relayed) -
         relayed.completion_tokens,
     )
     key, metrics = flow.key, proxy.metrics
-    if status < 400:
+    if relayed.cut:
+        record.outcome = "failed"
+    elif status < 400:
         record.outcome = "completed"
     else:
         record.outcome = "upstream_error"
@@ -238,6 +269,10 @@ def _deadline(
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The body as sent. A compressed one is refused: the server does not inflate bodies
+    (a small one can inflate to gigabytes), and the proxy forwards exactly what it read."""
+    if request.headers.get("Content-Encoding", "identity").lower() != "identity":
+        raise ApiError(415, "Compressed request bodies are not accepted; send plain JSON.")
     if request.content_length is not None and request.content_length > limit:
         raise _too_large(limit)
     try:

@@ -108,9 +108,13 @@ class Pool:
                 self.release(ticket)
             raise
 
-    def release(self, ticket: Ticket) -> None:
-        """The request holding a slot is over (done, failed or cancelled)."""
-        self._run(self.scheduler.finish(ticket, self.clock()))
+    def release(self, ticket: Ticket, *, refund: bool = False) -> None:
+        """The request holding a slot is over (done, failed or cancelled); ``refund`` when
+        the upstream generated nothing, so the pool's pacing gives its tokens back."""
+        now = self.clock()
+        if refund:
+            self.scheduler.refund(ticket.tokens, now)
+        self._run(self.scheduler.finish(ticket, now))
 
     def report_failure(self, backend: Backend) -> None:
         """Passive health: a connection failure or 5xx takes the backend out for a cooldown."""

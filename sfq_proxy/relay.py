@@ -1,9 +1,16 @@
-"""Forward one dispatched request to its backend and relay the answer as it arrives."""
+"""Forward one dispatched request to its backend and relay the answer as it arrives.
+
+Nothing a backend sends can break the pool: an answer that is not HTTP, or that breaks off
+before the client saw anything, is ``UpstreamUnreachable`` (a retry elsewhere, else a 502);
+a stream that breaks off after its first bytes ends with an error event; usage counts that
+are not sane token counts are ignored. Each of these takes the backend out for a cooldown.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from collections import deque
 from collections.abc import Callable
@@ -17,6 +24,7 @@ from .placement import Backend
 from .pool import Pool
 from .request import InferenceRequest
 
+log = logging.getLogger(__name__)
 # Upstream response headers worth passing on; hop-by-hop and length headers are not.
 _PASS_HEADERS = ("Content-Type", "Retry-After")
 QUEUE_WAIT_HEADER = "X-Queue-Wait"
@@ -30,10 +38,46 @@ _USAGE = b'"usage"'
 _USAGE_BYTES = 4096  # more than any usage object: the part of the tail that is parsed
 _DECODER = json.JSONDecoder()
 _FINGERPRINT = re.compile(rb'("system_fingerprint":\s*(?:"[^"]*"|null))')
+MAX_USAGE_TOKENS = 1_000_000_000  # a usage count above this is a lying backend, not usage
+_ERROR_STATUSES = frozenset({429, 503})  # what must say when to come back
 
 
 class UpstreamUnreachable(Exception):
     """The backend failed before the client was sent anything: retrying elsewhere is safe."""
+
+
+class UpstreamStalled(aiohttp.ClientPayloadError):
+    """The backend sent nothing for ``timeouts.idle_s`` after its headers."""
+
+
+class _Watchdog:
+    """Ends a read from ``reader`` once the backend has been silent for ``idle_s``.
+
+    One timer per answer, re-armed when it fires rather than per chunk: the loop only notes
+    the time of each chunk. The read is ended by putting an error into the reader, which
+    wakes it even where closing the connection would not (aiohttp's C parser leaves a read
+    waiting forever after a malformed chunk).
+    """
+
+    def __init__(self, reader: aiohttp.StreamReader, idle_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._reader = reader
+        self._idle_s = idle_s
+        self.progress = self._loop.time()
+        self._timer = self._loop.call_at(self.progress + idle_s, self._check)
+
+    def _check(self) -> None:
+        deadline = self.progress + self._idle_s
+        if self._loop.time() < deadline:
+            self._timer = self._loop.call_at(deadline, self._check)
+        else:
+            self._reader.set_exception(UpstreamStalled(f"silent for {self._idle_s:g} s"))
+
+    def progressed(self) -> None:
+        self.progress = self._loop.time()
+
+    def cancel(self) -> None:
+        self._timer.cancel()
 
 
 @dataclass(slots=True)
@@ -45,6 +89,8 @@ class Relayed:
     first_chunk_s: float | None = None  # send → first streamed chunk (time to first token)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    cut: bool = False  # the stream broke off after it started: ended with an error event
+    tail: bytes = b""  # the end of a 200 answer, where its usage is (see ``read_usage``)
 
 
 async def forward(
@@ -78,26 +124,29 @@ async def forward(
         headers = {h: upstream.headers[h] for h in _PASS_HEADERS if h in upstream.headers}
         headers["X-Request-Id"] = request_id
         headers[QUEUE_WAIT_HEADER] = f"{queue_wait_s:.6f}"
+        if upstream.status in _ERROR_STATUSES:
+            headers.setdefault("Retry-After", "1")
         if not (inference.stream and upstream.status == 200):
+            watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s)
             try:
                 body = await upstream.read()
+            except UpstreamStalled:
+                pool.report_failure(backend)
+                raise _stalled(pool) from None
             except aiohttp.ClientError as exc:  # died before answering: the client saw nothing
                 pool.report_failure(backend)
-                raise UpstreamUnreachable(str(exc)) from exc
+                raise UpstreamUnreachable(f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                watchdog.cancel()
             response = web.Response(status=upstream.status, body=body, headers=headers)
-            relayed = Relayed(response, pool.clock() - sent)
-            if upstream.status == 200:
-                _read_usage(relayed, body)
-            return relayed
+            return Relayed(
+                response, pool.clock() - sent, tail=body if upstream.status == 200 else b""
+            )
         response = web.StreamResponse(status=200, headers=headers)
         response.headers["Cache-Control"] = "no-cache"
         await response.prepare(client)
         relayed = Relayed(response, 0.0)
-        try:
-            await _relay_stream(upstream, relayed, inference.strip_usage, pool, sent)
-        except aiohttp.ClientPayloadError:  # the backend died mid-stream
-            pool.report_failure(backend)
-            raise
+        await _relay_stream(upstream, relayed, inference.strip_usage, pool, backend, sent)
         relayed.upstream_s = pool.clock() - sent
         return relayed
     except BaseException:
@@ -108,25 +157,65 @@ async def forward(
 
 
 async def _relay_stream(
-    upstream: aiohttp.ClientResponse, relayed: Relayed, strip_usage: bool, pool: Pool, sent: float
+    upstream: aiohttp.ClientResponse,
+    relayed: Relayed,
+    strip_usage: bool,
+    pool: Pool,
+    backend: Backend,
+    sent: float,
 ) -> None:
     """Write the stream's bytes as they come, then end it; keep only its tail, where the
-    usage is."""
+    usage is. A stream that breaks off ends with an error event: its client is told, and
+    every later request finds the pool whole."""
     tail: deque[bytes] = deque()  # the last chunks, about _TAIL_BYTES of them
     kept = 0
     stripper = _UsageStripper() if strip_usage else None
-    async for chunk in upstream.content.iter_any():
-        if relayed.first_chunk_s is None:
-            relayed.first_chunk_s = pool.clock() - sent
-        tail.append(chunk)
-        kept += len(chunk)
-        while kept - len(tail[0]) >= _TAIL_BYTES:
-            kept -= len(tail.popleft())
-        out = chunk if stripper is None else stripper.feed(chunk)
-        if out:
-            await relayed.response.write(out)
-    await relayed.response.write_eof(stripper.close() if stripper else b"")  # one write
-    _read_usage(relayed, b"".join(tail))
+    watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s)
+    code = "upstream_cut"
+    try:
+        async for chunk in upstream.content.iter_any():
+            watchdog.progressed()
+            if relayed.first_chunk_s is None:
+                relayed.first_chunk_s = pool.clock() - sent
+            tail.append(chunk)
+            kept += len(chunk)
+            while kept - len(tail[0]) >= _TAIL_BYTES:
+                kept -= len(tail.popleft())
+            out = chunk if stripper is None else stripper.feed(chunk)
+            if out:
+                await relayed.response.write(out)
+    except ConnectionResetError:  # the client left as we wrote (aiohttp's is a ClientError)
+        raise
+    except aiohttp.ClientError as exc:  # bad chunking, early close, silence: the backend's
+        log.warning("pool %s: backend %s broke off a stream: %s", pool.name, backend.name, exc)
+        pool.report_failure(backend)
+        relayed.cut = True
+        code = "upstream_timeout" if isinstance(exc, UpstreamStalled) else code
+    except Exception:  # a fault of ours: the answer has started, so it must end here
+        log.exception("pool %s: relaying a stream from %s failed", pool.name, backend.name)
+        relayed.cut = True
+    finally:
+        watchdog.cancel()
+    rest = b""
+    if relayed.cut:
+        at_boundary = not tail or tail[-1].endswith(b"\n\n")
+        message = "The stream broke off before its end."
+        rest = (b"" if at_boundary else b"\n\n") + _error_event(message, code)
+    elif stripper is not None:
+        rest = stripper.close()
+    await relayed.response.write_eof(rest)  # one write
+    relayed.tail = b"".join(tail)
+
+
+def _stalled(pool: Pool) -> ApiError:
+    idle_s = pool.spec.timeouts.idle_s
+    return ApiError(504, f"The backend went silent for {idle_s:g} s.", code="upstream_timeout")
+
+
+def _error_event(message: str, code: str) -> bytes:
+    """An OpenAI-style error as a stream's last event (the SDK raises it), then ``[DONE]``."""
+    error = {"error": {"message": message, "type": "upstream_error", "code": code}}
+    return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
 
 
 class _UsageStripper:
@@ -190,9 +279,11 @@ def _with_fingerprint_of(finishing: bytes, usage_event: bytes) -> bytes:
     return finishing[:-1] + b"," + found.group(1) + b"}"
 
 
-def _read_usage(relayed: Relayed, data: bytes) -> None:
-    """Take the last ``"usage": {...}`` in ``data`` (a body, or a stream's tail), parsing that
-    object alone: an answer's usage is at its end, so the answer is never parsed whole."""
+def read_usage(relayed: Relayed) -> None:
+    """Take the last ``"usage": {...}`` of the answer's tail (a body, or a stream's last
+    chunks), parsing that object alone: an answer's usage is at its end, so the answer is
+    never parsed whole."""
+    data = relayed.tail
     end = len(data)
     while (at := data.rfind(_USAGE, 0, end)) >= 0:
         end = at
@@ -201,12 +292,19 @@ def _read_usage(relayed: Relayed, data: bytes) -> None:
             continue  # the word in a text, not the key
         try:
             usage, _ = _DECODER.raw_decode(text, len(text) - len(text[1:].lstrip()))
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested beyond reason
             continue
         if isinstance(usage, dict):
-            relayed.prompt_tokens = usage.get("prompt_tokens")
-            relayed.completion_tokens = usage.get("completion_tokens")
+            relayed.prompt_tokens = _token_count(usage.get("prompt_tokens"))
+            relayed.completion_tokens = _token_count(usage.get("completion_tokens"))
             return
+
+
+def _token_count(value: object) -> int | None:
+    """A usage count as a sane int, or None: a backend's lie must not reach the meters."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_USAGE_TOKENS:
+        return value
+    return None
 
 
 async def _open(
@@ -223,18 +321,23 @@ async def _open(
     timeouts = pool.spec.timeouts
     try:
         async with asyncio.timeout(timeouts.first_byte_s):
-            return await session.post(
+            upstream = await session.post(
                 backend.url + inference.kind.value,
                 data=inference.raw,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s),
             )
-    except aiohttp.ClientConnectionError as exc:  # refused, reset, connect timeout, ...
+    except aiohttp.ClientError as exc:  # refused, reset, connect timeout, not HTTP at all
         pool.report_failure(backend)
-        raise UpstreamUnreachable(str(exc)) from exc
+        raise UpstreamUnreachable(f"{type(exc).__name__}: {exc}") from exc
     except TimeoutError:
         raise ApiError(
             504,
             f"The backend sent nothing within {timeouts.first_byte_s:g} s.",
             code="upstream_timeout",
         ) from None
+    if not 200 <= upstream.status <= 599:  # an informational or made-up status: not an answer
+        upstream.close()
+        pool.report_failure(backend)
+        raise UpstreamUnreachable(f"status {upstream.status} is not a final answer")
+    return upstream

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from sfq_proxy.sfq import FairQueue
 from sfq_proxy.simbackend import SimBackend, SimConfig
 
 MODEL = "sim-llama"
+_HEALTHY = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
 # what the ``access_log`` fixture gives: the access lines so far, parsed
 AccessLines = Callable[[], Awaitable[list[dict[str, Any]]]]
 KEYS = {"A": "sk-test-org-a", "B": "sk-test-org-b", "C": "sk-test-org-c", "OPS": "sk-test-ops"}
@@ -116,10 +118,52 @@ class Lab:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         return runner.addresses[0][1]
 
+    async def raw(self, *answer: bytes | float) -> str:
+        """A backend that speaks garbage: it answers ``GET /health`` with a good 200, and any
+        other request with the parts of ``answer`` (anything at all, HTTP or not), a moment
+        apart so each arrives on its own, then hangs up; a number in ``answer`` is that many
+        seconds of silence. Returns its URL."""
+
+        async def reply(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = re.search(rb"(?i)content-length:\s*(\d+)", head)
+                if length:
+                    await reader.readexactly(int(length.group(1)))
+                for part in (_HEALTHY,) if head.startswith(b"GET /health ") else answer:
+                    if isinstance(part, bytes):
+                        writer.write(part)
+                        await writer.drain()
+                    await asyncio.sleep(0.05 if isinstance(part, bytes) else part)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                pass
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(reply, "127.0.0.1", 0)
+        self._stack.push_async_callback(server.wait_closed)
+        self._stack.callback(server.close)
+        return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
     async def http(self) -> aiohttp.ClientSession:
         session = aiohttp.ClientSession()
         self._stack.push_async_callback(session.close)
         return session
+
+
+def leftovers(served: Served) -> list[str]:
+    """What finished requests left behind in the proxy's pools: nothing, when they are whole
+    (no queue entry, no request counted as running, no slot held, no live idempotency key)."""
+    found = []
+    for name, pool in served.state.pools.items():
+        scheduler = pool.scheduler
+        if scheduler.queued() or scheduler.running or scheduler.flow_running:
+            found.append(f"{name}: {scheduler.queued()} queued, {scheduler.running} running")
+        found += [f"{name}/{b.name}: {b.in_flight} slots held" for b in pool.placement.backends
+                  if b.in_flight]  # fmt: skip
+    if served.state.admission._active:
+        found.append(f"idempotency keys still live: {len(served.state.admission._active)}")
+    return found
 
 
 async def dispatched_behind(

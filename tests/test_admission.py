@@ -175,6 +175,8 @@ async def test_a_request_that_waits_past_its_deadline_is_answered_then_and_never
         await _ask(lab, served, "A", user="late", extra_headers=headers)
     waited = time.monotonic() - start
     assert (expired.value.status_code, expired.value.body["code"]) == (status, code)
+    if status == 429:  # every 429 says when to come back
+        assert expired.value.response.headers["Retry-After"] == "1"
     # answered at its deadline, not when the blocker (seconds away) frees the slot
     assert limit <= waited < limit + 0.5
     assert served.queue().meter("A/batch") == meter  # never charged

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sfq_proxy.relay import Relayed, _read_usage, _UsageStripper
+from sfq_proxy.relay import Relayed, _UsageStripper, read_usage
 
 TOKEN = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}'
 FINISH = b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}'
@@ -50,8 +51,8 @@ def test_token_events_are_not_held_back() -> None:
 
 
 def usage_of(data: bytes) -> tuple[int | None, int | None]:
-    relayed = Relayed(response=None, upstream_s=0.0)  # type: ignore[arg-type]
-    _read_usage(relayed, data)
+    relayed = Relayed(response=None, upstream_s=0.0, tail=data)  # type: ignore[arg-type]
+    read_usage(relayed)
     return relayed.prompt_tokens, relayed.completion_tokens
 
 
@@ -70,3 +71,18 @@ def test_usage_of_a_json_answer() -> None:
     body = b'{"choices":[{"message":{"content":"\\"usage\\": {}"}}],"usage":{"prompt_tokens":5,'
     assert usage_of(body + b'"completion_tokens":9,"total_tokens":14}}') == (5, 9)
     assert usage_of(b'{"choices":[],"usage":{"prompt_tokens":') == (None, None)  # cut short
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        b'{"prompt_tokens": -3, "completion_tokens": 1e400}',
+        b'{"prompt_tokens": true, "completion_tokens": "2"}',
+        b'{"prompt_tokens": 10000000000000, "completion_tokens": 2.5}',
+        b'{"prompt_tokens": null, "completion_tokens": [2]}',
+        b"[" * 3000 + b"]" * 3000,  # nested past the decoder's recursion limit
+    ],
+)
+def test_usage_that_is_not_token_counts_is_not_read(usage: bytes) -> None:
+    """A backend that lies in its usage must not reach calibration or the token counters."""
+    assert usage_of(b'{"choices": [], "usage": ' + usage + b"}") == (None, None)
