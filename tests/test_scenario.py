@@ -26,8 +26,7 @@ from sfq_proxy.scenario import (
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "config" / "scenarios"
-AZURE_CONV = ROOT.parent / "shared" / "data" / "azure-llm-2023-conv.csv"
-needs_azure = pytest.mark.skipif(not AZURE_CONV.exists(), reason="Azure trace not available")
+AZURE_CONV = SCENARIOS / "data" / "azure-llm-2023-conv.csv"
 
 POOL = {
     "backends": 2,
@@ -113,8 +112,6 @@ def test_abc_is_an_honest_overload() -> None:
 
 def test_full_scenarios_are_valid_files() -> None:
     for path in SCENARIOS.glob("*.yaml"):
-        if "azure" in path.name and not AZURE_CONV.exists():
-            continue
         assert load_scenario(path).requests, path
 
 
@@ -307,7 +304,6 @@ def trace_scenario(trace: dict[str, Any], **top: Any) -> dict[str, Any]:
     return {"name": "trace", "seed": 5, "pool": copy.deepcopy(POOL), "trace": trace, **top}
 
 
-@needs_azure
 def test_azure_conv_replays_with_zipf_orgs_compressed_times_and_max_tokens() -> None:
     started = time.perf_counter()
     s = load_scenario(SCENARIOS / "azure-conv.yaml")
@@ -338,7 +334,6 @@ def test_azure_conv_replays_with_zipf_orgs_compressed_times_and_max_tokens() -> 
     assert all(r.max_tokens == 4 * r.output_tokens for r in s.requests)
 
 
-@needs_azure
 def test_azure_limit_and_duration_cut_the_trace() -> None:
     trace = {"path": str(AZURE_CONV), "format": "azure", "orgs": 3, "compress": 20, "limit": 500}
     s = build(trace_scenario(trace))
