@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import re
 from collections import deque
 from collections.abc import Callable
@@ -67,14 +68,19 @@ class _Watchdog:
         self._timer = self._loop.call_at(self.progress + idle_s, self._check)
 
     def _check(self) -> None:
-        deadline = self.progress + self._idle_s
-        if self._loop.time() < deadline:
-            self._timer = self._loop.call_at(deadline, self._check)
+        now, deadline = self._loop.time(), self.progress + self._idle_s
+        if now < deadline:  # inf while the proxy itself is busy: look again later
+            self._timer = self._loop.call_at(min(deadline, now + self._idle_s), self._check)
         else:
             self._reader.set_exception(UpstreamStalled(f"silent for {self._idle_s:g} s"))
 
     def progressed(self) -> None:
+        """The proxy reads again: the backend's silence counts from now."""
         self.progress = self._loop.time()
+
+    def busy(self) -> None:
+        """The proxy is writing to a slow client: that time is not the backend's silence."""
+        self.progress = math.inf
 
     def cancel(self) -> None:
         self._timer.cancel()
@@ -174,7 +180,7 @@ async def _relay_stream(
     code = "upstream_cut"
     try:
         async for chunk in upstream.content.iter_any():
-            watchdog.progressed()
+            watchdog.busy()
             if relayed.first_chunk_s is None:
                 relayed.first_chunk_s = pool.clock() - sent
             tail.append(chunk)
@@ -184,6 +190,7 @@ async def _relay_stream(
             out = chunk if stripper is None else stripper.feed(chunk)
             if out:
                 await relayed.response.write(out)
+            watchdog.progressed()
     except ConnectionResetError:  # the client left as we wrote (aiohttp's is a ClientError)
         raise
     except aiohttp.ClientError as exc:  # bad chunking, early close, silence: the backend's

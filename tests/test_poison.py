@@ -160,6 +160,23 @@ async def test_a_backend_answering_garbage_is_a_502_and_is_taken_out(
     await assert_whole(lab, served, sim, 2)
 
 
+async def test_a_body_the_backend_stops_sending_is_a_504_within_idle_s(lab: Lab) -> None:
+    silent = await lab.raw(OK_HEAD + b'Content-Length: 100\r\n\r\n{"id":', 30.0)
+    sim = await lab.backend()
+    pool = {
+        "health": {"interval_s": 0.1, "cooldown_s": 60, "timeout_s": 5},
+        "timeouts": {"connect_s": 1, "first_byte_s": 10, "idle_s": 0.5},
+    }
+    served = await lab.proxy(
+        proxy_config([silent, sim.url], slots=2, pool=pool, retry={"max_attempts": 1})
+    )
+    with pytest.raises(openai.APIStatusError) as stalled:
+        await lab.client(served).chat.completions.create(model=MODEL, messages=CHAT)
+    assert (stalled.value.status_code, stalled.value.body["code"]) == (504, "upstream_timeout")
+    assert not served.state.pools["sim"].placement.backends[0].healthy
+    await assert_whole(lab, served, sim, 2)
+
+
 EVENT = (
     b'data: {"id":"x","object":"chat.completion.chunk","created":0,"model":"m",'
     b'"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n'
