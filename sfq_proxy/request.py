@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, TypeGuard
 
 from .errors import ApiError
 
@@ -120,18 +120,24 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
 
 
-def _has_lone_surrogate(value: Any) -> bool:
-    """Whether a string anywhere in ``value`` cannot be encoded as UTF-8 (a lone surrogate)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_lone_surrogate(v) for v in value)
+def _has_lone_surrogate(body: dict[str, Any]) -> bool:
+    """Whether a string anywhere in ``body`` cannot be encoded as UTF-8 (a lone surrogate).
+
+    A loop, not recursion: a body nested as deep as the JSON parser allows must be a 400,
+    not a RecursionError."""
+    stack: list[Any] = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
     return False
 
 
@@ -183,5 +189,5 @@ def _bounded_int(body: dict[str, Any], name: str, limit: int) -> int | None:
     return value
 
 
-def _is_token(value: Any) -> bool:
+def _is_token(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -428,3 +428,9 @@ def test_the_largest_request_under_the_most_extreme_config_is_a_valid_ticket() -
     estimate = CostModel(spec).estimate(request)
     tokens = estimate.input_tokens + estimate.max_tokens
     Ticket(org="a", cls="batch", cost=estimate.cost, weight=0.001 * 0.001, tokens=tokens)
+
+
+def test_a_lone_surrogate_nested_as_deep_as_json_allows_is_400_not_a_crash() -> None:
+    nested = "[" * 900 + '"\\ud800"' + "]" * 900
+    raw = CHAT_TEXT.replace('"stream"', f'"x": {nested}, "stream"').encode()
+    assert "surrogate" in rejected(Kind.CHAT, raw).message
