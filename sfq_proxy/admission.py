@@ -104,7 +104,7 @@ class Admission:
 
 
 def _same_limits(a: Rate, b: Rate) -> bool:
-    def per_minute(rate: Rate) -> tuple[float | None, float | None]:
+    def per_minute(rate: Rate) -> tuple[float | None, ...]:
         return tuple(
             bucket.per_minute if bucket else None for bucket in (rate.requests, rate.tokens)
         )

@@ -49,6 +49,7 @@ def build_app(
     app.router.add_post("/admin/reload", _answering_errors(_admin_reload))
     allowed: dict[str, set[str]] = {}
     for route in app.router.routes():
+        assert route.resource is not None  # every route added through the router has one
         allowed.setdefault(route.resource.canonical, set()).add(route.method)
     app.router.add_route("*", "/{path:.*}", _unrouted(allowed))
     return app

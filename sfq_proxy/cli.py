@@ -40,7 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     simbackend.add_parser(sub)
     lab.add_parsers(sub)
     args = parser.parse_args(argv)
-    return args.func(args)
+    code: int = args.func(args)
+    return code
 
 
 def _load(path: str) -> Config:

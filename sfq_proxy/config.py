@@ -379,7 +379,9 @@ class Config(_Spec):
         Read through ``__pydantic_private__``: pydantic's lookup of a private attribute
         costs about 8 µs, and this runs for every request.
         """
-        return self.__pydantic_private__["_pool_by_model"].get(model)
+        # pydantic types it ``dict[str, Any] | None``; a model with private attributes has it
+        pool_by_model: dict[str, str] = self.__pydantic_private__["_pool_by_model"]  # type: ignore[index]
+        return pool_by_model.get(model)
 
     def upstream_key(self, pool: str) -> str | None:
         """The key the proxy sends to ``pool``'s backends (from ``upstream_key_env``)."""

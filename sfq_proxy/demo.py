@@ -43,6 +43,8 @@ async def demo(config: Config | None = None, *, traffic: bool = False) -> None:
         for pool in config.pools.values():
             for backend in pool.backends:
                 port = urlsplit(backend.url).port
+                if port is None:  # the simulator must listen where the proxy will connect
+                    raise ValueError(f"demo backend {backend.url} needs an explicit port")
                 sim = SimBackend(SimConfig(models=list(pool.models), max_num_seqs=backend.slots))
                 await sim.start(host="127.0.0.1", port=port)
                 stack.push_async_callback(sim.stop)

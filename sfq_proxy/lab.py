@@ -120,7 +120,7 @@ async def run_real(
 # -- the commands -------------------------------------------------------------------------
 
 
-def add_parsers(sub: argparse._SubParsersAction) -> None:
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``simulate`` and ``loadgen``; ``demo --scenario`` calls :func:`demo_scenario`."""
     p = sub.add_parser("simulate", help="run a scenario under each policy, in virtual time")
     _scenario_arguments(p)

@@ -81,4 +81,5 @@ async def _model(session: aiohttp.ClientSession, url: str, key: str) -> str:
     headers = {"Authorization": f"Bearer {key}"}
     async with session.get(f"{url}/v1/models", headers=headers) as r:
         r.raise_for_status()
-        return (await r.json())["data"][0]["id"]
+        model: str = (await r.json())["data"][0]["id"]
+        return model

@@ -70,7 +70,7 @@ class _Histogram:
         self.counts = [a + b for a, b in zip(self.counts, other.counts, strict=True)]
         self.total += other.total
 
-    def cumulative(self) -> list[tuple[str, float]]:
+    def cumulative(self) -> list[tuple[str, int]]:
         edges = [*map(str, self.buckets), "+Inf"]
         running, out = 0, []
         for edge, count in zip(edges, self.counts, strict=True):
@@ -124,7 +124,8 @@ class Metrics(Collector):
 
     def count(self, flow: Key, name: str, label: str = "", amount: float = 1.0) -> None:
         """Add ``amount`` to counter ``name`` (with its extra label value) for ``flow``."""
-        self._at(flow).counters[(name, label)] += amount
+        # typeshed's Counter is int-valued; this one also sums float amounts (cost_charged)
+        self._at(flow).counters[(name, label)] += amount  # type: ignore[assignment]
 
     def observe(self, flow: Key, name: str, seconds: float) -> None:
         self._at(flow).histogram(name).observe(seconds)
@@ -215,9 +216,9 @@ class Metrics(Collector):
                 level[2] = max(level[2], view.lag)
             for flow, n in pool.scheduler.flow_running.items():
                 levels.setdefault(self._gauge_key(flow, pool_name), [0, 0, 0.0])[1] += n
-            for key, (backlog, n, meter_lag) in levels.items():
+            for key, (backlog, n_running, meter_lag) in levels.items():
                 queued.add_metric(list(key), backlog)
-                running.add_metric(list(key), n)
+                running.add_metric(list(key), n_running)
                 lag.add_metric(list(key), meter_lag)
         yield from (queued, running, lag, vtime)
 

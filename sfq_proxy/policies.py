@@ -8,7 +8,7 @@ by request count, and Deficit Round Robin with a quantum. All are deterministic.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from .scenario import Request
@@ -150,7 +150,7 @@ POLICY_NAMES = ("fifo", "priority", "rr", "drr", "sfq")
 
 def make_policy(name: str, *, quantum: float, priority_order: Sequence[str]) -> Policy:
     """A fresh policy by name (one of ``POLICY_NAMES``)."""
-    factories = {
+    factories: dict[str, Callable[[], Policy]] = {
         "fifo": Fifo,
         "priority": lambda: StrictPriority(priority_order),
         "rr": RoundRobin,

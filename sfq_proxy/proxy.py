@@ -7,7 +7,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import aiohttp
 from aiohttp import web
@@ -137,9 +137,15 @@ def _hide_upstream_keys(config: Config) -> None:
     logs.hide(*(key for pool in config.pools if (key := config.upstream_key(pool))))
 
 
+class _CalibrationSettings(TypedDict):
+    half_life_requests: int
+    min_org_samples: int
+    min_pool_samples: int
+
+
 def _load_calibration(spec: CalibrationSpec) -> Calibration:
     """What was learned before, if a state file holds it; else start from the defaults."""
-    settings = {
+    settings: _CalibrationSettings = {
         "half_life_requests": spec.half_life_requests,
         "min_org_samples": spec.min_org_samples,
         "min_pool_samples": spec.min_org_samples,

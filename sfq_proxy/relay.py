@@ -144,7 +144,9 @@ async def forward(
                 raise UpstreamUnreachable(f"{type(exc).__name__}: {exc}") from exc
             finally:
                 watchdog.cancel()
-            response = web.Response(status=upstream.status, body=body, headers=headers)
+            response: web.StreamResponse = web.Response(
+                status=upstream.status, body=body, headers=headers
+            )
             return Relayed(
                 response, pool.clock() - sent, tail=body if upstream.status == 200 else b""
             )

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import reduce
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
@@ -245,7 +245,10 @@ class PoissonArrivals(_Window):
         return (end - self.start_s) * self.per_s  # the mean; the check has slack for more
 
 
-Arrivals = _tagged(AtStartArrivals, RateArrivals, BurstArrivals, PoissonArrivals)
+if TYPE_CHECKING:  # what the tagged union validates to
+    Arrivals = AtStartArrivals | RateArrivals | BurstArrivals | PoissonArrivals
+else:
+    Arrivals = _tagged(AtStartArrivals, RateArrivals, BurstArrivals, PoissonArrivals)
 
 
 class FixedTokens(_Spec):
@@ -295,7 +298,10 @@ class LognormalTokens(_Spec):
         return lambda: min(cap, max(1, round(rng.lognormvariate(mu, sigma))))
 
 
-Tokens = _tagged(FixedTokens, UniformTokens, LognormalTokens)
+if TYPE_CHECKING:
+    Tokens = FixedTokens | UniformTokens | LognormalTokens
+else:
+    Tokens = _tagged(FixedTokens, UniformTokens, LognormalTokens)
 # max_tokens = ceil(output × m): below 1 a client would ask for less than it receives.
 Multiplier = Annotated[float, Field(ge=1, allow_inf_nan=False)]
 
@@ -439,7 +445,7 @@ def _build(spec: ScenarioSpec, base_dir: Path, override: float | None) -> Scenar
     if len(rows) > MAX_REQUESTS:
         raise ConfigError([("", f"generates more than {MAX_REQUESTS} requests")])
     rows.sort(key=lambda r: r[:3])
-    requests = tuple(Request(i, *r[:1], *r[3:]) for i, r in enumerate(rows))
+    requests = tuple(Request(i, r[0], *r[3:]) for i, r in enumerate(rows))
     section = spec.pool
     engine = EngineModel(**section.engine.model_dump())
     cost = section.cost
@@ -666,4 +672,4 @@ def _assign_orgs(rows: list[_TraceRow], trace: TraceSpec, seed: int) -> list[_Tr
     names = [f"org-{k}" for k in range(1, trace.orgs + 1)]
     last = len(names) - 1
     picks = [names[min(last, bisect_right(cumulative, rng.random() * total))] for _ in rows]
-    return [(t, org, *rest) for (t, _, *rest), org in zip(rows, picks, strict=True)]
+    return [(row[0], org, *row[2:]) for row, org in zip(rows, picks, strict=True)]

@@ -93,7 +93,7 @@ def _message_chars(message: object) -> int:
     if isinstance(content, list):
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
         if all(isinstance(t, str) for t in texts):
-            return sum(len(t) for t in texts)
+            return sum(len(t) for t in texts if isinstance(t, str))
     raise ValueError("message 'content' must be a string or a list of content parts")
 
 
@@ -393,7 +393,9 @@ class _Plan:
             "total_tokens": prompt + completion,
         }
 
-    def choice(self, text: str, finish: str | None, *, chunk: bool, role: bool = False) -> dict:
+    def choice(
+        self, text: str, finish: str | None, *, chunk: bool, role: bool = False
+    ) -> dict[str, Any]:
         if self.gen.kind == "completions":
             body: dict[str, Any] = {"text": text}
         elif chunk:
@@ -402,7 +404,9 @@ class _Plan:
             body = {"message": {"role": "assistant", "content": text}}
         return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
 
-    def envelope(self, choices: list[dict], *, chunk: bool, usage: bool = False) -> dict:
+    def envelope(
+        self, choices: list[dict[str, Any]], *, chunk: bool, usage: bool = False
+    ) -> dict[str, Any]:
         if self.gen.kind == "completions":
             obj = "text_completion"
         else:
@@ -457,7 +461,7 @@ class _SseSink:
         await self._response.write(b"data: [DONE]\n\n")
         return self._response
 
-    async def _send(self, event: dict) -> None:
+    async def _send(self, event: dict[str, Any]) -> None:
         data = json.dumps(event, separators=(",", ":"))
         await self._response.write(f"data: {data}\n\n".encode())
 
@@ -852,7 +856,7 @@ class SimBackend:
 # --------------------------------------------------------------------- CLI
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``sim-backend``: run a simulated vLLM server until SIGINT/SIGTERM."""
     d = SimConfig()
     p = subparsers.add_parser(
