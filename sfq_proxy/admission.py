@@ -1,4 +1,4 @@
-"""Whether a request may wait at all, and whether a failed one may try again (DESIGN §5–6).
+"""Whether a request may wait at all, and whether a failed one may try again (docs/design.md §5–6).
 
 Sans-I/O: the caller passes the time. Checked in this order, so that a rejected request
 never spends rate tokens: a duplicate ``Idempotency-Key`` (409), a full flow queue (429),

@@ -1,4 +1,4 @@
-"""Slow learning of the cost estimate's parameters from observed usage (DESIGN §4).
+"""Slow learning of the cost estimate's parameters from observed usage (docs/design.md §4).
 
 SFQ charges a request once, at dispatch, and never corrects it (article §5.1). A systematic
 gap between the estimate and reality is closed here instead, outside the algorithm, by

@@ -1,4 +1,4 @@
-"""Who is calling and as what: the flow (org, class, pool) of a request (DESIGN.md §2).
+"""Who is calling and as what: the flow (org, class, pool) of a request (docs/design.md §2).
 
 The org comes only from the API key and the class only from what that key allows; nothing
 a client writes in a header or body can pick its org or raise its class.

@@ -1,4 +1,4 @@
-"""Configuration: the YAML file of DESIGN.md §7, validated with pydantic.
+"""Configuration: the YAML file of docs/design.md §7, validated with pydantic.
 
 Every model is frozen and forbids unknown keys, so a typo is an error rather than a
 silently ignored knob. Models use pydantic's *strict* mode: YAML already gives typed
@@ -150,7 +150,7 @@ class ClassSpec(_Spec):
 
 
 def default_classes() -> dict[str, ClassSpec]:
-    """The classes of DESIGN §2 with the values of §7, used when ``classes:`` is absent."""
+    """The classes of docs/design.md §2 with the values of §7, used when ``classes:`` is absent."""
     return {
         "system": ClassSpec(priority=True, max_in_flight=4, max_queue_age_s=5),
         "interactive": ClassSpec(weight=6, max_queue_age_s=45, max_queue_len=1000),
@@ -168,7 +168,7 @@ class OrgSpec(_Spec):
 
 
 class CostSpec(_Spec):
-    """Cost model of a pool (DESIGN §4): weighted input plus expected output tokens."""
+    """Cost model of a pool (docs/design.md §4): weighted input plus expected output tokens."""
 
     input_weight: CostWeight = 1.0
     output_weight: CostWeight = 1.0
@@ -258,7 +258,7 @@ class RateSpec(_Spec):
 
 
 class PoolSpec(_Spec):
-    """Backends serving the same models; one scheduler each (DESIGN §1)."""
+    """Backends serving the same models; one scheduler each (docs/design.md §1)."""
 
     models: list[NonEmptyStr] = Field(min_length=1)
     cost: CostSpec = CostSpec()
@@ -270,7 +270,7 @@ class PoolSpec(_Spec):
 
 
 class RetrySpec(_Spec):
-    """Retries before anything reached the client (DESIGN §5)."""
+    """Retries before anything reached the client (docs/design.md §5)."""
 
     max_attempts: int = Field(3, ge=1)
     budget_ratio: float = Field(0.1, ge=0, le=1)

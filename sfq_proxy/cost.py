@@ -1,4 +1,4 @@
-"""What a request costs (DESIGN.md §4): ``input_weight·input + output_weight·expected_output``.
+"""What a request costs (docs/design.md §4): ``input_weight·input + output_weight·expected_output``.
 
 The estimate is made once, at admission, and travels with the request: SFQ charges it at
 dispatch and it is never corrected, so the order never depends on what happened later.

@@ -1,4 +1,4 @@
-"""OpenAI-style errors: every rejection the proxy makes is one of these (DESIGN.md §6)."""
+"""OpenAI-style errors: every rejection the proxy makes is one of these (docs/design.md §6)."""
 
 from __future__ import annotations
 

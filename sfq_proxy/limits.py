@@ -1,7 +1,8 @@
 """Rate limits and the retry budget: token buckets and a sliding window. No I/O, no clock.
 
-Share, concurrency and rate are three different limits (the Russian article): weights set
-the share, ``max_in_flight`` the concurrency (in the scheduler), and these set the rate.
+Share, concurrency and rate are three different limits ([FAIR-GPU], docs/design.md §6):
+weights set the share, ``max_in_flight`` the concurrency (in the scheduler), and these set
+the rate.
 Every method takes ``now`` from the caller's clock, so tests and the simulator drive time.
 """
 

@@ -1,4 +1,4 @@
-"""Which backend of a pool serves the next request (DESIGN.md §5). No I/O, no clock.
+"""Which backend of a pool serves the next request (docs/design.md §5). No I/O, no clock.
 
 Placement enforces each backend's concurrency slots and health; it never decides order,
 which is the fair queue's job. Times are plain numbers the caller reads from its clock.

@@ -1,8 +1,9 @@
 """Ordering policies compared in the scenario lab, behind one small interface.
 
-SFQ here *is* the proxy's ``FairQueue`` (no second copy); the others are the baselines the
-Russian article measures it against: a global FIFO, strict priority by class, round robin
-by request count, and Deficit Round Robin with a quantum. All are deterministic.
+SFQ here *is* the proxy's ``FairQueue`` (no second copy); the others are the baselines
+the [FAIR-GPU] article (docs/design.md) measures it against: a global FIFO, strict priority
+by class, round robin by request count, and Deficit Round Robin with a quantum. All are
+deterministic.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The scenario lab's report: per policy × team wait, completion and share figures (DESIGN §10).
+"""The scenario lab's report: per policy × team wait, completion and share (docs/design.md §10).
 
 Input is what the simulator or the load generator produced: for each policy, the list of
 ``Served`` records of one run.  Output is a list of ``Row`` (one per policy × team), rendered

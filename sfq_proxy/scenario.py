@@ -71,7 +71,7 @@ class EngineModel:
 @dataclass(frozen=True, slots=True)
 class PoolModel:
     """``backends`` identical backends of ``slots`` concurrent sequences each, and the
-    pool's cost model (DESIGN §4): ``input_weight × input + output_weight × output``."""
+    pool's cost model (docs/design.md §4): ``input_weight × input + output_weight × output``."""
 
     backends: int
     slots: int

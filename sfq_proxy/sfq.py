@@ -1,6 +1,6 @@
 """Start-time Fair Queueing: the ordering core, with no I/O, no clock and no asyncio.
 
-Everything that decides *which flow goes next* lives here and nowhere else (DESIGN.md §3).
+Everything that decides *which flow goes next* lives here and nowhere else (docs/design.md §3).
 The caller owns time and sockets: it pushes requests as they arrive, pops one whenever a
 backend slot is free, and tells the queue when a flow hits or leaves its in-flight cap.
 

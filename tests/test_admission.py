@@ -1,4 +1,4 @@
-"""Admission and protection through the real proxy (DESIGN.md §3 band, §5 retries, §6 limits)."""
+"""Admission and protection through the real proxy (docs/design.md §3, §5, §6)."""
 
 from __future__ import annotations
 

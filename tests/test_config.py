@@ -1,4 +1,4 @@
-"""Tests of the configuration layer (DESIGN.md §7): loading, errors, secrets, helpers."""
+"""Tests of the configuration layer (docs/design.md §7): loading, errors, secrets, helpers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every rejection of DESIGN.md §6 that the front end makes: status and OpenAI-style body."""
+"""Every rejection of docs/design.md §6 that the front end makes: status and OpenAI-style body."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The scenario lab's acceptance (DESIGN.md §10): policies compared on the A/B/C test, the
+"""The scenario lab's acceptance (docs/design.md §10): policies compared on the A/B/C test, the
 simulator checked against the real proxy, and the Azure trace replayed into overload."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Rate, concurrency and retry limits: token buckets, the retry budget, admission and the
-scheduler's strict band, in-flight caps and rate pacing (DESIGN.md §3, §5, §6).
+scheduler's strict band, in-flight caps and rate pacing (docs/design.md §3, §5, §6).
 
 Everything here is sans-I/O: time is a number the test passes in. Rates are chosen so
 that every wait is exact in binary floating point, and is compared with ``==``.

@@ -1,4 +1,4 @@
-"""Metrics, /admin/state and the access log after known workloads (DESIGN.md §8–§9)."""
+"""Metrics, /admin/state and the access log after known workloads (docs/design.md §8–§9)."""
 
 from __future__ import annotations
 

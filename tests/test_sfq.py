@@ -1,4 +1,4 @@
-"""The SFQ core's guarantees (DESIGN.md §3; the SFQ article §2.7, §3 and §7.5)."""
+"""The SFQ core's guarantees (docs/design.md §3; the SFQ article §2.7, §3 and §7.5)."""
 
 from __future__ import annotations
 
