@@ -56,10 +56,10 @@ import uvloop
 import yaml
 from aiohttp import web
 
-from sfq_proxy import accesslog
 from sfq_proxy.config import parse_config
-from sfq_proxy.proxy import PROXY, Proxy
-from sfq_proxy.server import bound_url, running
+from sfq_proxy.http import access_log
+from sfq_proxy.http.runtime import PROXY, Proxy
+from sfq_proxy.http.server import bound_url, running
 
 T = TypeVar("T")
 CHAT_PATH = "/v1/chat/completions"
@@ -383,7 +383,7 @@ def kib(size: float) -> str:
 
 
 async def bench(args: argparse.Namespace, work: Path, log: IO[str], nginx: list[str]) -> None:
-    accesslog.configure(log)
+    access_log.configure(log)
     async with Driver.started() as driver, Driver.started() as floor:
         yaml_text = proxy_config(
             driver.backend, nginx or [driver.backend], args.slots, args.requests

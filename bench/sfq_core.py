@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from sfq_harness import ReferenceSFQ
 
-from sfq_proxy.sfq import FairQueue
+from sfq_proxy.core.fair_queue import FairQueue
 
 FLOW_COUNTS = (10, 1_000, 100_000)
 

@@ -7,10 +7,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from . import lab, simbackend
 from .config import Config, ConfigError, default_config, load_config
-from .demo import demo
-from .server import run, serve
+from .http.server import run, serve
+from .lab import commands as lab
+from .lab.demo import demo
+from .sim import server as simbackend
 
 
 def main(argv: Sequence[str] | None = None) -> int:

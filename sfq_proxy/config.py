@@ -36,7 +36,7 @@ from pydantic import (
     model_validator,
 )
 
-from .request import MAX_OUTPUT_TOKENS
+from .core.inference_request import MAX_OUTPUT_TOKENS
 
 __all__ = [
     "BackendSpec",

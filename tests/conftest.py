@@ -13,7 +13,7 @@ from e2e import AccessLines, Lab
 from hypothesis import settings
 from vllm_backend import VllmServer
 
-from sfq_proxy import accesslog
+from sfq_proxy.http import access_log as access_log_sink
 
 # No timing assertions, hypothesis's per-example deadline included: shared machines stall.
 settings.register_profile("sfq", deadline=None)
@@ -31,14 +31,14 @@ async def lab() -> AsyncIterator[Lab]:
 def access_log() -> Iterator[AccessLines]:
     """The proxy's access lines, parsed: ``await access_log()`` once the requests are done."""
     buffer = io.StringIO()
-    accesslog.configure(buffer)
+    access_log_sink.configure(buffer)
 
     async def lines() -> list[dict]:
         await asyncio.sleep(0)  # lines leave when the loop turns
         return [json.loads(line) for line in buffer.getvalue().splitlines()]
 
     yield lines
-    accesslog.configure(None)
+    access_log_sink.configure(None)
 
 
 @pytest.fixture(scope="session")

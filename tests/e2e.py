@@ -16,10 +16,10 @@ import yaml
 from aiohttp import web
 
 from sfq_proxy.config import Config, parse_config
-from sfq_proxy.proxy import PROXY, Proxy
-from sfq_proxy.server import bound_url, running
-from sfq_proxy.sfq import FairQueue
-from sfq_proxy.simbackend import SimBackend, SimConfig
+from sfq_proxy.core.fair_queue import FairQueue
+from sfq_proxy.http.runtime import PROXY, Proxy
+from sfq_proxy.http.server import bound_url, running
+from sfq_proxy.sim.server import SimBackend, SimConfig
 
 MODEL = "sim-llama"
 _HEALTHY = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"

@@ -11,7 +11,7 @@ import openai
 import pytest
 from e2e import KEYS, MODEL, Lab, Served, eventually, proxy_config
 
-from sfq_proxy.simbackend import RequestRecord
+from sfq_proxy.sim.server import RequestRecord
 
 CHAT = [{"role": "user", "content": "hi"}]  # 1 input token by the chars/4 estimate
 CLASSES = {

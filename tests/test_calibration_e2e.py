@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from e2e import KEYS, MODEL, AccessLines, Lab, Served, dispatched_behind, proxy_config
 
-from sfq_proxy.proxy import PROXY
-from sfq_proxy.scenario import Request, load_scenario
-from sfq_proxy.server import bound_url, running
+from sfq_proxy.http.runtime import PROXY
+from sfq_proxy.http.server import bound_url, running
+from sfq_proxy.lab.scenario import Request, load_scenario
 
 AZURE = Path(__file__).resolve().parent.parent / "config" / "scenarios" / "azure-conv.yaml"
 
@@ -148,7 +148,7 @@ async def test_calibration_survives_a_restart_and_a_corrupt_file_does_not_stop_t
         assert runner.app[PROXY].pools["sim"].state()["calibration"] == learned
 
     state_file.write_text("{not json")
-    caplog.set_level(logging.WARNING, logger="sfq_proxy.calibration")
+    caplog.set_level(logging.WARNING, logger="sfq_proxy.core.calibration")
     async with running(config) as runner:
         again = Served(bound_url(runner), runner.app[PROXY])
         await _ask(lab, again, "A")  # serves, from the defaults

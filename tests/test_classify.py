@@ -6,9 +6,9 @@ import hashlib
 
 import pytest
 
-from sfq_proxy.classify import CLASS_HEADER, Authenticator, Flow, classify
 from sfq_proxy.config import Config, ResolvedKey, parse_config
-from sfq_proxy.errors import ApiError
+from sfq_proxy.core.errors import ApiError
+from sfq_proxy.core.flows import CLASS_HEADER, Authenticator, Flow, classify
 
 PLAIN = "sk-plain-product"
 HASHED = "sk-hashed-ops"

@@ -41,7 +41,7 @@ import pytest
 import yaml
 
 from sfq_proxy.config import Config, parse_config
-from sfq_proxy.simbackend import DEFAULT_MODEL
+from sfq_proxy.sim.server import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKERFILE = ROOT / "Dockerfile"

@@ -21,9 +21,9 @@ import yaml
 from e2e import MODEL, Lab, eventually, proxy_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from sfq_proxy.classify import CLASS_HEADER
 from sfq_proxy.config import default_classes
-from sfq_proxy.metrics import WAIT_BUCKETS
+from sfq_proxy.core.flows import CLASS_HEADER
+from sfq_proxy.http.metrics import WAIT_BUCKETS
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMETHEUS = ROOT / "deploy" / "prometheus"

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from sfq_proxy import report
-from sfq_proxy.lab import default_quantum, run_real, simulate_all
-from sfq_proxy.policies import make_policy
-from sfq_proxy.scenario import Scenario, Served, load_scenario
-from sfq_proxy.simulate import simulate
+from sfq_proxy.lab import report
+from sfq_proxy.lab.commands import default_quantum, run_real, simulate_all
+from sfq_proxy.lab.policies import make_policy
+from sfq_proxy.lab.scenario import Scenario, Served, load_scenario
+from sfq_proxy.lab.simulator import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 SHORT = Path(__file__).resolve().parent / "scenarios" / "abc-short.yaml"

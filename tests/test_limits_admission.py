@@ -17,14 +17,14 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sfq_proxy.admission import Admission
-from sfq_proxy.classify import Flow
 from sfq_proxy.config import BackendSpec, parse_config
-from sfq_proxy.errors import ApiError
-from sfq_proxy.limits import Rate, RetryBudget, TokenBucket
-from sfq_proxy.placement import Placement
-from sfq_proxy.scheduler import Scheduler, Ticket
-from sfq_proxy.sfq import MAX_COST, MIN_WEIGHT
+from sfq_proxy.core.admission import Admission
+from sfq_proxy.core.errors import ApiError
+from sfq_proxy.core.fair_queue import MAX_COST, MIN_WEIGHT
+from sfq_proxy.core.flows import Flow
+from sfq_proxy.core.limits import Rate, RetryBudget, TokenBucket
+from sfq_proxy.core.placement import Placement
+from sfq_proxy.core.scheduler import Scheduler, Ticket
 
 fast = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

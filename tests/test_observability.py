@@ -10,7 +10,7 @@ import pytest
 from e2e import KEYS, MODEL, AccessLines, Lab, Served, eventually, proxy_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from sfq_proxy.metrics import OTHER, Metrics
+from sfq_proxy.http.metrics import OTHER, Metrics
 
 SECRET_PROMPT = "my-secret-prompt-text"
 CHAT = [{"role": "user", "content": "hi"}]  # 1 input token by chars/4

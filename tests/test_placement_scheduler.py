@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sfq_proxy.config import BackendSpec
-from sfq_proxy.placement import Backend, Placement
-from sfq_proxy.scheduler import Scheduler, Ticket
+from sfq_proxy.core.placement import Backend, Placement
+from sfq_proxy.core.scheduler import Scheduler, Ticket
 
 
 def placement(*slots: int) -> Placement:

@@ -22,7 +22,7 @@ import yaml
 from aiohttp import web
 from e2e import KEYS, MODEL, Lab, Served, config_yaml, eventually, leftovers, proxy_config
 
-from sfq_proxy.simbackend import SimBackend
+from sfq_proxy.sim.server import SimBackend
 
 CHAT = [{"role": "user", "content": "hi"}]
 AUTH = {"Authorization": f"Bearer {KEYS['A']}", "Content-Type": "application/json"}
@@ -225,21 +225,21 @@ async def test_a_stream_the_backend_breaks_off_ends_with_an_error_event(
 # -- a fault of the proxy's own, at each step of a request's life --------------------------------
 
 BEFORE_THE_ANSWER = [
-    ("sfq_proxy.classify.Authenticator.identify", 500),
-    ("sfq_proxy.inference.parse", 500),
-    ("sfq_proxy.inference.classify", 500),
-    ("sfq_proxy.cost.CostModel.estimate", 500),
-    ("sfq_proxy.admission.Admission.admit", 500),
-    ("sfq_proxy.metrics.Metrics.seen", 500),
-    ("sfq_proxy.pool.Pool.acquire", 500),
-    ("sfq_proxy.relay._open", 500),
+    ("sfq_proxy.core.flows.Authenticator.identify", 500),
+    ("sfq_proxy.http.handler.parse", 500),
+    ("sfq_proxy.http.handler.classify", 500),
+    ("sfq_proxy.core.cost.CostModel.estimate", 500),
+    ("sfq_proxy.core.admission.Admission.admit", 500),
+    ("sfq_proxy.http.metrics.Metrics.seen", 500),
+    ("sfq_proxy.http.pool_runtime.Pool.acquire", 500),
+    ("sfq_proxy.http.relay._open", 500),
 ]
-AFTER_IT_STARTED = [("sfq_proxy.relay._UsageStripper.feed", "cut")]
+AFTER_IT_STARTED = [("sfq_proxy.http.relay._UsageStripper.feed", "cut")]
 WHILE_COUNTING = [
-    ("sfq_proxy.inference.read_usage", "intact"),
-    ("sfq_proxy.inference._account", "intact"),
-    ("sfq_proxy.cost.CostModel.observe", "intact"),
-    ("sfq_proxy.metrics.Metrics.first_byte", 500),  # called as the headers arrive
+    ("sfq_proxy.http.handler.read_usage", "intact"),
+    ("sfq_proxy.http.handler._account", "intact"),
+    ("sfq_proxy.core.cost.CostModel.observe", "intact"),
+    ("sfq_proxy.http.metrics.Metrics.first_byte", 500),  # called as the headers arrive
 ]
 
 

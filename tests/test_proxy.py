@@ -10,9 +10,9 @@ import pytest
 from aiohttp import web
 from e2e import KEYS, MODEL, Lab, Served, dispatched_behind, eventually, proxy_config
 
-from sfq_proxy.proxy import PROXY
-from sfq_proxy.server import bound_url, running
-from sfq_proxy.simbackend import SimBackend
+from sfq_proxy.http.runtime import PROXY
+from sfq_proxy.http.server import bound_url, running
+from sfq_proxy.sim.server import SimBackend
 
 CHAT = [{"role": "user", "content": "Say something fair."}]
 

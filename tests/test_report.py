@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sfq_proxy.report import (
+from sfq_proxy.lab.report import (
     Row,
     backlogged_intervals,
     format_table,
@@ -26,7 +26,7 @@ from sfq_proxy.report import (
     rows,
     write_report,
 )
-from sfq_proxy.scenario import Request, Served, Team
+from sfq_proxy.lab.scenario import Request, Served, Team
 
 NAN = float("nan")
 TEAMS = [Team("A", "org1", "batch", 1.0), Team("B", "org2", "interactive", 1.0)]
@@ -308,7 +308,7 @@ def test_write_report_without_matplotlib(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib → ImportError
-    with caplog.at_level(logging.WARNING, logger="sfq_proxy.report"):
+    with caplog.at_level(logging.WARNING, logger="sfq_proxy.lab.report"):
         paths = write_report(tmp_path, "worked", rows(worked_runs(), TEAMS), worked_runs(), TEAMS)
     assert [p.name for p in paths] == ["table.txt", "table.md", "table.csv", "table.json"]
     assert all(p.stat().st_size > 0 for p in paths)

@@ -1,4 +1,4 @@
-"""Parsing of request bodies (sfq_proxy.request) and their pricing (sfq_proxy.cost)."""
+"""Parsing of request bodies (core.inference_request) and their pricing (core.cost)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from sfq_proxy.config import ConfigError, CostSpec
-from sfq_proxy.cost import CostModel, Estimate
-from sfq_proxy.errors import ApiError
-from sfq_proxy.request import MAX_OUTPUT_TOKENS, InferenceRequest, Kind, parse
-from sfq_proxy.scheduler import Ticket
+from sfq_proxy.core.cost import CostModel, Estimate
+from sfq_proxy.core.errors import ApiError
+from sfq_proxy.core.inference_request import MAX_OUTPUT_TOKENS, InferenceRequest, Kind, parse
+from sfq_proxy.core.scheduler import Ticket
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 

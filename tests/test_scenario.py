@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from sfq_proxy.config import ConfigError
-from sfq_proxy.scenario import (
+from sfq_proxy.lab.scenario import (
     EngineModel,
     PoolModel,
     Request,

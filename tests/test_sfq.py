@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 from sfq_harness import Op, QueueLike, ReferenceSFQ, Trace, check_band, check_pairwise, run
 
-from sfq_proxy.sfq import MAX_COST, MAX_WEIGHT, MIN_WEIGHT, FairQueue
+from sfq_proxy.core.fair_queue import MAX_COST, MAX_WEIGHT, MIN_WEIGHT, FairQueue
 
 FLOWS = ["a", "b", "c", "d"]
 Make = Callable[[], QueueLike]

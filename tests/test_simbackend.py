@@ -16,7 +16,7 @@ import aiohttp
 import openai
 import pytest
 
-from sfq_proxy.simbackend import SimBackend, SimConfig, add_parser, estimate_prompt_tokens
+from sfq_proxy.sim.server import SimBackend, SimConfig, add_parser, estimate_prompt_tokens
 
 T = TypeVar("T")
 MODEL = "sim-llama"

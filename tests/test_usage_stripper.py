@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sfq_proxy.relay import Relayed, _UsageStripper, read_usage
+from sfq_proxy.http.relay import Relayed, _UsageStripper, read_usage
 
 TOKEN = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}'
 FINISH = b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}'

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import BackendSpec
+from ..config import BackendSpec
 
 
 @dataclass(slots=True, eq=False)

@@ -13,10 +13,10 @@ from typing import Any
 
 from aiohttp import web
 
-from . import accesslog, logs
+from ..config import Config, ConfigError
+from . import access_log, logs
 from .app import build_app
-from .config import Config, ConfigError
-from .proxy import PROXY, Proxy
+from .runtime import PROXY, Proxy
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def run(main: Callable[[], Any]) -> None:
 
 
 async def serve(config: Config, config_path: Path | None = None) -> None:
-    accesslog.configure()
+    access_log.configure()
     async with running(config, config_path=config_path) as runner:
         # What start-up made (modules, config, app: ~50k objects) lives as long as the
         # process: out of the collector's sight, a full collection takes ~0 ms, not ~30 ms

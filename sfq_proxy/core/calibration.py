@@ -37,7 +37,7 @@ from typing import Any
 
 __all__ = ["Calibration", "Ratio", "load", "save"]
 
-log = logging.getLogger("sfq_proxy.calibration")
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _RATIO_KEYS = frozenset({"num", "den", "samples"})

@@ -19,15 +19,15 @@ from typing import Any
 
 import yaml
 
+from ..config import Config, parse_config
+from ..http.runtime import PROXY, Proxy
+from ..http.server import bound_url, running
+from ..sim.server import SimBackend, SimConfig
 from . import report
-from .config import Config, parse_config
 from .loadgen import run_load
 from .policies import DEFAULT_PRIORITY_ORDER, POLICY_NAMES, make_policy
-from .proxy import PROXY, Proxy
 from .scenario import Scenario, Served, load_scenario
-from .server import bound_url, running
-from .simbackend import SimBackend, SimConfig
-from .simulate import cost_of, simulate
+from .simulator import cost_of, simulate
 
 MODEL = "lab"
 

@@ -12,14 +12,15 @@ from typing import Any, TypedDict
 import aiohttp
 from aiohttp import web
 
-from . import calibration, logs
-from .admission import Admission
-from .calibration import Calibration
-from .classify import Authenticator
-from .config import CalibrationSpec, Config, ConfigError, load_config
-from .cost import CostModel
+from ..config import CalibrationSpec, Config, ConfigError, load_config
+from ..core import calibration
+from ..core.admission import Admission
+from ..core.calibration import Calibration
+from ..core.cost import CostModel
+from ..core.flows import Authenticator
+from . import logs
 from .metrics import Metrics
-from .pool import Pool
+from .pool_runtime import Pool
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)

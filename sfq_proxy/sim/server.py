@@ -25,7 +25,7 @@ from typing import Any, Literal, Protocol
 
 from aiohttp import web
 
-from .server import run, wait_for_signal
+from ..http.server import run, wait_for_signal
 
 __all__ = [
     "Faults",

@@ -12,8 +12,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+from ..core.fair_queue import FairQueue
 from .scenario import Request
-from .sfq import FairQueue
 
 
 class Policy(Protocol):

@@ -18,12 +18,12 @@ from pathlib import Path
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .classify import key_digest
-from .config import Config, ConfigError
-from .errors import ApiError
-from .inference import Handler, handler
-from .proxy import PROXY, Clock, Proxy
-from .request import Kind
+from ..config import Config, ConfigError
+from ..core.errors import ApiError
+from ..core.flows import key_digest
+from ..core.inference_request import Kind
+from .handler import Handler, handler
+from .runtime import PROXY, Clock, Proxy
 
 log = logging.getLogger(__name__)
 

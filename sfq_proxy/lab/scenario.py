@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
-from .config import (
+from ..config import (
     _NAME_PATTERN,
     ConfigError,
     Name,

@@ -15,10 +15,10 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from .config import Config, default_config
-from .proxy import PROXY, Proxy
-from .server import bound_url, running, wait_for_signal
-from .simbackend import SimBackend, SimConfig
+from ..config import Config, default_config
+from ..http.runtime import PROXY, Proxy
+from ..http.server import bound_url, running, wait_for_signal
+from ..sim.server import SimBackend, SimConfig
 
 DEMO_KEYS = {
     "sk-demo-product": "org product: interactive (default) or batch, weight 2",

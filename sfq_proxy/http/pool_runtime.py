@@ -14,13 +14,13 @@ from typing import Any
 
 import aiohttp
 
-from .calibration import Calibration
-from .config import Config, PoolSpec
-from .cost import CostModel
-from .errors import ApiError
-from .limits import Rate
-from .placement import Backend, Placement
-from .scheduler import Scheduler, Ticket
+from ..config import Config, PoolSpec
+from ..core.calibration import Calibration
+from ..core.cost import CostModel
+from ..core.errors import ApiError
+from ..core.limits import Rate
+from ..core.placement import Backend, Placement
+from ..core.scheduler import Scheduler, Ticket
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .fair_queue import MAX_COST, FairQueue, check_cost, check_weight
 from .limits import Rate
 from .placement import Backend, Placement
-from .sfq import MAX_COST, FairQueue, check_cost, check_weight
 
 NO_CAP = 1 << 62
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from .config import Config, ResolvedKey
+from ..config import Config, ResolvedKey
 from .errors import ApiError
 
 CLASS_HEADER = "X-Workload-Class"

@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..config import ConfigError, CostSpec
 from .calibration import Calibration
-from .config import ConfigError, CostSpec
-from .request import InferenceRequest, Kind
+from .inference_request import InferenceRequest, Kind
 
 
 class Tokenizer(Protocol):

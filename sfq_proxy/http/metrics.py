@@ -24,8 +24,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from .calibration import Calibration
-from .pool import Pool
+from ..core.calibration import Calibration
+from .pool_runtime import Pool
 
 FLOW_LABELS = ["org", "class", "pool"]
 OTHER = "other"

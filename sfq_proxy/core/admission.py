@@ -10,9 +10,9 @@ request that generated nothing upstream are given back (``refund``).
 
 from __future__ import annotations
 
-from .classify import Flow
-from .config import Config
+from ..config import Config
 from .errors import ApiError
+from .flows import Flow
 from .limits import Rate, RetryBudget
 
 

@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from .relay import QUEUE_WAIT_HEADER
+from ..http.relay import QUEUE_WAIT_HEADER
 from .scenario import Request, Scenario, Served
-from .simulate import cost_of
+from .simulator import cost_of
 
 CHARS_PER_TOKEN = 4  # what the proxy's estimate and the simulated server both assume
 

@@ -26,14 +26,14 @@ from functools import partial
 
 from aiohttp import web
 
-from .accesslog import REQUEST_ID_HEADER, AccessRecord
-from .classify import CLASS_HEADER, Flow, classify
-from .cost import Estimate
-from .errors import ApiError
-from .proxy import PROXY, Proxy
+from ..core.cost import Estimate
+from ..core.errors import ApiError
+from ..core.flows import CLASS_HEADER, Flow, classify
+from ..core.inference_request import InferenceRequest, Kind, parse
+from ..core.scheduler import Ticket
+from .access_log import REQUEST_ID_HEADER, AccessRecord
 from .relay import Relayed, UpstreamUnreachable, forward, read_usage
-from .request import InferenceRequest, Kind, parse
-from .scheduler import Ticket
+from .runtime import PROXY, Proxy
 
 log = logging.getLogger(__name__)
 RETRYABLE = frozenset({429, 502, 503})

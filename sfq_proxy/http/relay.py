@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from .errors import ApiError
-from .placement import Backend
-from .pool import Pool
-from .request import InferenceRequest
+from ..core.errors import ApiError
+from ..core.inference_request import InferenceRequest
+from ..core.placement import Backend
+from .pool_runtime import Pool
 
 log = logging.getLogger(__name__)
 # Upstream response headers worth passing on; hop-by-hop and length headers are not.

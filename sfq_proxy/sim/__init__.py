@@ -1,0 +1,1 @@
+"""A simulated OpenAI-compatible (vLLM-like) server, for the demo, the lab and the tests."""
