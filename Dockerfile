@@ -7,7 +7,7 @@
 # The config must listen on 0.0.0.0 (the default 127.0.0.1 is unreachable from outside the
 # container) and on port 8080, which EXPOSE and HEALTHCHECK below assume.
 #
-# tests/test_deploy_files.py runs the RUN lines marked `# test: build` and `# test: install`
+# tests/deploy/test_deploy_files.py runs the RUN lines marked `# test: build` and `# test: install`
 # outside Docker, in a fresh virtual environment, and starts the result: keep every path
 # those lines use in the variables it sets (VIRTUAL_ENV, WHEELS).
 

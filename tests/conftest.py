@@ -9,8 +9,8 @@ import json
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
-from e2e import AccessLines, Lab
 from hypothesis import settings
+from proxy_lab import AccessLines, Lab
 from vllm_backend import VllmServer
 
 from sfq_proxy.http import access_log as access_log_sink

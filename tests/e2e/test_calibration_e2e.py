@@ -10,13 +10,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from e2e import KEYS, MODEL, AccessLines, Lab, Served, dispatched_behind, proxy_config
+from proxy_lab import KEYS, MODEL, AccessLines, Lab, Served, dispatched_behind, proxy_config
 
 from sfq_proxy.http.runtime import PROXY
 from sfq_proxy.http.server import bound_url, running
 from sfq_proxy.lab.scenario import Request, load_scenario
 
-AZURE = Path(__file__).resolve().parent.parent / "config" / "scenarios" / "azure-conv.yaml"
+AZURE = Path(__file__).resolve().parents[2] / "config" / "scenarios" / "azure-conv.yaml"
 
 CHAT = [{"role": "user", "content": "Tell me about fair queueing."}]
 

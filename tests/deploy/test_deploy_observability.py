@@ -18,14 +18,14 @@ from typing import Any
 import openai
 import pytest
 import yaml
-from e2e import MODEL, Lab, eventually, proxy_config
 from prometheus_client.parser import text_string_to_metric_families
+from proxy_lab import MODEL, Lab, eventually, proxy_config
 
 from sfq_proxy.config import default_classes
 from sfq_proxy.core.flows import CLASS_HEADER
 from sfq_proxy.http.metrics import WAIT_BUCKETS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"
 GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "sfq-proxy.json"

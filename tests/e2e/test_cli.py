@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "config" / "example.yaml"
 EXAMPLE_ENV = {  # the variables config/example.yaml says it needs
     "ANALYTICS_KEY": "sk-analytics-SECRET-1",

@@ -24,7 +24,7 @@ from sfq_proxy.config import (
     parse_config,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = "sk-SECRET-123"
 EXAMPLE_ENV = {
     "ANALYTICS_KEY": "sk-analytics-prod",

@@ -12,7 +12,7 @@ from typing import Any
 
 import openai
 import pytest
-from e2e import KEYS, MODEL, Lab, Served, config_yaml, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, Served, config_yaml, eventually, proxy_config
 
 from sfq_proxy.config import load_config
 from sfq_proxy.http.runtime import PROXY

@@ -17,8 +17,8 @@ from sfq_proxy.lab.policies import make_policy
 from sfq_proxy.lab.scenario import Scenario, Served, load_scenario
 from sfq_proxy.lab.simulator import simulate
 
-ROOT = Path(__file__).resolve().parent.parent
-SHORT = Path(__file__).resolve().parent / "scenarios" / "abc-short.yaml"
+ROOT = Path(__file__).resolve().parents[2]
+SHORT = Path(__file__).resolve().parents[1] / "scenarios" / "abc-short.yaml"
 AZURE = ROOT / "config" / "scenarios" / "azure-conv.yaml"
 
 

@@ -7,8 +7,8 @@ import json
 
 import openai
 import pytest
-from e2e import KEYS, MODEL, AccessLines, Lab, Served, eventually, proxy_config
 from prometheus_client.parser import text_string_to_metric_families
+from proxy_lab import KEYS, MODEL, AccessLines, Lab, Served, eventually, proxy_config
 
 from sfq_proxy.http.metrics import OTHER, Metrics
 

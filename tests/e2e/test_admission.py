@@ -9,7 +9,7 @@ from typing import Any
 
 import openai
 import pytest
-from e2e import KEYS, MODEL, Lab, Served, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
 
 from sfq_proxy.sim.server import RequestRecord
 

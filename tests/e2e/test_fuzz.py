@@ -34,10 +34,10 @@ from typing import Any
 
 import pytest
 from aiohttp import web
-from e2e import KEYS, MODEL, Lab, Served, leftovers, proxy_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict
+from proxy_lab import KEYS, MODEL, Lab, Served, leftovers, proxy_config
 from yarl import URL
 
 # examples per fuzz test: a bounded number in `make test`, many more in `make fuzz`
@@ -63,7 +63,7 @@ TOKEN_FIELDS = {
     "n": MAX_CHOICES,
     "best_of": MAX_CHOICES,
 }
-KEY_CLASSES = {  # as tests/e2e.py's config grants them
+KEY_CLASSES = {  # as tests/proxy_lab.py's config grants them
     KEYS["A"]: ("batch", "interactive"),
     KEYS["B"]: ("batch",),
     KEYS["C"]: ("interactive",),

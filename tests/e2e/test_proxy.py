@@ -8,7 +8,7 @@ from collections import Counter
 import openai
 import pytest
 from aiohttp import web
-from e2e import KEYS, MODEL, Lab, Served, dispatched_behind, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, Served, dispatched_behind, eventually, proxy_config
 
 from sfq_proxy.http.runtime import PROXY
 from sfq_proxy.http.server import bound_url, running

@@ -20,7 +20,7 @@ import openai
 import pytest
 import yaml
 from aiohttp import web
-from e2e import KEYS, MODEL, Lab, Served, config_yaml, eventually, leftovers, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, Served, config_yaml, eventually, leftovers, proxy_config
 
 from sfq_proxy.sim.server import SimBackend
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 import yaml
-from e2e import KEYS, MODEL, Lab, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, eventually, proxy_config
 
 CHAT = [{"role": "user", "content": "hello"}]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import openai
 import pytest
-from e2e import KEYS, MODEL, Lab, Served, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

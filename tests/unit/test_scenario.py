@@ -24,7 +24,7 @@ from sfq_proxy.lab.scenario import (
     parse_scenario,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = ROOT / "config" / "scenarios"
 AZURE_CONV = SCENARIOS / "data" / "azure-llm-2023-conv.csv"
 

@@ -43,7 +43,7 @@ import yaml
 from sfq_proxy.config import Config, parse_config
 from sfq_proxy.sim.server import DEFAULT_MODEL
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 KUBE = ROOT / "deploy" / "kubernetes"
