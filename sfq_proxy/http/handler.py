@@ -32,7 +32,14 @@ from ..core.flows import CLASS_HEADER, Flow, classify
 from ..core.inference_request import InferenceRequest, Kind, parse
 from ..core.scheduler import Ticket
 from .access_log import REQUEST_ID_HEADER, AccessRecord
-from .relay import Relayed, UpstreamUnreachable, forward, read_usage
+from .relay import (
+    COST_HEADER,
+    QUEUE_WAIT_HEADER,
+    Relayed,
+    UpstreamUnreachable,
+    forward,
+    read_usage,
+)
 from .runtime import PROXY, Proxy
 
 log = logging.getLogger(__name__)
@@ -160,7 +167,11 @@ async def _serve(
         try:
             relayed = await forward(
                 proxy.session, pool, backend, request, inference, record.request_id,
-                record.queue_wait_s,
+                {
+                    REQUEST_ID_HEADER: record.request_id,
+                    QUEUE_WAIT_HEADER: f"{record.queue_wait_s:.6f}",
+                    COST_HEADER: "0" if ticket.priority else f"{ticket.cost:.6g}",
+                },
                 on_headers=partial(metrics.first_byte, flow.pool, backend.name),
             )  # fmt: skip
             generated = not _refused(relayed)

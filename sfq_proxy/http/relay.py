@@ -14,7 +14,7 @@ import logging
 import math
 import re
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 # Upstream response headers worth passing on; hop-by-hop and length headers are not.
 _PASS_HEADERS = ("Content-Type", "Retry-After")
 QUEUE_WAIT_HEADER = "X-Queue-Wait"
+COST_HEADER = "X-Cost-Charged"
 _TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
 # Marks found by a byte search, never by parsing. A compiled pattern, not bytes.find: one
 # pass for both spellings, and no per-call setup, which dominates on a one-token event.
@@ -106,13 +107,14 @@ async def forward(
     client: web.Request,
     inference: InferenceRequest,
     request_id: str,
-    queue_wait_s: float,
+    own_headers: Mapping[str, str],
     on_headers: Callable[[float], None],
 ) -> Relayed:
     """Send ``inference`` to ``backend`` and relay its answer to ``client``.
 
-    The answer carries ``X-Request-Id`` and ``X-Queue-Wait`` (seconds spent queued in the
-    proxy, retries included), so a client can tell waiting from generating.
+    The answer carries ``own_headers`` beside the upstream's: the proxy's ``X-Request-Id``,
+    ``X-Queue-Wait`` (seconds spent queued in the proxy, retries included, so a client can
+    tell waiting from generating) and ``X-Cost-Charged`` (what its flow's meter was charged).
 
     ``on_headers`` learns the time to the response headers as soon as they arrive, even if
     the relay is cancelled later.
@@ -128,8 +130,7 @@ async def forward(
         if upstream.status >= 500:
             pool.report_failure(backend)
         headers = {h: upstream.headers[h] for h in _PASS_HEADERS if h in upstream.headers}
-        headers["X-Request-Id"] = request_id
-        headers[QUEUE_WAIT_HEADER] = f"{queue_wait_s:.6f}"
+        headers.update(own_headers)
         if upstream.status in _ERROR_STATUSES:
             headers.setdefault("Retry-After", "1")
         if not (inference.stream and upstream.status == 200):

@@ -330,3 +330,15 @@ async def test_a_backends_cookie_is_never_sent_on_anyones_later_request(lab: Lab
     for org in ("A", "B"):
         await lab.client(served, org).chat.completions.create(model=MODEL, messages=CHAT)
     assert cookies == [None, None]
+
+
+async def test_the_answer_says_what_its_flow_was_charged(lab: Lab) -> None:
+    """X-Cost-Charged is the cost the flow's meter was charged: what a client or the lab's
+    load generator reports as served, rather than a cost of its own making."""
+    sim = await lab.backend()
+    served = await lab.proxy(proxy_config([sim.url]))
+    reply = await lab.client(served).chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "12345678"}], max_tokens=5
+    )
+    assert reply.headers["X-Cost-Charged"] == "7"  # 8 chars / 4 per token + 5 output tokens
+    assert served.queue().meter("A/batch") == 7.0
