@@ -13,7 +13,7 @@ Both are ratios of exponentially decayed sums, so that old behaviour fades with 
 counted in observations of that ratio (not in seconds: a quiet pool keeps what it learned).
 A learned value only changes future estimates; nothing already charged moves.
 
-Sans-I/O apart from :func:`save` and :func:`load`: no clock, no event loop.
+Sans-I/O: no clock, no event loop, no files (``sfq_proxy.http.calibration_store`` keeps it).
 
 Memory is bounded: a pool keeps at most ``max_orgs`` org ratios. When a new org arrives at
 a full pool, the org with the fewest samples is dropped (the least recently observed among
@@ -23,21 +23,14 @@ falls back to its pool's ratio, as a new one would.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
-import json
-import logging
 import math
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-__all__ = ["Calibration", "Ratio", "load", "save"]
+__all__ = ["Calibration", "Ratio"]
 
-log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 _RATIO_KEYS = frozenset({"num", "den", "samples"})
@@ -223,51 +216,6 @@ class Calibration:
         return calibration
 
 
-# -- files ---------------------------------------------------------------------------------
-
-
-def save(calibration: Calibration, path: Path) -> None:
-    """Replace ``path`` atomically: a crash leaves either the old state or the new one."""
-    path = Path(path)
-    text = json.dumps(calibration.to_json(), allow_nan=False, indent=1, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
-def load(path: Path, **settings: Any) -> Calibration:
-    """The saved state, or a fresh one when there is none worth having.
-
-    Losing what was learned only makes estimates fall back to the configured defaults for
-    a while, so a missing or damaged file must not stop the proxy from starting: it is
-    logged and ignored. Invalid ``settings`` do raise, since they are a config error.
-    """
-    path = Path(path)
-    fresh = Calibration(**settings)  # validates the settings before any file error is excused
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        log.warning("calibration state %s not found; starting from the configured defaults", path)
-        return fresh
-    except (OSError, UnicodeDecodeError) as exc:
-        log.warning("cannot read calibration state %s (%s); starting afresh", path, exc)
-        return fresh
-    try:
-        return Calibration.from_json(json.loads(text), **settings)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-        log.warning("corrupt calibration state %s (%s); starting afresh", path, exc)
-        return fresh
-
-
 # -- helpers -------------------------------------------------------------------------------
 
 
@@ -344,13 +292,3 @@ def _sum_from_json(value: Any, where: str) -> float:
     if not math.isfinite(number) or number < 0:
         raise ValueError(f"{where}: expected a finite number >= 0, not {value!r}")
     return number
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable; best effort, as not every platform can open a dir."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -1,10 +1,12 @@
-"""OpenAI-style errors: every rejection the proxy makes is one of these (docs/design.md §6)."""
+"""OpenAI-style errors: every rejection the proxy makes is one of these (docs/design.md §6).
+
+Plain data: the HTTP shell renders them (``sfq_proxy.http.error_response``).
+"""
 
 from __future__ import annotations
 
 import math
-
-from aiohttp import web
+from typing import Any
 
 _TYPES = {
     400: ("invalid_request_error", "invalid_request"),
@@ -53,13 +55,14 @@ class ApiError(Exception):
         """The rejection reason (auth, rate, queue_full, …), or None for a failure."""
         return _REASONS_BY_CODE.get(self.code) or _REASONS.get(self.status)
 
-    def response(self) -> web.Response:
-        """The JSON error; every 429 and 503 says when to come back (1 s unless known)."""
-        headers = {}
+    def headers(self) -> dict[str, str]:
+        """Every 429 and 503 says when to come back: 1 s unless the wait is known."""
         retry_after = self.retry_after
         if retry_after is None and self.status in (429, 503):
             retry_after = 1.0
-        if retry_after is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
-        body = {"error": {"message": self.message, "type": self.type, "code": self.code}}
-        return web.json_response(body, status=self.status, headers=headers)
+        if retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(retry_after)))}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "code": self.code}}

@@ -22,6 +22,7 @@ from ..config import Config, ConfigError
 from ..core.errors import ApiError
 from ..core.flows import key_digest
 from ..core.inference_request import Kind
+from .error_response import error_response
 from .handler import Handler, handler
 from .runtime import PROXY, Clock, Proxy
 
@@ -63,7 +64,7 @@ def _answering_errors(serve: Handler) -> Handler:
         try:
             return await serve(request)
         except ApiError as err:
-            return err.response()
+            return error_response(err)
 
     return answer
 
@@ -74,9 +75,9 @@ def _unrouted(allowed: dict[str, set[str]]) -> Handler:
     async def answer(request: web.Request) -> web.StreamResponse:
         methods = allowed.get(request.path)
         if methods is None:
-            return ApiError(404, f"No such endpoint: {request.path}").response()
+            return error_response(ApiError(404, f"No such endpoint: {request.path}"))
         message = f"{request.method} is not allowed here; use {', '.join(sorted(methods))}."
-        response = ApiError(405, message).response()
+        response = error_response(ApiError(405, message))
         response.headers["Allow"] = ", ".join(sorted(methods))
         return response
 

@@ -32,6 +32,7 @@ from ..core.flows import CLASS_HEADER, Flow, classify
 from ..core.inference_request import InferenceRequest, Kind, parse
 from ..core.scheduler import Ticket
 from .access_log import REQUEST_ID_HEADER, AccessRecord
+from .error_response import error_response
 from .relay import (
     COST_HEADER,
     QUEUE_WAIT_HEADER,
@@ -62,7 +63,7 @@ def handler(kind: Kind) -> Handler:
         except ApiError as err:
             record.status, reason = err.status, err.reason
             record.outcome = "rejected" if reason else "failed"
-            response = err.response()
+            response = error_response(err)
             response.headers[REQUEST_ID_HEADER] = record.request_id
             return response
         except asyncio.CancelledError:
@@ -72,7 +73,7 @@ def handler(kind: Kind) -> Handler:
             log.exception("request %s failed", record.request_id)
             record.status, record.outcome = 500, "failed"
             error = ApiError(500, "The proxy failed to serve this request.")
-            response = error.response()
+            response = error_response(error)
             response.headers[REQUEST_ID_HEADER] = record.request_id
             return response
         finally:

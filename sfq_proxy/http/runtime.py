@@ -13,12 +13,11 @@ import aiohttp
 from aiohttp import web
 
 from ..config import CalibrationSpec, Config, ConfigError, load_config
-from ..core import calibration
 from ..core.admission import Admission
 from ..core.calibration import Calibration
 from ..core.cost import CostModel
 from ..core.flows import Authenticator
-from . import logs
+from . import calibration_store, logs
 from .metrics import Metrics
 from .pool_runtime import Pool
 
@@ -120,7 +119,7 @@ class Proxy:
         path = self.config.calibration.state_file
         if path and self.calibration is not None:
             try:
-                calibration.save(self.calibration, Path(path))
+                calibration_store.save(self.calibration, Path(path))
             except OSError as err:  # a full disk must not take the proxy down
                 log.warning("cannot save calibration to %s: %s", path, err)
 
@@ -152,7 +151,7 @@ def _load_calibration(spec: CalibrationSpec) -> Calibration:
         "min_pool_samples": spec.min_org_samples,
     }
     if spec.state_file:
-        return calibration.load(Path(spec.state_file), **settings)
+        return calibration_store.load(Path(spec.state_file), **settings)
     return Calibration(**settings)
 
 

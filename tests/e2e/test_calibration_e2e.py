@@ -148,7 +148,7 @@ async def test_calibration_survives_a_restart_and_a_corrupt_file_does_not_stop_t
         assert runner.app[PROXY].pools["sim"].state()["calibration"] == learned
 
     state_file.write_text("{not json")
-    caplog.set_level(logging.WARNING, logger="sfq_proxy.core.calibration")
+    caplog.set_level(logging.WARNING, logger="sfq_proxy.http.calibration_store")
     async with running(config) as runner:
         again = Served(bound_url(runner), runner.app[PROXY])
         await _ask(lab, again, "A")  # serves, from the defaults

@@ -13,8 +13,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sfq_proxy.core import calibration as calibration_module
-from sfq_proxy.core.calibration import Calibration, Ratio, load, save
+from sfq_proxy.core.calibration import Calibration, Ratio
+from sfq_proxy.http import calibration_store as calibration_module
+from sfq_proxy.http.calibration_store import load, save
 
 POOL = "llama-8b"
 HUGE_HALF_LIFE = 10**12  # decay ≈ 1 - 7e-13: a plain ratio of sums for any realistic test
@@ -416,11 +417,11 @@ def test_failed_save_keeps_the_old_file_and_leaves_no_temp_files(
 def _assert_fresh_with_warning(
     caplog: pytest.LogCaptureFixture, path: Path, words: str
 ) -> Calibration:
-    with caplog.at_level(logging.WARNING, logger="sfq_proxy.core.calibration"):
+    with caplog.at_level(logging.WARNING, logger="sfq_proxy.http.calibration_store"):
         cal = load(path, half_life_requests=7, min_org_samples=3)
     assert cal.to_json() == {"version": 1, "pools": {}}
     assert (cal.half_life_requests, cal.min_org_samples) == (7, 3)
-    [record] = [r for r in caplog.records if r.name == "sfq_proxy.core.calibration"]
+    [record] = [r for r in caplog.records if r.name == "sfq_proxy.http.calibration_store"]
     assert record.levelno == logging.WARNING
     assert words in record.getMessage()
     assert str(path) in record.getMessage()

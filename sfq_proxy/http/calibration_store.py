@@ -1,0 +1,72 @@
+"""Calibration kept across restarts: an atomically replaced JSON file.
+
+The learning itself is sans-I/O (``sfq_proxy.core.calibration``); this is its file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..core.calibration import Calibration
+
+__all__ = ["load", "save"]
+
+log = logging.getLogger(__name__)
+
+
+def save(calibration: Calibration, path: Path) -> None:
+    """Replace ``path`` atomically: a crash leaves either the old state or the new one."""
+    path = Path(path)
+    text = json.dumps(calibration.to_json(), allow_nan=False, indent=1, sort_keys=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def load(path: Path, **settings: Any) -> Calibration:
+    """The saved state, or a fresh one when there is none worth having.
+
+    Losing what was learned only makes estimates fall back to the configured defaults for
+    a while, so a missing or damaged file must not stop the proxy from starting: it is
+    logged and ignored. Invalid ``settings`` do raise, since they are a config error.
+    """
+    path = Path(path)
+    fresh = Calibration(**settings)  # validates the settings before any file error is excused
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        log.warning("calibration state %s not found; starting from the configured defaults", path)
+        return fresh
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("cannot read calibration state %s (%s); starting afresh", path, exc)
+        return fresh
+    try:
+        return Calibration.from_json(json.loads(text), **settings)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        log.warning("corrupt calibration state %s (%s); starting afresh", path, exc)
+        return fresh
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable; best effort, as not every platform can open a dir."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
