@@ -37,7 +37,8 @@ from .relay import (
     COST_HEADER,
     QUEUE_WAIT_HEADER,
     Relayed,
-    UpstreamUnreachable,
+    UpstreamFailed,
+    backend_failed,
     forward,
     read_usage,
 )
@@ -176,8 +177,13 @@ async def _serve(
                 on_headers=partial(metrics.first_byte, flow.pool, backend.name),
             )  # fmt: skip
             generated = not _refused(relayed)
-        except UpstreamUnreachable:
+            if backend_failed(relayed):
+                pool.report_failure(backend)
+        except UpstreamFailed as failure:
             generated = False
+            pool.report_failure(backend)
+            if failure.answer is not None:
+                raise failure.answer from None
         except asyncio.CancelledError:
             record.outcome = "cancelled_running"
             raise
@@ -207,7 +213,7 @@ async def _serve(
     try:  # the answer is the backend's: a failure to count it is logged, never sent
         read_usage(relayed)
         _account(proxy, flow, record, relayed)
-        if relayed.response.status == 200 and not relayed.cut:
+        if relayed.response.status == 200 and relayed.fault is None:
             pool.cost.observe(estimate, flow.org, relayed.prompt_tokens, relayed.completion_tokens)
     except Exception:
         log.exception("request %s: its answer could not be counted", record.request_id)
@@ -228,7 +234,7 @@ def _account(proxy: Proxy, flow: Flow, record: AccessRecord, relayed: Relayed) -
         relayed.completion_tokens,
     )
     key, metrics = flow.key, proxy.metrics
-    if relayed.cut:
+    if relayed.fault is not None:
         record.outcome = "failed"
     elif status < 400:
         record.outcome = "completed"

@@ -1,9 +1,12 @@
 """Forward one dispatched request to its backend and relay the answer as it arrives.
 
 Nothing a backend sends can break the pool: an answer that is not HTTP, or that breaks off
-before the client saw anything, is ``UpstreamUnreachable`` (a retry elsewhere, else a 502);
-a stream that breaks off after its first bytes ends with an error event; usage counts that
-are not sane token counts are ignored. Each of these takes the backend out for a cooldown.
+before the client saw anything, is ``UpstreamFailed`` (a retry elsewhere, else a 502, or the
+504 it carries); a stream that breaks off after its first bytes ends with an error event
+(``Relayed.fault``); usage counts that are not sane token counts are ignored.
+
+The relay only reports what happened; whether the backend is taken out is decided where
+health is (the handler tells the pool, see ``backend_failed``).
 """
 
 from __future__ import annotations
@@ -44,8 +47,13 @@ MAX_USAGE_TOKENS = 1_000_000_000  # a usage count above this is a lying backend,
 _ERROR_STATUSES = frozenset({429, 503})  # what must say when to come back
 
 
-class UpstreamUnreachable(Exception):
-    """The backend failed before the client was sent anything: retrying elsewhere is safe."""
+class UpstreamFailed(Exception):
+    """The backend failed before the client was sent anything: retrying elsewhere is safe,
+    unless ``answer`` says what the client gets instead (a body that went silent: 504)."""
+
+    def __init__(self, reason: str, answer: ApiError | None = None) -> None:
+        super().__init__(reason)
+        self.answer = answer
 
 
 class UpstreamStalled(aiohttp.ClientPayloadError):
@@ -96,7 +104,9 @@ class Relayed:
     first_chunk_s: float | None = None  # send → first streamed chunk (time to first token)
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    cut: bool = False  # the stream broke off after it started: ended with an error event
+    # why the stream broke off after it started (and ended with an error event): the
+    # backend's "upstream_cut" or "upstream_timeout", or "proxy" for a fault of our own
+    fault: str | None = None
     tail: bytes = b""  # the end of a 200 answer, where its usage is (see ``read_usage``)
 
 
@@ -127,8 +137,6 @@ async def forward(
     upstream = await _open(session, pool, backend, inference, request_id)
     on_headers(pool.clock() - sent)
     try:
-        if upstream.status >= 500:
-            pool.report_failure(backend)
         headers = {h: upstream.headers[h] for h in _PASS_HEADERS if h in upstream.headers}
         headers.update(own_headers)
         if upstream.status in _ERROR_STATUSES:
@@ -137,12 +145,10 @@ async def forward(
             watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s)
             try:
                 body = await upstream.read()
-            except UpstreamStalled:
-                pool.report_failure(backend)
-                raise _stalled(pool) from None
+            except UpstreamStalled as exc:
+                raise UpstreamFailed(str(exc), _stalled(pool)) from None
             except aiohttp.ClientError as exc:  # died before answering: the client saw nothing
-                pool.report_failure(backend)
-                raise UpstreamUnreachable(f"{type(exc).__name__}: {exc}") from exc
+                raise UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc
             finally:
                 watchdog.cancel()
             response: web.StreamResponse = web.Response(
@@ -155,7 +161,7 @@ async def forward(
         response.headers["Cache-Control"] = "no-cache"
         await response.prepare(client)
         relayed = Relayed(response, 0.0)
-        await _relay_stream(upstream, relayed, inference.strip_usage, pool, backend, sent)
+        await _relay_stream(upstream, relayed, inference.strip_usage, pool, sent)
         relayed.upstream_s = pool.clock() - sent
         return relayed
     except BaseException:
@@ -170,7 +176,6 @@ async def _relay_stream(
     relayed: Relayed,
     strip_usage: bool,
     pool: Pool,
-    backend: Backend,
     sent: float,
 ) -> None:
     """Write the stream's bytes as they come, then end it; keep only its tail, where the
@@ -180,7 +185,6 @@ async def _relay_stream(
     kept = 0
     stripper = _UsageStripper() if strip_usage else None
     watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s)
-    code = "upstream_cut"
     try:
         async for chunk in upstream.content.iter_any():
             watchdog.busy()
@@ -197,24 +201,27 @@ async def _relay_stream(
     except ConnectionResetError:  # the client left as we wrote (aiohttp's is a ClientError)
         raise
     except aiohttp.ClientError as exc:  # bad chunking, early close, silence: the backend's
-        log.warning("pool %s: backend %s broke off a stream: %s", pool.name, backend.name, exc)
-        pool.report_failure(backend)
-        relayed.cut = True
-        code = "upstream_timeout" if isinstance(exc, UpstreamStalled) else code
+        log.warning("pool %s: a backend broke off a stream: %s", pool.name, exc)
+        relayed.fault = "upstream_timeout" if isinstance(exc, UpstreamStalled) else "upstream_cut"
     except Exception:  # a fault of ours: the answer has started, so it must end here
-        log.exception("pool %s: relaying a stream from %s failed", pool.name, backend.name)
-        relayed.cut = True
+        log.exception("pool %s: relaying a stream failed", pool.name)
+        relayed.fault = "proxy"
     finally:
         watchdog.cancel()
     rest = b""
-    if relayed.cut:
+    if relayed.fault is not None:
         at_boundary = not tail or tail[-1].endswith(b"\n\n")
-        message = "The stream broke off before its end."
-        rest = (b"" if at_boundary else b"\n\n") + _error_event(message, code)
+        rest = (b"" if at_boundary else b"\n\n") + _error_event(relayed.fault)
     elif stripper is not None:
         rest = stripper.close()
     await relayed.response.write_eof(rest)  # one write
     relayed.tail = b"".join(tail)
+
+
+def backend_failed(relayed: Relayed) -> bool:
+    """Whether an answer counts against its backend's health: a 5xx, or a stream that the
+    backend broke off (not one that a fault of the proxy's own ended)."""
+    return relayed.response.status >= 500 or relayed.fault in ("upstream_cut", "upstream_timeout")
 
 
 def _stalled(pool: Pool) -> ApiError:
@@ -222,9 +229,13 @@ def _stalled(pool: Pool) -> ApiError:
     return ApiError(504, f"The backend went silent for {idle_s:g} s.", code="upstream_timeout")
 
 
-def _error_event(message: str, code: str) -> bytes:
+def _error_event(fault: str) -> bytes:
     """An OpenAI-style error as a stream's last event (the SDK raises it), then ``[DONE]``."""
-    error = {"error": {"message": message, "type": "upstream_error", "code": code}}
+    kind, code = (
+        ("server_error", "internal_error") if fault == "proxy" else ("upstream_error", fault)
+    )
+    message = "The stream broke off before its end."
+    error = {"error": {"message": message, "type": kind, "code": code}}
     return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
 
 
@@ -338,8 +349,7 @@ async def _open(
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s),
             )
     except aiohttp.ClientError as exc:  # refused, reset, connect timeout, not HTTP at all
-        pool.report_failure(backend)
-        raise UpstreamUnreachable(f"{type(exc).__name__}: {exc}") from exc
+        raise UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc
     except TimeoutError:
         raise ApiError(
             504,
@@ -348,6 +358,5 @@ async def _open(
         ) from None
     if not 200 <= upstream.status <= 599:  # an informational or made-up status: not an answer
         upstream.close()
-        pool.report_failure(backend)
-        raise UpstreamUnreachable(f"status {upstream.status} is not a final answer")
+        raise UpstreamFailed(f"status {upstream.status} is not a final answer")
     return upstream
