@@ -8,11 +8,27 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import NewType
 
 from ..config import Config, ResolvedKey
 from .errors import ApiError
 
 CLASS_HEADER = "X-Workload-Class"
+
+FlowId = NewType("FlowId", str)
+"""A flow's name in its pool's fair queue, ``org/class``. Made by :func:`flow_id` alone and
+read back by :func:`org_and_class`; names cannot hold a "/", so it splits back exactly.
+Ties between equal meters go to the smaller id."""
+
+
+def flow_id(org: str, cls: str) -> FlowId:
+    return FlowId(f"{org}/{cls}")
+
+
+def org_and_class(flow: str) -> tuple[str, str]:
+    """The org and class a :data:`FlowId` was made of."""
+    org, _, cls = flow.partition("/")
+    return org, cls
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,9 +43,9 @@ class Flow:
         return self.org, self.cls, self.pool
 
     @property
-    def id(self) -> str:
+    def id(self) -> FlowId:
         """The flow's name in the fair queue; its order breaks ties between equal meters."""
-        return f"{self.org}/{self.cls}"
+        return flow_id(self.org, self.cls)
 
 
 class Authenticator:

@@ -25,6 +25,7 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from ..core.calibration import Calibration
+from ..core.flows import org_and_class
 from .pool_runtime import Pool
 
 FLOW_LABELS = ["org", "class", "pool"]
@@ -223,7 +224,7 @@ class Metrics(Collector):
         yield from (queued, running, lag, vtime)
 
     def _gauge_key(self, flow: str, pool: str) -> Key:
-        org, cls = flow.split("/", 1)
+        org, cls = org_and_class(flow)
         return self.org_label(org), cls, pool
 
     def _calibration_metrics(self) -> Iterable[Metric]:

@@ -18,6 +18,7 @@ from ..config import Config, PoolSpec
 from ..core.calibration import Calibration
 from ..core.cost import CostModel
 from ..core.errors import ApiError
+from ..core.flows import org_and_class
 from ..core.limits import Rate
 from ..core.placement import Backend, Placement
 from ..core.scheduler import Scheduler, Ticket
@@ -67,7 +68,7 @@ class Pool:
         self.placement.update(self.spec.backends)
         self.scheduler.set_limits(*_limits(config, self.spec))
         for view in self.scheduler.queue.flows():
-            org, cls = view.flow.split("/", 1)
+            org, cls = org_and_class(view.flow)
             if cls in config.classes:
                 self.scheduler.queue.set_weight(view.flow, config.flow_weight(org, cls))
         self.cost = cost
