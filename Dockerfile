@@ -24,8 +24,11 @@ WORKDIR /src
 # exactly what the wheel is made of; .dockerignore keeps everything else out of the context
 COPY pyproject.toml README.md ./
 COPY sfq_proxy ./sfq_proxy
+# The image carries the proxy alone: the scenario lab and the simulated server stay out
+# (their commands then say how to get them).
 # test: build
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir "${WHEELS}" .
+RUN rm -rf sfq_proxy/lab sfq_proxy/sim \
+    && pip wheel --no-cache-dir --no-deps --wheel-dir "${WHEELS}" .
 
 # -- final: the package and its runtime dependencies in a venv, run as a non-root user -------
 FROM ${PYTHON_IMAGE}

@@ -1,4 +1,10 @@
-"""The ``sfq-proxy`` command: serve, check-config, demo, sim-backend."""
+"""The ``sfq-proxy`` command: serve, check-config, demo, sim-backend, simulate, loadgen.
+
+Serving needs only the proxy (``sfq_proxy.core``, ``sfq_proxy.http``). The demo, the
+simulated server and the scenario lab live in ``sfq_proxy.lab`` and ``sfq_proxy.sim``,
+which an installation may leave out (the container image does): their commands then say
+what to install instead of failing on an import.
+"""
 
 from __future__ import annotations
 
@@ -9,9 +15,12 @@ from pathlib import Path
 
 from .config import Config, ConfigError, default_config, load_config
 from .http.server import run, serve
-from .lab import commands as lab
-from .lab.demo import demo
-from .sim import server as simbackend
+
+LAB_COMMANDS = ("simulate", "loadgen", "sim-backend")
+MISSING_LAB = (
+    "sfq-proxy {command}: this installation has no lab or simulated server (the container "
+    "image carries the proxy alone); install the whole package: pip install 'sfq-proxy[lab]'"
+)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -38,11 +47,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--duration", type=float, help="with --scenario: its first N seconds")
     p.set_defaults(func=_demo)
 
-    simbackend.add_parser(sub)
-    lab.add_parsers(sub)
+    _add_lab_parsers(sub)
     args = parser.parse_args(argv)
     code: int = args.func(args)
     return code
+
+
+def _add_lab_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """The lab's and the simulated server's commands, or stand-ins that say what is missing."""
+    try:
+        from .lab import commands as lab
+        from .sim import server as simbackend
+    except ImportError:
+        for command in LAB_COMMANDS:
+            p = sub.add_parser(command, help="(needs the lab: pip install 'sfq-proxy[lab]')")
+            p.add_argument("args", nargs=argparse.REMAINDER)
+            p.set_defaults(func=_missing_lab, command=command)
+        return
+    simbackend.add_parser(sub)
+    lab.add_parsers(sub)
+
+
+def _missing_lab(args: argparse.Namespace) -> int:
+    sys.exit(MISSING_LAB.format(command=args.command))
 
 
 def _load(path: str) -> Config:
@@ -65,6 +92,11 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    try:
+        from .lab import commands as lab
+        from .lab.demo import demo
+    except ImportError:
+        sys.exit(MISSING_LAB.format(command="demo"))
     if args.scenario:
         run(lambda: lab.demo_scenario(
             args.scenario, time_scale=args.time_scale, duration_s=args.duration))  # fmt: skip

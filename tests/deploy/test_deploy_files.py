@@ -297,6 +297,18 @@ def test_the_image_install_commands_give_a_working_proxy(tmp_path: Path) -> None
     )
     assert runtime.returncode == 0, runtime.stderr
     assert runtime.stdout.startswith(str(venv)), runtime.stdout  # not this checkout's
+    # the proxy alone: no lab, no simulated server, and their commands say how to get them
+    package = Path(runtime.stdout.strip()).parent
+    assert (package / "core").is_dir()
+    assert (package / "http").is_dir()
+    assert not (package / "lab").exists()
+    assert not (package / "sim").exists()
+    demo = subprocess.run(
+        [venv / "bin" / "sfq-proxy", "demo"], env=outside_env(), capture_output=True,
+        text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert demo.returncode != 0
+    assert "pip install 'sfq-proxy[lab]'" in demo.stderr, demo.stderr
 
     # the entrypoint's command, on a config whose backend need not exist
     config = tmp_path / "config.yaml"
