@@ -210,14 +210,24 @@ async def _serve(
         proxy.admission.refund(flow, ticket.tokens, proxy.clock())
     if relayed is None:
         raise ApiError(502, f"No backend of pool '{flow.pool}' gave an answer.")
-    try:  # the answer is the backend's: a failure to count it is logged, never sent
+    _count_answer(proxy, flow, record, estimate, relayed)
+    return relayed.response
+
+
+def _count_answer(
+    proxy: Proxy, flow: Flow, record: AccessRecord, estimate: Estimate, relayed: Relayed
+) -> None:
+    """Usage, metrics, access log and calibration. The answer is the backend's: a failure
+    to count it is logged, and never changes what the client gets."""
+    try:
         read_usage(relayed)
         _account(proxy, flow, record, relayed)
         if relayed.response.status == 200 and relayed.fault is None:
-            pool.cost.observe(estimate, flow.org, relayed.prompt_tokens, relayed.completion_tokens)
+            proxy.pools[flow.pool].cost.observe(
+                estimate, flow.org, relayed.prompt_tokens, relayed.completion_tokens
+            )
     except Exception:
         log.exception("request %s: its answer could not be counted", record.request_id)
-    return relayed.response
 
 
 def _refused(relayed: Relayed | None) -> bool:
