@@ -1,21 +1,14 @@
-"""Parsing of request bodies (core.inference_request) and their pricing (core.cost)."""
+"""Parsing of request bodies (core/inference_request.py): what is read, and every 400."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
-from tokenizers import Tokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import Whitespace
 
-from sfq_proxy.config import ConfigError, CostSpec
-from sfq_proxy.core.cost import CostModel, Estimate
 from sfq_proxy.core.errors import ApiError
-from sfq_proxy.core.inference_request import MAX_OUTPUT_TOKENS, InferenceRequest, Kind, parse
-from sfq_proxy.core.scheduler import Ticket
+from sfq_proxy.core.inference_request import InferenceRequest, Kind, parse
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -305,129 +298,6 @@ def test_every_token_field_is_checked_not_only_the_charged_one(bad: int) -> None
 def test_the_largest_allowed_values_parse() -> None:
     req = chat({"content": "x"}, max_tokens=10_000_000, n=128, best_of=128)
     assert req.max_tokens == 10_000_000
-
-
-# -- CostModel.estimate -----------------------------------------------------------------------
-
-
-def completion(prompt: Any, **fields: Any) -> InferenceRequest:
-    return parse(Kind.COMPLETION, body(prompt=prompt, **fields))
-
-
-@pytest.mark.parametrize(
-    ("chars", "chars_per_token", "tokens"),
-    [(0, 4.0, 0), (1, 4.0, 1), (4, 4.0, 1), (5, 4.0, 2), (8, 4.0, 2), (10, 2.5, 4), (11, 2.5, 5)],
-)
-def test_input_tokens_from_text_length_rounds_up(
-    chars: int, chars_per_token: float, tokens: int
-) -> None:
-    model = CostModel(CostSpec(chars_per_token=chars_per_token))
-    assert model.input_tokens(completion("x" * chars)) == tokens
-
-
-def test_token_ids_are_counted_exactly() -> None:
-    model = CostModel(CostSpec(chars_per_token=4.0))
-    assert model.input_tokens(completion([[1, 2, 3], [4, 5]])) == 5
-    assert model.estimate(completion(list(range(13)), max_tokens=1)) == Estimate(13, 1, 14.0)
-
-
-def test_chat_text_length_counts_every_message() -> None:
-    model = CostModel(CostSpec())
-    req = chat({"content": "abcd"}, {"content": "efgh"}, {"content": "i"})
-    assert model.input_tokens(req) == 3  # ceil(9 / 4)
-
-
-def test_default_max_tokens_applies_when_request_sets_none() -> None:
-    model = CostModel(CostSpec(default_max_tokens=300))
-    assert model.estimate(completion("x" * 8)) == Estimate(2, 300, 302.0, chars=8)
-    assert model.estimate(completion("x" * 8, max_tokens=10)) == Estimate(2, 10, 12.0, chars=8)
-
-
-def test_weights_and_output_ratio() -> None:
-    spec = CostSpec(input_weight=0.5, output_weight=3.0, output_ratio=0.25, chars_per_token=2.0)
-    estimate = CostModel(spec).estimate(completion("x" * 20, max_completion_tokens=100))
-    # 0.5 * 10 + 3 * 100 * 0.25
-    assert estimate == Estimate(input_tokens=10, max_tokens=100, cost=80.0, chars=20)
-
-
-def test_zero_input_weight_prices_output_only() -> None:
-    spec = CostSpec(input_weight=0.0, output_weight=2.0)
-    assert CostModel(spec).estimate(completion("x" * 400, max_tokens=5)).cost == 10.0
-
-
-def test_embeddings_cost_input_only() -> None:
-    spec = CostSpec(input_weight=2.0, output_weight=5.0, default_max_tokens=512)
-    req = parse(Kind.EMBEDDING, body(input="x" * 40))
-    assert CostModel(spec).estimate(req) == Estimate(
-        input_tokens=10, max_tokens=0, cost=20.0, chars=40
-    )
-
-
-@pytest.mark.parametrize(
-    ("kind", "fields"),
-    [(Kind.EMBEDDING, {"input": ""}), (Kind.COMPLETION, {"prompt": "", "max_tokens": 1})],
-)
-def test_cost_floor_is_one(kind: Kind, fields: dict[str, Any]) -> None:
-    spec = CostSpec(input_weight=1.0, output_weight=0.5, output_ratio=0.5)
-    estimate = CostModel(spec).estimate(parse(kind, body(**fields)))
-    assert estimate.input_tokens == 0
-    assert estimate.cost == 1.0
-
-
-# -- tokenizer --------------------------------------------------------------------------------
-
-WORDS = ["[UNK]", "the", "quick", "brown", "fox", "jumps"]
-
-
-@pytest.fixture
-def tokenizer_path(tmp_path: Path) -> Path:
-    """A tiny word-level Hugging Face tokenizer.json, built here: nothing is downloaded."""
-    vocab = {word: i for i, word in enumerate(WORDS)}
-    tokenizer = Tokenizer(WordLevel(vocab=vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = Whitespace()
-    path = tmp_path / "tokenizer.json"
-    tokenizer.save(str(path))
-    return path
-
-
-def test_tokenizer_counts_input_tokens(tokenizer_path: Path) -> None:
-    model = CostModel(CostSpec(tokenizer=str(tokenizer_path), output_weight=2.0))
-    text = "the quick brown fox jumps"  # 25 characters: 7 tokens at 4 chars/token
-    assert model.input_tokens(completion(text)) == 5
-    assert CostModel(CostSpec()).input_tokens(completion(text)) == 7
-    assert model.estimate(completion(text, max_tokens=10)) == Estimate(5, 10, 25.0)
-
-
-def test_tokenizer_counts_unknown_words_and_adds_token_ids(tokenizer_path: Path) -> None:
-    model = CostModel(CostSpec(tokenizer=str(tokenizer_path)))
-    assert model.input_tokens(chat({"content": "the zebra"}, {"content": " jumps, high"})) == 5
-    assert model.input_tokens(completion([1, 2, 3])) == 3
-    assert model.input_tokens(completion("")) == 0
-
-
-def test_missing_tokenizer_fails_at_construction(tmp_path: Path) -> None:
-    with pytest.raises(Exception, match="No such file"):
-        CostModel(CostSpec(tokenizer=str(tmp_path / "absent.json")))
-
-
-def test_missing_tokenizer_error_names_the_path(tmp_path: Path) -> None:
-    path = tmp_path / "absent.json"
-    with pytest.raises(
-        ConfigError, match=r"^pools\.p\.cost\.tokenizer: cannot load '.*absent\.json'"
-    ):
-        CostModel(CostSpec(tokenizer=str(path)), "pools.p.cost")
-
-
-def test_the_largest_request_under_the_most_extreme_config_is_a_valid_ticket() -> None:
-    """The config's and the parser's bounds together keep every charge within what the fair
-    queue takes: the biggest body at the top cost weights, fewest chars per token and the
-    lowest flow weight still makes a ticket (a ValueError here would be a 500 per request)."""
-    spec = CostSpec(input_weight=1000, output_weight=1000, chars_per_token=0.1)
-    text = "x" * (1 << 30)  # limits.max_body_bytes at its maximum
-    request = InferenceRequest(Kind.CHAT, "m", False, text, 0, MAX_OUTPUT_TOKENS, b"")
-    estimate = CostModel(spec).estimate(request)
-    tokens = estimate.input_tokens + estimate.max_tokens
-    Ticket(org="a", cls="batch", cost=estimate.cost, weight=0.001 * 0.001, tokens=tokens)
 
 
 def test_a_lone_surrogate_nested_as_deep_as_json_allows_is_400_not_a_crash() -> None:
