@@ -7,7 +7,7 @@
 The venv lives outside the repo (``SFQ_VLLM_VENV``, default /tmp/sfq-vllm-venv) and the model
 in ``SFQ_VLLM_MODEL`` (default /tmp/sfq-tiny-llama). Servers run light: eager mode, the uni
 executor, one OpenMP thread each, a 64 MiB KV cache: small enough for two servers on a
-2-core machine with no GPU (docs/testing.md, "Running against real vLLM", says more).
+2-core machine with no GPU (docs/testing.md, "Run against vLLM", says more).
 """
 
 from __future__ import annotations
