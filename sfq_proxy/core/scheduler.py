@@ -1,8 +1,9 @@
 """One pool's dispatch decisions: strict band, then SFQ, then placement. No I/O, no clock.
 
 Like httpcore's connection pool, it only changes state and *returns* what to do (which
-tickets go to which backends); the async shell in ``pool.py`` carries it out, and passes
-the time in. The simulator can drive this same class in virtual time.
+tickets go to which backends); the async shell in ``http/pool_runtime.py`` carries it out,
+and passes the time in. The scenario lab's simulator drives this same class in virtual time
+(``lab/simulator.py``), with any of the ordering policies of ``queues.py`` as its queue.
 
 Three limits act here and are never mixed up: the fair queue sets each flow's *share*,
 ``max_in_flight`` caps an org's or a class's *concurrency* (a capped flow is made
@@ -19,6 +20,7 @@ from typing import Any
 from .fair_queue import MAX_COST, FairQueue, check_cost, check_weight
 from .limits import Rate
 from .placement import Backend, Placement
+from .queues import DispatchQueue
 
 NO_CAP = 1 << 62
 
@@ -67,9 +69,12 @@ class Scheduler:
         org_caps: Mapping[str, int] | None = None,
         class_caps: Mapping[str, int] | None = None,
         rate: Rate | None = None,
+        queue: DispatchQueue[Ticket] | None = None,
     ) -> None:
+        """``queue`` orders the flows: the proxy's ``FairQueue`` (SFQ) unless another
+        implementation of ``DispatchQueue`` is given (the lab's baselines)."""
         self.placement = placement
-        self.queue: FairQueue[Ticket] = FairQueue()
+        self.queue: DispatchQueue[Ticket] = FairQueue() if queue is None else queue
         self.band: deque[Ticket] = deque()
         self.running = 0
         self.wake_at: float | None = None  # when the rate allows the next dispatch

@@ -27,13 +27,14 @@ from . import report
 from .loadgen import run_load
 from .policies import DEFAULT_PRIORITY_ORDER, POLICY_NAMES, make_policy
 from .scenario import Scenario, Served, load_scenario
-from .simulator import cost_of, simulate
+from .simulator import POOL, cost_of, simulate
 
 MODEL = "lab"
 
 
 def default_quantum(scenario: Scenario) -> float:
-    """DRR's quantum at the largest request cost, so every visit can send a request."""
+    """DRR's quantum at the largest request cost (before calibration, which only lowers
+    estimates), so every visit can send a request."""
     return max((cost_of(r, scenario.pool) for r in scenario.requests), default=1.0)
 
 
@@ -70,9 +71,13 @@ def proxy_config(scenario: Scenario, backend_urls: Sequence[str]) -> Config:
         "classes": {team.cls: {"weight": 1} for team in scenario.teams},
         "orgs": {org: {"weight": weight} for org, weight in org_weights.items()},
         "pools": {
-            "lab": {
+            POOL: {
                 "models": [MODEL],
-                "cost": {"input_weight": pool.input_weight, "output_weight": pool.output_weight},
+                "cost": {
+                    "input_weight": pool.input_weight,
+                    "output_weight": pool.output_weight,
+                    "output_ratio": pool.output_ratio,
+                },
                 "timeouts": {"first_byte_s": 3600},
                 "backends": [{"url": url, "slots": pool.slots} for url in backend_urls],
             }
@@ -97,6 +102,7 @@ async def run_real(
         prefill_tokens_per_s=engine.prefill_tokens_per_s,
         decode_tokens_per_s=engine.decode_tokens_per_s,
         batch_slowdown=engine.batch_slowdown,
+        output_mode="min_tokens",  # generate the scenario's output (loadgen sends min_tokens)
         time_scale=time_scale,
         max_model_len=1 << 24,
     )
@@ -173,6 +179,11 @@ def _loadgen_command(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace, scenario: Scenario, runs: dict[str, list[Served]]) -> None:
     table = report.rows(runs, scenario.teams)
     print(report.format_table(table))
+    print(report.LEGEND)
+    checks = [
+        c for name, run in runs.items() for c in report.bound_checks(run, scenario.teams, name)
+    ]
+    print(report.bound_table(checks))
     if args.out:
         written = report.write_report(
             args.out, scenario.name, table, runs, scenario.teams, plots=not args.no_plots

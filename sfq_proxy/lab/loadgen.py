@@ -1,10 +1,15 @@
 """Drive a scenario against a running proxy with real HTTP clients, one API key per team.
 
 Requests leave on the scenario's schedule, ``time_scale`` times faster (the simulated
-backends run ``time_scale`` times faster too), as completions whose prompt is sized so that
-both the proxy's estimate and the server's count give the scenario's input tokens. The
-proxy's ``X-Queue-Wait`` header tells when each request was dispatched; results come back
-as the same ``Served`` records the simulator produces, in scenario seconds.
+backends run ``time_scale`` times faster too), in ``Scenario.arrival_order`` (requests of the
+same instant interleaved across teams, as the simulator submits them), as completions whose
+prompt is sized so that both the proxy's estimate and the server's count give the scenario's
+input tokens, asking ``max_tokens`` and sending ``min_tokens`` = the scenario's output, so
+that a simulated server in ``output_mode: min_tokens`` generates what the scenario says.
+The proxy's ``X-Queue-Wait`` header tells when each request was dispatched and its
+``X-Cost-Charged`` header what its flow was charged; results come back as the same
+``Served`` records the simulator produces, in scenario seconds, with the cost the proxy
+actually charged.
 """
 
 from __future__ import annotations
@@ -15,9 +20,8 @@ from collections.abc import Callable, Mapping
 
 import aiohttp
 
-from ..http.relay import QUEUE_WAIT_HEADER
+from ..http.relay import COST_HEADER, QUEUE_WAIT_HEADER
 from .scenario import Request, Scenario, Served
-from .simulator import cost_of
 
 CHARS_PER_TOKEN = 4  # what the proxy's estimate and the simulated server both assume
 
@@ -45,6 +49,7 @@ async def run_load(
                 "model": model,
                 "prompt": "x" * (request.input_tokens * CHARS_PER_TOKEN),
                 "max_tokens": request.max_tokens,
+                "min_tokens": request.output_tokens,
             }
             sent = time.monotonic()
             async with session.post(f"{url}/v1/completions", json=body, headers=headers) as r:
@@ -54,11 +59,12 @@ async def run_load(
                     refused.append((request, r.status))
                     return
                 wait = float(r.headers[QUEUE_WAIT_HEADER])
+                charged = float(r.headers[COST_HEADER])
             record = Served(
                 request=request,
                 start_s=(sent - start + wait) * time_scale,
                 end_s=(done - start) * time_scale,
-                cost=cost_of(request, scenario.pool),
+                cost=charged,
             )
             served.append(record)
             if on_served is not None:
@@ -66,7 +72,7 @@ async def run_load(
 
         model = await _model(session, url, next(iter(keys.values())))
         tasks = []
-        for request in scenario.requests:
+        for request in scenario.arrival_order():
             delay = start + request.time_s / time_scale - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)

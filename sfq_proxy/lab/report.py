@@ -12,10 +12,28 @@ Definitions (all times in seconds from the scenario start):
   (``start_s > time_s``).  A team is *backlogged* at t when one of its requests is waiting at t;
   ``backlogged_intervals`` gives the maximal such intervals.  A request dispatched the instant
   it arrived never waited and backlogs nothing (so a team that never waits has no share).
-* Share of served cost while backlogged, for team T: over the dispatch events (one per
-  ``Served``, at ``start_s``) at which T was backlogged, T's dispatched cost ÷ all dispatched
-  cost.  The request that starts at t still counts as waiting at t, so T's own dispatch of a
-  queued request is one of those events.  NaN when T was never backlogged.
+* Cost is the cost *charged* at dispatch: the proxy's estimate (docs/design.md §4) as the
+  simulator's ``CostModel`` made it, or as the proxy reported it (``X-Cost-Charged``).
+* ``share`` (headed ``share@backlog``), the share of charged cost while backlogged, for team
+  T: over the dispatch events (one per ``Served``, at ``start_s``) at which T was
+  backlogged, T's charged cost ÷ all charged cost.  The request that starts at t still
+  counts as waiting at t, so T's own dispatch of a queued request is one of those events.
+  NaN when T was never backlogged.  Each team's is over its *own* backlogged time, so the
+  teams' shares do not add up to 100 %: it says what T got when it asked, not a division.
+* ``share_of_total`` (headed ``share@run``): T's charged cost ÷ all charged cost in the
+  run.  These add up to 100 % over the teams of a run.
+* The SFQ bound check (``bound_checks``): for two teams i, j and each maximal interval
+  ``[lo, hi]`` over which both were backlogged, take the dispatches with
+  ``lo < start_s ≤ hi`` (nothing dispatched at ``lo`` itself can follow the arrival that
+  began the interval: completions come before arrivals at one instant, and an arrival frees
+  no slot) and the running difference ``D = W_i/w_i − W_j/w_j`` of their charged cost over
+  weight.  The largest gap ``max D − min D`` (D starting at 0) over every such interval is
+  compared with ``c_i,max/w_i + c_j,max/w_j``, ``c_max`` being each team's largest single
+  charge in the run (docs/design.md §3).  SFQ keeps every gap within its bound; the other
+  policies need not.  ``table.json`` carries what it takes to check this from the report
+  alone: per team ``weight``, ``cost_max``, ``backlogged_intervals`` and ``charged_series``
+  (``[start_s, cumulative charged cost]`` after each of its dispatches), and ``bound`` (per
+  other team: the largest gap and the bound).
 """
 
 from __future__ import annotations
@@ -37,8 +55,14 @@ from typing import Any
 from .scenario import Served, Team
 
 __all__ = [
+    "BOUND_LEGEND",
+    "LEGEND",
+    "PairCheck",
     "Row",
     "backlogged_intervals",
+    "bound_checks",
+    "bound_table",
+    "charged_series",
     "format_table",
     "markdown_table",
     "percentile",
@@ -67,6 +91,29 @@ class Row:
     wait_max: float
     done_p50: float
     done_p99: float
+    # added (scripts that read the fields above keep working)
+    share_of_total: float = NAN  # share of all cost charged in the run, 0..1
+    charged: float = 0.0  # total cost charged to the team
+    cost_max: float = NAN  # its largest single charge
+    weight: float = 1.0
+    gap_max: float = NAN  # largest pairwise gap |ΔW_i/w_i − ΔW_j/w_j| with any other team
+    gap_bound: float = NAN  # the SFQ bound for the pair with the smallest slack
+
+
+@dataclass(frozen=True)
+class PairCheck:
+    """The SFQ bound check of one pair of teams in one run (see the module docstring)."""
+
+    policy: str
+    team_a: str
+    team_b: str
+    gap: float  # the largest observed gap; 0 when never backlogged together
+    bound: float  # c_a,max/w_a + c_b,max/w_b
+    intervals: int  # how many common backlogged intervals there were
+
+    @property
+    def within(self) -> bool:
+        return self.gap <= self.bound * (1 + 1e-9) + 1e-9
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -135,12 +182,69 @@ def _shares(served: Sequence[Served], team_names: Sequence[str]) -> dict[str, fl
     return shares
 
 
+def _intersect(
+    a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    """The intersections of two ascending lists of disjoint closed intervals."""
+    out: list[tuple[float, float]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo < hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def bound_checks(served: Sequence[Served], teams: Sequence[Team], policy: str) -> list[PairCheck]:
+    """The SFQ bound check of every pair of teams in one run (see the module docstring)."""
+    events = sorted(served, key=lambda s: s.start_s)  # stable: dispatch order within ties
+    times = [s.start_s for s in events]
+    weight = {t.name: t.weight for t in teams}
+    cmax = {t.name: 0.0 for t in teams}
+    for s in served:
+        if s.request.team in cmax:
+            cmax[s.request.team] = max(cmax[s.request.team], s.cost)
+    backlog = {t.name: backlogged_intervals(served, t.name) for t in teams}
+    out: list[PairCheck] = []
+    for k, a in enumerate(teams):
+        for b in teams[k + 1 :]:
+            gap, count = 0.0, 0
+            for lo, hi in _intersect(backlog[a.name], backlog[b.name]):
+                count += 1
+                d = low = high = 0.0
+                for s in events[bisect.bisect_right(times, lo) : bisect.bisect_right(times, hi)]:
+                    if s.request.team == a.name:
+                        d += s.cost / a.weight
+                    elif s.request.team == b.name:
+                        d -= s.cost / b.weight
+                    else:
+                        continue
+                    low, high = min(low, d), max(high, d)
+                gap = max(gap, high - low)
+            bound = cmax[a.name] / weight[a.name] + cmax[b.name] / weight[b.name]
+            out.append(PairCheck(policy, a.name, b.name, gap, bound, count))
+    return out
+
+
+def charged_series(served: Sequence[Served], team: str) -> list[tuple[float, float]]:
+    """``(start_s, cumulative charged cost)`` after each dispatch of ``team``, in time order."""
+    mine = sorted((s.start_s, s.cost) for s in served if s.request.team == team)
+    return list(zip((t for t, _ in mine), accumulate(c for _, c in mine), strict=True))
+
+
 def rows(runs: Mapping[str, Sequence[Served]], teams: Sequence[Team]) -> list[Row]:
     """One ``Row`` per policy × team: policies in ``runs`` order, teams in ``teams`` order."""
     out: list[Row] = []
     names = [t.name for t in teams]
+    weights = {t.name: t.weight for t in teams}
     for policy, served in runs.items():
         shares = _shares(served, names)
+        total = math.fsum(s.cost for s in served)  # exactly rounded: order-independent
+        pairs = bound_checks(served, teams, policy)
         by_team: dict[str, list[Served]] = {name: [] for name in names}
         for s in served:
             if s.request.team in by_team:
@@ -149,6 +253,9 @@ def rows(runs: Mapping[str, Sequence[Served]], teams: Sequence[Team]) -> list[Ro
             mine = by_team[name]
             waits = sorted(s.start_s - s.request.time_s for s in mine)
             dones = sorted(s.end_s - s.request.time_s for s in mine)
+            charged = math.fsum(s.cost for s in mine)
+            own = [p for p in pairs if name in (p.team_a, p.team_b) and p.intervals]
+            tightest = min(own, key=lambda p: (p.bound - p.gap, p.team_a, p.team_b), default=None)
             out.append(
                 Row(
                     policy=policy,
@@ -161,6 +268,12 @@ def rows(runs: Mapping[str, Sequence[Served]], teams: Sequence[Team]) -> list[Ro
                     wait_max=waits[-1] if waits else NAN,
                     done_p50=percentile(dones, 50),
                     done_p99=percentile(dones, 99),
+                    share_of_total=charged / total if total > 0 else NAN,
+                    charged=charged,
+                    cost_max=max((s.cost for s in mine), default=NAN),
+                    weight=weights[name],
+                    gap_max=max((p.gap for p in own), default=NAN),
+                    gap_bound=NAN if tightest is None else tightest.bound,
                 )
             )
     return out
@@ -172,14 +285,22 @@ _HEADERS = (
     "policy",
     "team",
     "completed",
-    "share",
+    "share@backlog",
     "wait p50",
     "wait p95",
     "wait p99",
     "wait max",
     "done p50",
     "done p99",
+    "share@run",
 )
+LEGEND = """\
+share@backlog: the team's share of the cost charged while it had requests waiting (its own
+  backlogged time, so teams' figures do not add up to 100 %); JSON/CSV field "share".
+share@run: the team's share of all cost charged in the run (adds up to 100 %); field
+  "share_of_total".
+wait: from arrival to dispatch; done: from arrival to completion; percentiles nearest-rank.
+"""
 _NUMERIC_FROM = 2  # columns from this index on are right-aligned
 
 
@@ -224,6 +345,7 @@ def _cells(row: Row) -> list[str]:
                 row.done_p99,
             )
         ),
+        _fmt_share(row.share_of_total),
     ]
 
 
@@ -263,11 +385,89 @@ def markdown_table(rows: Sequence[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _fmt_cost(x: float) -> str:
+    return f"{x:.6g}"
+
+
+def bound_table(checks: Sequence[PairCheck]) -> str:
+    """The SFQ bound check, one line per policy × pair of teams."""
+    head = ("policy", "pair", "intervals", "largest gap", "bound", "within")
+    body = [
+        (c.policy, f"{c.team_a}~{c.team_b}", str(c.intervals), _fmt_cost(c.gap),
+         _fmt_cost(c.bound), "yes" if c.within else "NO")
+        for c in checks
+    ]  # fmt: skip
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
+    lines = [
+        "  ".join(
+            c.rjust(w) if i >= 2 else c.ljust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in (head, *body)
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n"
+
+
+BOUND_LEGEND = """\
+SFQ bound: over every interval in which both teams of a pair had requests waiting, the
+largest |W_i/w_i - W_j/w_j| of their charged cost W over weight w, against
+c_i,max/w_i + c_j,max/w_j (each team's largest single charge). Checkable from table.json
+alone: "charged_series", "backlogged_intervals", "weight", "cost_max" per team.
+"""
+
+
+def _bound_markdown(checks: Sequence[PairCheck]) -> str:
+    lines = [
+        "| policy | pair | intervals | largest gap | bound | within |",
+        "| :--- | :--- | ---: | ---: | ---: | :--- |",
+        *(
+            f"| {c.policy} | {c.team_a}~{c.team_b} | {c.intervals} | {_fmt_cost(c.gap)} | "
+            f"{_fmt_cost(c.bound)} | {'yes' if c.within else 'NO'} |"
+            for c in checks
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def _row_dict(row: Row) -> dict[str, Any]:
     """The row's fields in order, NaN → None (JSON null, empty CSV cell)."""
     return {
         k: None if isinstance(v, float) and math.isnan(v) else v for k, v in asdict(row).items()
     }
+
+
+def _r6(x: float) -> float | int:
+    """Six decimals (a microsecond, a millionth of a cost unit), as an int when whole."""
+    r = round(float(x), 6)
+    return int(r) if r.is_integer() else r
+
+
+def _json_text(
+    rows: Sequence[Row],
+    runs: Mapping[str, Sequence[Served]],
+    teams: Sequence[Team],
+    checks: Sequence[PairCheck],
+) -> str:
+    """A list of row objects (every ``Row`` field, NaN as null) with, per row, what the SFQ
+    bound check needs: ``backlogged_intervals``, ``charged_series`` (both to six decimals)
+    and ``bound``. One row per line, so the long series stay readable in a diff."""
+    records = []
+    for row in rows:
+        served = runs.get(row.policy, [])
+        record = _row_dict(row)
+        record["backlogged_intervals"] = [
+            [_r6(lo), _r6(hi)] for lo, hi in backlogged_intervals(served, row.team)
+        ]
+        record["charged_series"] = [[_r6(t), _r6(w)] for t, w in charged_series(served, row.team)]
+        bound: dict[str, dict[str, float | int]] = {}
+        for c in checks:
+            if c.policy == row.policy and row.team in (c.team_a, c.team_b):
+                other = c.team_b if c.team_a == row.team else c.team_a
+                bound[other] = {"gap": c.gap, "bound": c.bound, "intervals": c.intervals}
+        record["bound"] = bound
+        records.append(json.dumps(record, separators=(",", ":"), allow_nan=False))
+    return "[\n" + ",\n".join(records) + "\n]\n"
 
 
 def _csv_text(rows: Sequence[Row]) -> str:
@@ -387,11 +587,15 @@ def write_report(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    checks = [c for policy, served in runs.items() for c in bound_checks(served, teams, policy)]
     texts = {
-        "table.txt": f"Scenario: {scenario_name}\n\n{format_table(rows)}",
-        "table.md": f"### Scenario: {scenario_name}\n\n{markdown_table(rows)}",
+        "table.txt": f"Scenario: {scenario_name}\n\n{format_table(rows)}\n{LEGEND}"
+        f"\n{bound_table(checks)}\n{BOUND_LEGEND}",
+        "table.md": f"### Scenario: {scenario_name}\n\n{markdown_table(rows)}\n"
+        + "".join(f"{line}  \n" for line in LEGEND.splitlines())
+        + f"\n#### SFQ bound check\n\n{_bound_markdown(checks)}\n{BOUND_LEGEND}",
         "table.csv": _csv_text(rows),
-        "table.json": json.dumps([_row_dict(r) for r in rows], indent=2, allow_nan=False) + "\n",
+        "table.json": _json_text(rows, runs, teams, checks),
     }
     written: list[Path] = []
     for name, text in texts.items():

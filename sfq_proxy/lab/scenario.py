@@ -42,6 +42,7 @@ from ..config import (
     _parse_yaml,
     _Spec,
 )
+from ..sim.engine import EngineModel  # the one engine model, shared with the simulated server
 
 __all__ = [
     "EngineModel",
@@ -58,17 +59,6 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class EngineModel:
-    """Toy engine of every backend, as in ``simbackend.SimConfig``: a prompt takes
-    ``input / prefill_tokens_per_s`` seconds; each output token takes
-    ``(1 + batch_slowdown × (running − 1)) / decode_tokens_per_s`` seconds."""
-
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-    batch_slowdown: float
-
-
-@dataclass(frozen=True, slots=True)
 class PoolModel:
     """``backends`` identical backends of ``slots`` concurrent sequences each, and the
     pool's cost model (docs/design.md §4): ``input_weight × input + output_weight × output``."""
@@ -78,6 +68,7 @@ class PoolModel:
     engine: EngineModel
     input_weight: float = 1.0
     output_weight: float = 1.0
+    output_ratio: float = 1.0  # the proxy's cost.output_ratio: where calibration starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +111,28 @@ class Scenario:
     def requests_of(self, team: str) -> tuple[Request, ...]:
         """The requests of ``team``, in time order."""
         return tuple(r for r in self.requests if r.team == team)
+
+    def arrival_order(self) -> list[Request]:
+        """The requests in the order they reach the proxy, in the simulator and in a real
+        run alike: by time, and requests of the same instant interleaved round-robin across
+        teams (in team order, each team's own in order): A1 B1 C1 A2 B2 …, never all of
+        the first-listed team's before the others'."""
+        rank = {team.name: i for i, team in enumerate(self.teams)}
+        out: list[Request] = []
+        requests = self.requests
+        i = 0
+        while i < len(requests):
+            j = i
+            while j < len(requests) and requests[j].time_s == requests[i].time_s:
+                j += 1
+            turn: dict[str, int] = {}
+            keyed = []
+            for r in requests[i:j]:  # already in team order, then each team's order
+                turn[r.team] = turn.get(r.team, -1) + 1
+                keyed.append((turn[r.team], rank.get(r.team, len(rank)), r.id, r))
+            out += [k[3] for k in sorted(keyed, key=lambda k: k[:3])]
+            i = j
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +352,8 @@ class EngineSpec(_Spec):
 class CostSection(_Spec):
     input_weight: NonNegativeFloat = 1.0
     output_weight: NonNegativeFloat = 1.0
+    # the proxy's cost.output_ratio: the share of max_tokens expected, before calibration
+    output_ratio: float = Field(1.0, gt=0, le=1)
 
     @model_validator(mode="after")
     def _some_weight(self) -> Self:
@@ -449,7 +464,10 @@ def _build(spec: ScenarioSpec, base_dir: Path, override: float | None) -> Scenar
     section = spec.pool
     engine = EngineModel(**section.engine.model_dump())
     cost = section.cost
-    pool = PoolModel(section.backends, section.slots, engine, cost.input_weight, cost.output_weight)
+    pool = PoolModel(
+        section.backends, section.slots, engine, cost.input_weight, cost.output_weight,
+        cost.output_ratio,
+    )  # fmt: skip
     return Scenario(spec.name, spec.seed, duration, pool, tuple(teams), requests)
 
 

@@ -1,77 +1,169 @@
-"""Discrete-event simulation of a pool under an ordering policy, in virtual time.
+"""Discrete-event simulation of a pool in virtual time, through the proxy's own scheduling code.
 
-The model is the one the proxy lives in: ``backends × slots`` concurrency slots, dispatch
-one request at a time whenever a slot is free (to the least loaded backend, as placement
-does), and a request's service time fixed when it starts — prefill at
-``prefill_tokens_per_s``, then ``output_tokens`` decoded at ``decode_tokens_per_s``
-slowed by ``1 + batch_slowdown·(n−1)`` for the ``n`` sequences then running on its
-backend. (The simulated server recomputes that slowdown token by token; fixing it at the
-start keeps the simulator exact and fast, and the real-proxy run measures the difference.)
-Same scenario and policy in, same records out: there is no randomness here.
+What decides is exactly what decides in the proxy: a ``Scheduler`` (strict band, in-flight
+caps, rate pacing) with the policy under test as its queue (``core/queues.py``; SFQ is the
+proxy's ``FairQueue``), ``Placement`` over the scenario's backends (least loaded healthy
+backend with a free slot), and a ``CostModel`` built from the scenario's cost section with
+``Calibration`` at the proxy's default settings, so a request is charged what the proxy
+would charge it (the floor of 1, ``output_ratio``, and what calibration has learned from the
+usage of the requests completed before it arrived).
+
+Only time is simulated: arrivals and completions are events in a heap, and the time is
+passed to the scheduler. A request's service time comes from the one engine model
+(``sim/engine.py``), fixed when it starts from the batch it joins on its backend. Requests
+arriving at the same instant are submitted interleaved across teams
+(``Scenario.arrival_order``). Same scenario and policy in, same records out: there is no
+randomness here.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
-from .policies import Policy
+from ..config import BackendSpec, CalibrationSpec, CostSpec
+from ..core.calibration import Calibration
+from ..core.cost import CostModel, Estimate
+from ..core.inference_request import InferenceRequest, Kind
+from ..core.placement import Placement
+from ..core.queues import DispatchQueue
+from ..core.scheduler import Scheduler, Ticket
 from .scenario import PoolModel, Request, Scenario, Served
+
+__all__ = ["POOL", "cost_model", "cost_of", "inference_request", "service_time", "simulate"]
+
+POOL = "lab"  # the pool's name, in the simulator as in the proxy config of a real run
+_FINISH, _PUMP, _ARRIVE = 0, 1, 2  # at one instant: completions, then pacing, then arrivals
+
+
+def cost_spec(pool: PoolModel) -> CostSpec:
+    """The scenario's cost section as the proxy's pool ``cost`` section."""
+    return CostSpec(
+        input_weight=pool.input_weight,
+        output_weight=pool.output_weight,
+        output_ratio=pool.output_ratio,
+    )
+
+
+def cost_model(pool: PoolModel, *, calibrate: bool = True) -> CostModel:
+    """The proxy's cost model for ``pool``, with calibration at the proxy's default settings
+    (as ``http/runtime.py`` builds it from an unset ``calibration`` section)."""
+    calibration = None
+    if calibrate:
+        spec = CalibrationSpec()
+        calibration = Calibration(
+            half_life_requests=spec.half_life_requests,
+            min_org_samples=spec.min_org_samples,
+            min_pool_samples=spec.min_org_samples,
+        )
+    return CostModel(cost_spec(pool), pool=POOL, calibration=calibration)
+
+
+def inference_request(request: Request) -> InferenceRequest:
+    """What the proxy parses from the request a real run sends: the prompt counts exactly
+    ``input_tokens`` (as token ids here, without building the text) and asks ``max_tokens``."""
+    return InferenceRequest(
+        kind=Kind.COMPLETION,
+        model=POOL,
+        stream=False,
+        text=None,
+        token_ids=request.input_tokens,
+        max_tokens=request.max_tokens,
+        raw=b"",
+    )
 
 
 def cost_of(request: Request, pool: PoolModel) -> float:
-    """The proxy's estimate: input tokens and the ``max_tokens`` asked for, weighted."""
-    return pool.input_weight * request.input_tokens + pool.output_weight * request.max_tokens
+    """The proxy's estimate before any calibration: ``max(1, input_weight·input +
+    output_weight·max_tokens·output_ratio)``. (A run charges calibrated estimates: see the
+    ``cost`` of its ``Served`` records.)"""
+    return cost_model(pool, calibrate=False).estimate(inference_request(request)).cost
 
 
 def service_time(request: Request, pool: PoolModel, running: int) -> float:
-    engine = pool.engine
-    prefill = request.input_tokens / engine.prefill_tokens_per_s
-    slowdown = 1.0 + engine.batch_slowdown * (running - 1)
-    return prefill + request.output_tokens * slowdown / engine.decode_tokens_per_s
+    """Seconds in its slot for ``request`` starting with ``running`` sequences on its backend."""
+    return pool.engine.service_seconds(request.input_tokens, request.output_tokens, running)
+
+
+@dataclass(slots=True)
+class _Job:
+    request: Request
+    estimate: Estimate
 
 
 def simulate(
-    scenario: Scenario, policy: Policy, *, events: list[tuple[str, int]] | None = None
+    scenario: Scenario,
+    policy: DispatchQueue[Ticket],
+    *,
+    events: list[tuple[str, int]] | None = None,
 ) -> list[Served]:
-    """Run every request of ``scenario`` through ``policy``; the records in dispatch order.
+    """Run every request of ``scenario`` through a ``Scheduler`` ordering with ``policy`` (a
+    fresh, empty queue); the records in dispatch order, each with the cost charged.
 
     ``events``, when given, receives ``("arrive" | "start", request id)`` in the exact order
-    the simulator saw them, so a checker can tell who was backlogged at each dispatch.
+    the scheduler saw them, so a checker can tell who was backlogged at each dispatch.
     """
     pool = scenario.pool
+    specs = [
+        BackendSpec(url=f"http://backend-{i}.sim", slots=pool.slots, name=f"backend-{i}")
+        for i in range(pool.backends)
+    ]
+    scheduler = Scheduler(Placement(specs), queue=policy)
+    costs = cost_model(pool)
     weights = {team.name: team.weight for team in scenario.teams}
-    running = [0] * pool.backends
-    finishing: list[tuple[float, int, int]] = []  # (end, request id, backend)
+    heap: list[tuple[float, int, int, Ticket | None]] = []
+    seq = 0
+    for request in scenario.arrival_order():
+        heap.append((request.time_s, _ARRIVE, seq, None))
+        seq += 1
+    arrivals = iter(scenario.arrival_order())
+    heapq.heapify(heap)
     served: list[Served] = []
+    pump_at: float | None = None
 
-    def dispatch(now: float) -> None:
-        while True:
-            backend = min(range(pool.backends), key=running.__getitem__)
-            if running[backend] >= pool.slots:
-                return
-            request = policy.pop()
-            if request is None:
-                return
-            running[backend] += 1
-            end = now + service_time(request, pool, running[backend])
-            heapq.heappush(finishing, (end, request.id, backend))
-            served.append(Served(request, now, end, cost_of(request, pool)))
+    def started(now: float, dispatched: list[Ticket]) -> None:
+        nonlocal seq, pump_at
+        for ticket in dispatched:
+            job: _Job = ticket.payload
+            assert ticket.backend is not None
+            end = now + service_time(job.request, pool, ticket.backend.in_flight)
+            heapq.heappush(heap, (end, _FINISH, seq, ticket))
+            seq += 1
+            cost = 0.0 if ticket.priority else ticket.cost
+            served.append(Served(job.request, now, end, cost))
             if events is not None:
-                events.append(("start", request.id))
+                events.append(("start", job.request.id))
+        wake = scheduler.wake_at
+        if wake is not None and (pump_at is None or wake < pump_at):
+            pump_at = wake
+            heapq.heappush(heap, (wake, _PUMP, seq, None))
+            seq += 1
 
-    def finish_until(now: float) -> None:
-        """Complete what ends at or before ``now``, each freeing a slot as it ends."""
-        while finishing and finishing[0][0] <= now:
-            end, _, backend = heapq.heappop(finishing)
-            running[backend] -= 1
-            dispatch(end)
-
-    for request in scenario.requests:
-        finish_until(request.time_s)
-        flow = f"{request.org}/{request.cls}"
-        policy.push(flow, request, cost_of(request, pool), weights[request.team])
-        if events is not None:
-            events.append(("arrive", request.id))
-        dispatch(request.time_s)
-    finish_until(float("inf"))
+    while heap:
+        now, kind, _, ticket = heapq.heappop(heap)
+        if kind == _FINISH:
+            assert ticket is not None
+            job = ticket.payload
+            dispatched = scheduler.finish(ticket, now)
+            costs.observe(
+                job.estimate, ticket.org, job.request.input_tokens, job.request.output_tokens
+            )
+        elif kind == _PUMP:
+            pump_at = None
+            dispatched = scheduler.pump(now)
+        else:
+            request = next(arrivals)
+            estimate = costs.estimate(inference_request(request), request.org)
+            new = Ticket(
+                org=request.org,
+                cls=request.cls,
+                cost=estimate.cost,
+                weight=weights[request.team],
+                tokens=float(estimate.input_tokens + estimate.max_tokens),
+                payload=_Job(request, estimate),
+            )
+            if events is not None:
+                events.append(("arrive", request.id))
+            dispatched = scheduler.submit(new, now)
+        started(now, dispatched)
     return served

@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol
 from aiohttp import web
 
 from ..http.server import run, wait_for_signal
+from .engine import EngineModel, output_tokens
 
 __all__ = [
     "Faults",
@@ -141,14 +142,18 @@ class SimConfig:
         if self.batch_slowdown < 0:
             raise ValueError("batch_slowdown must be >= 0")
 
+    @property
+    def engine(self) -> EngineModel:
+        """The engine model (``sim/engine.py``), in unscaled seconds."""
+        return EngineModel(self.prefill_tokens_per_s, self.decode_tokens_per_s, self.batch_slowdown)
+
     def prefill_seconds(self, prompt_tokens: int) -> float:
         """Wall time of a prompt's prefill, which also yields the first output token."""
-        return prompt_tokens / self.prefill_tokens_per_s / self.time_scale
+        return self.engine.prefill_seconds(prompt_tokens) / self.time_scale
 
     def decode_interval(self, running: int) -> float:
         """Per-sequence time between two output tokens when ``running`` sequences share a batch."""
-        slowdown = 1.0 + self.batch_slowdown * max(running - 1, 0)
-        return slowdown / self.decode_tokens_per_s / self.time_scale
+        return self.engine.decode_interval(running) / self.time_scale
 
 
 @dataclass
@@ -798,12 +803,7 @@ class SimBackend:
 
     def _plan(self, gen: _GenRequest) -> _Plan:
         """Fix the whole answer at arrival, so it depends only on seed and arrival order."""
-        if self.config.output_mode == "random":
-            n_tokens = self._rng.randint(1, gen.max_tokens)
-        elif self.config.output_mode == "min_tokens" and gen.min_tokens:
-            n_tokens = min(gen.min_tokens, gen.max_tokens)  # a model that stops right there
-        else:
-            n_tokens = gen.max_tokens
+        n_tokens = output_tokens(self.config.output_mode, gen.max_tokens, gen.min_tokens, self._rng)
         text_seed = self._rng.getrandbits(128)
         words = random.Random(text_seed).choices(_WORDS, k=n_tokens)
         prefix = "chatcmpl" if gen.kind == "chat" else "cmpl"

@@ -20,6 +20,8 @@ from hypothesis import strategies as st
 from sfq_proxy.lab.report import (
     Row,
     backlogged_intervals,
+    bound_checks,
+    charged_series,
     format_table,
     markdown_table,
     percentile,
@@ -99,7 +101,7 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def test_worked_example_rows() -> None:
-    got = [plain(r) for r in rows(worked_runs(), TEAMS)]
+    got = [plain(r)[:10] for r in rows(worked_runs(), TEAMS)]
     # policy, team, completed, share, wait p50/p95/p99/max, done p50/p99
     assert got == [
         ("rr", "A", 4, 16 / 18, 5, 14, 14, 14, 9, 18),  # waits 0 5 10 14, done 4 9 14 18
@@ -107,6 +109,25 @@ def test_worked_example_rows() -> None:
         ("fifo", "A", 4, 1.0, 4, 12, 12, 12, 8, 16),  # waits 0 4 8 12, done 4 8 12 16
         ("fifo", "B", 2, 2 / 14, 15, 15, 15, 15, 16, 16),  # waits 15 15, done 16 16
     ]
+
+
+def test_worked_example_shares_of_the_run_and_the_bound_check() -> None:
+    got = {(r.policy, r.team): r for r in rows(worked_runs(), TEAMS)}
+    # share of all charged cost: A 16 of 18, B 2 of 18 in both runs; these add up to 1
+    assert got["rr", "A"].share_of_total == 16 / 18
+    assert got["fifo", "B"].share_of_total == 2 / 18
+    assert (got["rr", "A"].charged, got["rr", "A"].cost_max, got["rr", "B"].cost_max) == (16, 4, 1)
+    # rr: A and B both wait over [1, 9]; dispatches in (1, 9]: b1 (−1), a2 (+4), b2 (−1),
+    # D = 0, −1, 3, 2: the gap is 3 − (−1) = 4, within 4/1 + 1/1 = 5
+    # fifo: both wait over [1, 12]; a2, a3, a4 (+4 each): gap 12 > 5
+    checks = {c.policy: c for c in bound_checks(worked_runs()["rr"], TEAMS, "rr")}
+    checks |= {c.policy: c for c in bound_checks(worked_runs()["fifo"], TEAMS, "fifo")}
+    assert (checks["rr"].gap, checks["rr"].bound, checks["rr"].intervals) == (4, 5, 1)
+    assert checks["rr"].within
+    assert (checks["fifo"].gap, checks["fifo"].bound) == (12, 5)
+    assert not checks["fifo"].within
+    assert (got["rr", "B"].gap_max, got["rr", "B"].gap_bound) == (4, 5)
+    assert charged_series(worked_runs()["rr"], "B") == [(4, 1), (9, 2)]
 
 
 def test_rows_follow_mapping_and_team_order() -> None:
@@ -120,7 +141,8 @@ def test_team_with_nothing_served_is_nan_and_a_team_that_never_waits_has_no_shar
     # Two slots.  A's requests start the instant they arrive; B's waits on [1, 2].
     run = [served("A", 0, 0, 2, 2), served("A", 2, 2, 4, 2), served("B", 1, 2, 3, 1)]
     by_team = {r.team: r for r in rows({"p": run}, teams)}
-    assert plain(by_team["C"]) == ("p", "C", 0, *([None] * 7))
+    assert plain(by_team["C"])[:10] == ("p", "C", 0, *([None] * 7))
+    assert by_team["C"].share_of_total == 0
     a = by_team["A"]  # started both requests the instant they arrived
     assert a.completed == 2
     assert math.isnan(a.share)
@@ -233,7 +255,8 @@ def test_rows_on_a_large_run() -> None:
 def test_format_table_reads_well() -> None:
     text = format_table(rows(worked_runs(), TEAMS))
     lines = text.splitlines()
-    assert lines[0].split()[:4] == ["policy", "team", "completed", "share"]
+    assert lines[0].split()[:4] == ["policy", "team", "completed", "share@backlog"]
+    assert lines[0].split()[-1] == "share@run"
     assert set(lines[1]) == {"-", " "}
     for policy in ("rr", "fifo"):
         assert sum(line.startswith(policy) for line in lines) == 2
@@ -251,7 +274,7 @@ def test_format_table_units_and_missing_values() -> None:
     assert "250 ms" in text  # wait max
     assert "75.00 s" in text  # done p99
     c_line = next(line for line in text.splitlines() if line.split()[1:2] == ["C"])
-    assert c_line.split()[2:] == ["0", *(["-"] * 7)]
+    assert c_line.split()[2:] == ["0", *(["-"] * 7), "0.0%"]  # share@run: 0 of the run
     long = [served("A", 0, 321.44, 2550, 1), served("A", 0, 321.44, 96840, 1)]
     text = format_table(rows({"p": long}, [TEAMS[0]]))
     assert "321.4 s" in text
@@ -262,10 +285,11 @@ def test_format_table_units_and_missing_values() -> None:
 def test_markdown_table() -> None:
     md = markdown_table(rows(worked_runs(), TEAMS))
     lines = md.splitlines()
-    assert lines[0].startswith("| policy | team | completed | share |")
+    assert lines[0].startswith("| policy | team | completed | share@backlog |")
     assert lines[1].startswith("| :--- | :--- | ---: |")
     assert len(lines) == 2 + 4
     assert "| rr | B | 2 | 33.3% |" in md
+    assert lines[2].endswith("| 88.9% |")  # share@run of rr's A
 
 
 def test_write_report_tables_round_trip(tmp_path: Path) -> None:
@@ -282,6 +306,8 @@ def test_write_report_tables_round_trip(tmp_path: Path) -> None:
         kinds = {f.name: f.type for f in fields(Row)}
         out: dict[str, object] = {}
         for key, value in record.items():
+            if key not in kinds:  # the JSON's bound-check extras
+                continue
             if kinds[key] == "float":
                 out[key] = NAN if value in (None, "") else float(value)  # type: ignore[arg-type]
             elif kinds[key] == "int":
@@ -302,6 +328,12 @@ def test_write_report_tables_round_trip(tmp_path: Path) -> None:
     assert c_rr["share"] is None
     assert c_rr["wait_p99"] is None
     assert "NaN" not in paths[3].read_text()
+    # what the SFQ bound check needs, per row
+    rr_b = data[1]
+    assert rr_b["backlogged_intervals"] == [[1, 9]]
+    assert rr_b["charged_series"] == [[4, 1], [9, 2]]
+    assert rr_b["bound"]["A"] == {"gap": 4, "bound": 5, "intervals": 1}
+    assert "largest gap" in paths[0].read_text()
 
 
 def test_write_report_without_matplotlib(
