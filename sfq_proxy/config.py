@@ -6,7 +6,9 @@ scalars, so ``slots: "32"`` or ``priority: yes-please`` is reported instead of c
 (an integer is still accepted where a float is expected).
 
 Errors of any kind are raised as one :class:`ConfigError` listing ``(path, message)``
-pairs, paths written like ``pools.llama-8b.backends[1].slots``. No message ever contains
+pairs, paths written like ``pools.llama-8b.backends[1].slots``. Other files of the same kind
+(the lab's scenarios) use the same pieces, which are public for that: ``StrictModel``,
+``read_yaml``, ``config_error`` and ``NAME_PATTERN``. No message ever contains
 an input value, because the value might be a secret.
 """
 
@@ -39,6 +41,7 @@ from pydantic import (
 from .core.inference_request import MAX_OUTPUT_TOKENS
 
 __all__ = [
+    "NAME_PATTERN",
     "BackendSpec",
     "CalibrationSpec",
     "ClassSpec",
@@ -55,19 +58,22 @@ __all__ = [
     "RateSpec",
     "ResolvedKey",
     "RetrySpec",
+    "StrictModel",
     "TimeoutSpec",
+    "config_error",
     "default_classes",
     "default_config",
     "load_config",
     "parse_config",
+    "read_yaml",
 ]
 
-_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 _NAME_RULE = "must start with a letter or digit and use only letters, digits, '_', '.', '-'"
 
 # Names of orgs, classes and pools end up in metric labels, headers and error paths,
 # so they are kept to a safe alphabet.
-Name = Annotated[str, StringConstraints(pattern=_NAME_PATTERN)]
+Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -82,26 +88,26 @@ NonNegativeSeconds = Annotated[float, Field(ge=0, le=31_536_000, allow_inf_nan=F
 PerMinute = Annotated[float, Field(gt=0, le=1e12, allow_inf_nan=False)]
 
 
-class _Spec(BaseModel):
+class StrictModel(BaseModel):
     """Base of every config model: immutable, strict, and unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class Listen(_Spec):
+class Listen(StrictModel):
     """Address of the proxy's HTTP front end. Port 0 (ephemeral) is allowed for tests."""
 
     host: NonEmptyStr = "127.0.0.1"
     port: int = Field(8080, ge=0, le=65535)
 
 
-class Limits(_Spec):
+class Limits(StrictModel):
     """Request limits enforced before a request is parsed (413 above the body size)."""
 
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0, le=1 << 30)
 
 
-class KeySpec(_Spec):
+class KeySpec(StrictModel):
     """An API key: who may call, as which org, with which classes (the first is default).
 
     Exactly one of ``key_env`` (environment variable, read at load time), ``key``
@@ -139,7 +145,7 @@ class KeySpec(_Spec):
         return "sha256" if self.key_sha256 is not None else "plain"
 
 
-class ClassSpec(_Spec):
+class ClassSpec(StrictModel):
     """A workload class. Priority classes bypass SFQ (strict band, FIFO, capped)."""
 
     weight: Weight = 1.0
@@ -158,7 +164,7 @@ def default_classes() -> dict[str, ClassSpec]:
     }
 
 
-class OrgSpec(_Spec):
+class OrgSpec(StrictModel):
     """Per-organisation share (weight), concurrency cap and rate limits."""
 
     weight: Weight = 1.0
@@ -167,7 +173,7 @@ class OrgSpec(_Spec):
     tpm: PerMinute | None = None
 
 
-class CostSpec(_Spec):
+class CostSpec(StrictModel):
     """Cost model of a pool (docs/design.md §4): weighted input plus expected output tokens."""
 
     input_weight: CostWeight = 1.0
@@ -185,7 +191,7 @@ class CostSpec(_Spec):
         return self
 
 
-class HealthSpec(_Spec):
+class HealthSpec(StrictModel):
     """Active health probe of each backend, and the cooldown after a failure."""
 
     path: str = "/health"
@@ -202,7 +208,7 @@ class HealthSpec(_Spec):
         return value
 
 
-class TimeoutSpec(_Spec):
+class TimeoutSpec(StrictModel):
     """Upstream timeouts: TCP/TLS connect, time to the response headers, and the longest
     silence after them (between a stream's chunks, or while a body arrives)."""
 
@@ -211,7 +217,7 @@ class TimeoutSpec(_Spec):
     idle_s: Seconds = 60.0
 
 
-class BackendSpec(_Spec):
+class BackendSpec(StrictModel):
     """One upstream server. ``name`` (metric label) defaults to the URL's ``host:port``.
 
     The URL's trailing slash is stripped so paths can be appended. Credentials in the URL
@@ -250,14 +256,14 @@ class BackendSpec(_Spec):
         return f"{host}:{port}"
 
 
-class RateSpec(_Spec):
+class RateSpec(StrictModel):
     """Rate limits of a provider pool, shared by every flow of the pool."""
 
     requests_per_minute: PerMinute | None = None
     tokens_per_minute: PerMinute | None = None
 
 
-class PoolSpec(_Spec):
+class PoolSpec(StrictModel):
     """Backends serving the same models; one scheduler each (docs/design.md §1)."""
 
     models: list[NonEmptyStr] = Field(min_length=1)
@@ -269,7 +275,7 @@ class PoolSpec(_Spec):
     rate: RateSpec | None = None
 
 
-class RetrySpec(_Spec):
+class RetrySpec(StrictModel):
     """Retries before anything reached the client (docs/design.md §5)."""
 
     max_attempts: int = Field(3, ge=1)
@@ -278,7 +284,7 @@ class RetrySpec(_Spec):
     backoff_max_s: NonNegativeSeconds = 8.0
 
 
-class CalibrationSpec(_Spec):
+class CalibrationSpec(StrictModel):
     """Learning of the cost estimates; ``state_file`` None keeps them in memory only.
 
     Learned values start from each pool's ``cost.chars_per_token`` and ``cost.output_ratio``;
@@ -291,7 +297,7 @@ class CalibrationSpec(_Spec):
     save_interval_s: Seconds = 60.0
 
 
-class MetricsSpec(_Spec):
+class MetricsSpec(StrictModel):
     """Cardinality guard: orgs beyond this many share one ``org`` label value."""
 
     max_labelled_orgs: PositiveInt = 200
@@ -310,7 +316,7 @@ class ResolvedKey:
 _Errors = list[tuple[str, str]]
 
 
-class Config(_Spec):
+class Config(StrictModel):
     """The whole file. Cross-field checks and key resolution run at validation time.
 
     Validation reads ``environ`` from the pydantic validation context (``os.environ``
@@ -615,7 +621,7 @@ def _error_message(err: Mapping[str, Any]) -> str:
         message = "must be a finite number"
     elif kind in ("too_short", "string_too_short") and ctx.get("min_length") == 1:
         message = "must not be empty"
-    elif kind == "string_pattern_mismatch" and ctx.get("pattern") == _NAME_PATTERN:
+    elif kind == "string_pattern_mismatch" and ctx.get("pattern") == NAME_PATTERN:
         message = _NAME_RULE
     elif kind == "value_error":
         message = str(ctx["error"])
@@ -624,7 +630,7 @@ def _error_message(err: Mapping[str, Any]) -> str:
     return f"invalid name: {message}" if err["loc"][-1:] == ("[key]",) else message
 
 
-def _from_validation_error(exc: ValidationError, source: str) -> ConfigError:
+def config_error(exc: ValidationError, source: str) -> ConfigError:
     """Pydantic's errors in the file's own vocabulary (paths and short messages)."""
     errors = [(_error_path(e["loc"]), _error_message(e)) for e in exc.errors()]
     return ConfigError(errors, source)
@@ -645,7 +651,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _parse_yaml(text: str, source: str) -> dict[str, Any]:
+def read_yaml(text: str, source: str) -> dict[str, Any]:
     """YAML → mapping; errors give a line number but no snippet (it might hold a key)."""
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
@@ -666,12 +672,12 @@ def parse_config(
     text: str, environ: Mapping[str, str] | None = None, source: str = "<string>"
 ) -> Config:
     """Parse and validate YAML ``text``; ``environ`` (default ``os.environ``) resolves keys."""
-    data = _parse_yaml(text, source)
+    data = read_yaml(text, source)
     context = {"environ": os.environ if environ is None else environ}
     try:
         return Config.model_validate(data, context=context)
     except ValidationError as exc:
-        raise _from_validation_error(exc, source) from None
+        raise config_error(exc, source) from None
     except ConfigError as exc:
         exc.source = source
         raise

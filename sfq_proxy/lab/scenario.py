@@ -31,16 +31,16 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
 from ..config import (
-    _NAME_PATTERN,
+    NAME_PATTERN,
     ConfigError,
     Name,
     NonEmptyStr,
     NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
-    _from_validation_error,
-    _parse_yaml,
-    _Spec,
+    StrictModel,
+    config_error,
+    read_yaml,
 )
 from ..sim.engine import EngineModel  # the one engine model, shared with the simulated server
 
@@ -159,7 +159,7 @@ _Z99 = 2.3263478740408408
 _LOGNORMAL_CAP = 20
 
 
-def _tagged(*models: type[_Spec]) -> Any:
+def _tagged(*models: type[StrictModel]) -> Any:
     """A union of ``models`` chosen by their ``kind`` field.
 
     Tags look like ``kind[rate]`` so that ``config._error_path`` drops them from error
@@ -180,7 +180,7 @@ def _tagged(*models: type[_Spec]) -> Any:
     return Annotated[reduce(operator.or_, members), discriminator]
 
 
-class _Window(_Spec):
+class _Window(StrictModel):
     """Arrivals happen in ``[start_s, end_s)``, ``end_s`` defaulting to the duration."""
 
     start_s: NonNegativeFloat = 0.0
@@ -264,7 +264,7 @@ else:
     Arrivals = _tagged(AtStartArrivals, RateArrivals, BurstArrivals, PoissonArrivals)
 
 
-class FixedTokens(_Spec):
+class FixedTokens(StrictModel):
     """Always ``value`` tokens."""
 
     kind: Literal["fixed"]
@@ -274,7 +274,7 @@ class FixedTokens(_Spec):
         return lambda: self.value
 
 
-class UniformTokens(_Spec):
+class UniformTokens(StrictModel):
     """An integer uniformly drawn from ``[low, high]`` (both included)."""
 
     kind: Literal["uniform"]
@@ -291,7 +291,7 @@ class UniformTokens(_Spec):
         return lambda: rng.randint(self.low, self.high)
 
 
-class LognormalTokens(_Spec):
+class LognormalTokens(StrictModel):
     """Lognormal with the given median and 99th percentile, rounded, ≥ 1, ≤ 20 × p99."""
 
     kind: Literal["lognormal"]
@@ -319,7 +319,7 @@ else:
 Multiplier = Annotated[float, Field(ge=1, allow_inf_nan=False)]
 
 
-class TeamSpec(_Spec):
+class TeamSpec(StrictModel):
     """A synthetic team. ``org`` defaults to the team's name, ``class`` to batch."""
 
     org: Name | None = None
@@ -330,7 +330,7 @@ class TeamSpec(_Spec):
     max_tokens_multiplier: Multiplier = 1.0
 
 
-class TraceSpec(_Spec):
+class TraceSpec(StrictModel):
     """A trace replay; ``orgs``, ``zipf_s`` and ``class`` apply to the azure format only."""
 
     path: NonEmptyStr
@@ -343,13 +343,13 @@ class TraceSpec(_Spec):
     limit: PositiveInt | None = None
 
 
-class EngineSpec(_Spec):
+class EngineSpec(StrictModel):
     prefill_tokens_per_s: PositiveFloat
     decode_tokens_per_s: PositiveFloat
     batch_slowdown: NonNegativeFloat = 0.0
 
 
-class CostSection(_Spec):
+class CostSection(StrictModel):
     input_weight: NonNegativeFloat = 1.0
     output_weight: NonNegativeFloat = 1.0
     # the proxy's cost.output_ratio: the share of max_tokens expected, before calibration
@@ -362,18 +362,18 @@ class CostSection(_Spec):
         return self
 
 
-class PoolSection(_Spec):
+class PoolSection(StrictModel):
     backends: PositiveInt
     slots: PositiveInt
     engine: EngineSpec
     cost: CostSection = CostSection()
 
 
-class WeightSpec(_Spec):
+class WeightSpec(StrictModel):
     weight: PositiveFloat = 1.0
 
 
-class ScenarioSpec(_Spec):
+class ScenarioSpec(StrictModel):
     """The whole file. ``duration_s`` may be omitted only with a trace (it then ends just
     after the trace's last request)."""
 
@@ -415,11 +415,11 @@ def parse_scenario(
     to ``base_dir``."""
     if duration_s is not None and not (duration_s > 0 and math.isfinite(duration_s)):
         raise ValueError("duration_s must be a positive finite number")
-    data = _parse_yaml(text, source)
+    data = read_yaml(text, source)
     try:
         spec = ScenarioSpec.model_validate(data)
     except ValidationError as exc:
-        raise _from_validation_error(exc, source) from None
+        raise config_error(exc, source) from None
     try:
         return _build(spec, Path(base_dir), duration_s)
     except ConfigError as exc:
@@ -561,7 +561,7 @@ def _trace_team_rows(
 _AZURE_HEADER = ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]
 _SIMPLE_HEADER = ["timestamp_s", "org", "class", "input_tokens", "output_tokens"]
 _AZURE_TIME = re.compile(r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?")
-_NAME_RE = re.compile(_NAME_PATTERN)
+_NAME_RE = re.compile(NAME_PATTERN)
 
 
 class _BadRow(ValueError):
