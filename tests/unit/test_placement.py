@@ -1,0 +1,131 @@
+"""Placement (core/placement.py): which backend of a pool, within its slots and health."""
+
+from __future__ import annotations
+
+import pytest
+
+from sfq_proxy.config import BackendSpec
+from sfq_proxy.core.placement import Backend, Placement
+
+
+def placement(*slots: int) -> Placement:
+    return Placement(
+        [BackendSpec(url=f"http://10.0.0.{i}:8000", slots=n) for i, n in enumerate(slots, 1)]
+    )
+
+
+def fill(p: Placement, backend: Backend, n: int) -> None:
+    for _ in range(n):
+        p.acquire(backend)
+
+
+def test_backends_are_built_from_specs() -> None:
+    p = Placement(
+        [
+            BackendSpec(url="http://10.0.0.1:8000/", slots=2),
+            BackendSpec(url="http://10.0.0.2:8000", slots=3, name="gpu-b"),
+        ]
+    )
+    got = [(b.name, b.url, b.slots, b.in_flight, b.healthy) for b in p.backends]
+    assert got == [
+        ("10.0.0.1:8000", "http://10.0.0.1:8000", 2, 0, True),
+        ("gpu-b", "http://10.0.0.2:8000", 3, 0, True),
+    ]
+
+
+def test_choose_prefers_least_loaded_by_fraction_of_slots() -> None:
+    p = placement(4, 2)
+    a, b = p.backends
+    fill(p, a, 1)  # a: 1/4, b: 0/2
+    assert p.choose() is b
+    fill(p, b, 1)  # a: 1/4, b: 1/2
+    assert p.choose() is a
+    fill(p, a, 1)  # a: 2/4 = b: 1/2 -> tie, first listed
+    assert p.choose() is a
+
+
+def test_choose_ties_go_to_first_listed() -> None:
+    p = placement(2, 2, 2)
+    assert p.choose() is p.backends[0]
+    fill(p, p.backends[0], 1)
+    assert p.choose() is p.backends[1]
+    fill(p, p.backends[1], 1)
+    assert p.choose() is p.backends[2]
+
+
+def test_choose_skips_unhealthy_and_full_backends() -> None:
+    p = placement(1, 8, 8)
+    a, b, c = p.backends
+    p.mark_down(b, until=10.0)
+    assert p.choose() is a
+    fill(p, a, 1)  # a is full at load 1.0
+    fill(p, c, 7)  # c is at 7/8 but has a slot
+    assert p.choose() is c
+    fill(p, c, 1)
+    assert p.choose() is None
+
+
+def test_choose_is_none_when_all_down() -> None:
+    p = placement(1, 1)
+    for backend in p.backends:
+        p.mark_down(backend, until=1.0)
+    assert p.choose() is None
+    assert not p.any_healthy()
+
+
+def test_acquire_beyond_slots_raises() -> None:
+    p = placement(2)
+    (a,) = p.backends
+    fill(p, a, 2)
+    with pytest.raises(RuntimeError, match="no free slot"):
+        p.acquire(a)
+    assert a.in_flight == 2
+
+
+def test_release_below_zero_raises() -> None:
+    p = placement(2)
+    (a,) = p.backends
+    p.acquire(a)
+    p.release(a)
+    with pytest.raises(RuntimeError, match="released more slots"):
+        p.release(a)
+    assert a.in_flight == 0
+
+
+def test_mark_up_only_after_cooldown() -> None:
+    p = placement(1)
+    (a,) = p.backends
+    assert p.mark_up(a, now=0.0) is False  # healthy already: nothing brought back
+    p.mark_down(a, until=10.0)
+    assert (a.healthy, a.down_until) == (False, 10.0)
+    assert p.mark_up(a, now=9.99) is False
+    assert a.healthy is False
+    assert p.choose() is None
+    assert p.mark_up(a, now=10.0) is True
+    assert a.healthy is True
+    assert p.choose() is a
+    assert p.mark_up(a, now=11.0) is False
+
+
+def test_mark_down_keeps_the_later_cooldown() -> None:
+    p = placement(1)
+    (a,) = p.backends
+    p.mark_down(a, until=20.0)
+    p.mark_down(a, until=5.0)
+    assert a.down_until == 20.0
+    assert p.mark_up(a, now=15.0) is False
+    assert p.mark_up(a, now=20.0) is True
+
+
+def test_update_keeps_known_backends_and_adds_new_ones_unhealthy() -> None:
+    p = Placement([BackendSpec(url="http://a:1", slots=2), BackendSpec(url="http://b:1", slots=2)])
+    a, b = p.backends
+    p.acquire(b)
+    p.update([BackendSpec(url="http://a:1", slots=3), BackendSpec(url="http://c:1", slots=1)])
+    assert p.backends[0] is a
+    assert a.slots == 3
+    assert [x.url for x in p.backends] == ["http://a:1", "http://c:1"]
+    assert not p.backends[1].healthy  # joins after its first good probe
+    assert p.choose() is a
+    p.release(b)  # a removed backend's request still finishes and frees its slot
+    assert b.in_flight == 0
