@@ -17,6 +17,7 @@ from aiohttp import web
 
 from sfq_proxy.config import Config, parse_config
 from sfq_proxy.core.fair_queue import FairQueue
+from sfq_proxy.core.flows import org_and_class
 from sfq_proxy.http.runtime import PROXY, Proxy
 from sfq_proxy.http.server import bound_url, running
 from sfq_proxy.sim.server import SimBackend, SimConfig
@@ -178,7 +179,7 @@ async def dispatched_behind(
     start = len(recent)
     await blocker.close()
     await replies
-    return [flow.split("/")[0] for flow, _ in list(recent)[start:]]
+    return [org_and_class(flow)[0] for flow, _ in list(recent)[start:]]
 
 
 async def eventually(predicate: Callable[[], bool | Awaitable[bool]], within: float = 2.0) -> None:

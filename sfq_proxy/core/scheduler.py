@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .fair_queue import MAX_COST, FairQueue, check_cost, check_weight
+from .flows import flow_id, org_and_class
 from .limits import Rate
 from .placement import Backend, Placement
 from .queues import DispatchQueue
@@ -51,7 +52,7 @@ class Ticket:
         tokens = self.tokens
         if isinstance(tokens, bool) or not (0 <= tokens <= MAX_COST):  # NaN fails too
             raise ValueError(f"tokens must be a number in [0, {MAX_COST:g}], got {tokens!r}")
-        self.flow = f"{self.org}/{self.cls}"
+        self.flow = flow_id(self.org, self.cls)
 
 
 class Scheduler:
@@ -95,7 +96,7 @@ class Scheduler:
         self._rate = rate
         self._capped_flows.clear()
         for view in self.queue.flows():
-            org, cls = view.flow.split("/", 1)
+            org, cls = org_and_class(view.flow)
             for cap in self._caps_of(Ticket(org=org, cls=cls, cost=1.0)):
                 self._capped_flows.setdefault(cap, set()).add(view.flow)
             self.queue.set_eligible(view.flow, self._under_caps(org, cls))
@@ -203,7 +204,7 @@ class Scheduler:
         for cap in self._caps_of(ticket):
             flows = self._capped_flows.get(cap, set())
             for flow in list(flows):
-                org, cls = flow.split("/", 1)
+                org, cls = org_and_class(flow)
                 self.queue.set_eligible(flow, self._under_caps(org, cls))
                 if not self.queue.backlog(flow) and self.queue.is_eligible(flow):
                     flows.discard(flow)  # re-tracked when it queues again

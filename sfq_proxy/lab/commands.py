@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from ..config import Config, parse_config
+from ..core.flows import flow_id
 from ..http.runtime import PROXY, Proxy
 from ..http.server import bound_url, running
 from ..sim.server import SimBackend, SimConfig
@@ -224,7 +225,7 @@ def _live_table(scenario: Scenario, served: list[Served], proxy: Proxy) -> str:
         mine = [s for s in served if s.request.team == team.name]
         waits = sorted(s.start_s - s.request.time_s for s in mine) or [math.nan]
         share = sum(s.cost for s in mine) / total
-        lag = lags.get(f"{team.org}/{team.cls}", math.nan)
+        lag = lags.get(flow_id(team.org, team.cls), math.nan)
         lines.append(
             f"{team.name:<10} {len(mine):>6} {share:>10.0%} {_rank(waits, 50):>8.2f}s "
             f"{_rank(waits, 99):>8.2f}s {lag:>10.0f}"

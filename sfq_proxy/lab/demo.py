@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from ..config import Config, default_config
+from ..core.flows import flow_id
 from ..http.runtime import PROXY, Proxy
 from ..http.server import bound_url, running, wait_for_signal
 from ..sim.server import SimBackend, SimConfig
@@ -101,7 +102,8 @@ async def _client(
 
 def _charged(proxy: Proxy) -> dict[str, float]:
     """Cost charged so far per flow, read from the proxy's own metrics."""
-    return {f"{org}/{cls}": v for (org, cls, _), v in proxy.metrics.totals("cost_charged").items()}
+    totals = proxy.metrics.totals("cost_charged")
+    return {flow_id(org, cls): v for (org, cls, _), v in totals.items()}
 
 
 def _report(
