@@ -1,4 +1,5 @@
-"""A simulated vLLM server: the OpenAI-compatible HTTP surface plus a toy engine model.
+"""A simulated vLLM server: slots, a waiting queue, faults and sockets around the engine
+model (``engine.py``) and the OpenAI API shapes (``api.py``).
 
 The proxy's demo and end-to-end tests need a backend that looks like vLLM *from a load
 balancer's point of view*: same endpoints and JSON shapes, a bounded batch with a FIFO
@@ -13,19 +14,30 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
 import random
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from http import HTTPStatus
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from aiohttp import web
 
 from ..http.server import run, wait_for_signal
+from .api import (
+    AnswerPlan,
+    GenerationRequest,
+    JsonSink,
+    Kind,
+    RefusedRequest,
+    Sink,
+    SseSink,
+    ceil_tokens,
+    error_response,
+    parse_generation,
+)
 from .engine import EngineModel, output_tokens
 
 __all__ = [
@@ -35,10 +47,8 @@ __all__ = [
     "SimConfig",
     "SimStats",
     "add_parser",
-    "estimate_prompt_tokens",
 ]
 
-Kind = Literal["chat", "completions"]
 Outcome = Literal["completed", "aborted", "failed"]
 
 DEFAULT_MODEL = "sim-llama"
@@ -46,56 +56,11 @@ DEFAULT_MODEL = "sim-llama"
 # loop thousands of times a second and slow down the very clock they simulate.
 MIN_SLEEP_S = 0.002
 _HTTP_STATUSES = frozenset(s.value for s in HTTPStatus)
-# Chat templates wrap every message in role markers; vLLM's Llama-3 template adds about four.
-MESSAGE_OVERHEAD_TOKENS = 4
 _WORDS = (
     "the", "model", "answers", "with", "plain", "words", "so", "that", "tests", "can",
     "count", "tokens", "easily", "while", "fair", "queueing", "keeps", "every", "user",
     "happy", "and", "latency", "stays", "low",
 )  # fmt: skip
-
-
-def estimate_prompt_tokens(body: Mapping[str, Any], chars_per_token: float = 4.0) -> int:
-    """Token count of a request's prompt, from characters alone (no tokenizer).
-
-    Uses ``messages`` (chat) if present, else ``prompt`` (completions).  The proxy estimates
-    with the same rule, so both sides agree on request sizes.  Raises ValueError on a shape
-    vLLM would reject.
-    """
-    if "messages" in body:
-        messages = body["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise ValueError("'messages' must be a non-empty list")
-        return sum(
-            MESSAGE_OVERHEAD_TOKENS + _ceil_tokens(_message_chars(m), chars_per_token)
-            for m in messages
-        )
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return _ceil_tokens(len(prompt), chars_per_token)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-        return len(prompt)
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return sum(_ceil_tokens(len(p), chars_per_token) for p in prompt)
-    raise ValueError("'prompt' must be a string, a list of strings or a list of token ids")
-
-
-def _ceil_tokens(chars: int, chars_per_token: float) -> int:
-    return math.ceil(chars / chars_per_token)
-
-
-def _message_chars(message: object) -> int:
-    """Characters of a chat message's text; non-text parts (images, …) count as nothing."""
-    if not isinstance(message, dict):
-        raise ValueError("each message must be an object")
-    content = message.get("content")
-    if content is None or isinstance(content, str):
-        return len(content or "")
-    if isinstance(content, list):
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if all(isinstance(t, str) for t in texts):
-            return sum(len(t) for t in texts if isinstance(t, str))
-    raise ValueError("message 'content' must be a string or a list of content parts")
 
 
 @dataclass(frozen=True)
@@ -264,230 +229,8 @@ class _FifoSlots:
         self._free += 1
 
 
-class _ApiError(Exception):
-    """A request vLLM would refuse before scheduling it."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-    def response(self) -> web.Response:
-        return _error_response(self.status, self.message)
-
-
 class _InjectedDeath(Exception):
     """die_after_tokens was reached: the "server" crashes mid-generation."""
-
-
-def _error_response(status: int, message: str) -> web.Response:
-    """OpenAI-style error body, with vLLM's exception-class-like ``type``."""
-    err_type = {400: "BadRequestError", 404: "NotFoundError"}.get(status)
-    if err_type is None:
-        phrase = HTTPStatus(status).phrase.replace(" ", "").replace("-", "")
-        err_type = phrase if phrase.endswith("Error") else phrase + "Error"
-    error = {"message": message, "type": err_type, "param": None, "code": status}
-    return web.json_response({"error": error}, status=status)
-
-
-@dataclass(frozen=True)
-class _GenRequest:
-    """A validated generation request, reduced to what the engine and the log need."""
-
-    kind: Kind
-    model: str
-    prompt_tokens: int
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-    user: str | None
-    min_tokens: int | None = None  # vLLM's sampling parameter; see output_mode "min_tokens"
-
-
-def _parse_generation(kind: Kind, body: object, cfg: SimConfig) -> _GenRequest:
-    """Validate like vLLM does before scheduling; raises _ApiError (400/404)."""
-    if not isinstance(body, dict):
-        raise _ApiError(400, "Request body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str):
-        raise _ApiError(400, "Field 'model' is required and must be a string")
-    prompt_field = "messages" if kind == "chat" else "prompt"
-    if prompt_field not in body:
-        raise _ApiError(400, f"Field '{prompt_field}' is required")
-    if model not in cfg.models:
-        raise _ApiError(404, f"The model `{model}` does not exist.")
-    try:
-        prompt_tokens = estimate_prompt_tokens(
-            {prompt_field: body[prompt_field]}, cfg.chars_per_token
-        )
-    except ValueError as exc:
-        raise _ApiError(400, str(exc)) from exc
-    stream = body.get("stream") or False
-    if not isinstance(stream, bool):
-        raise _ApiError(400, "'stream' must be a boolean")
-    options = body.get("stream_options") or {}
-    user = body.get("user")
-    return _GenRequest(
-        kind=kind,
-        model=model,
-        prompt_tokens=prompt_tokens,
-        max_tokens=_resolve_max_tokens(body, prompt_tokens, prompt_field, cfg),
-        stream=stream,
-        include_usage=stream and isinstance(options, dict) and bool(options.get("include_usage")),
-        user=user if isinstance(user, str) else None,
-        min_tokens=_min_tokens(body),
-    )
-
-
-def _min_tokens(body: dict[str, Any]) -> int | None:
-    value = body.get("min_tokens")
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise _ApiError(400, "'min_tokens' must be a non-negative integer")
-    return value
-
-
-def _resolve_max_tokens(
-    body: dict[str, Any], prompt_tokens: int, prompt_field: str, cfg: SimConfig
-) -> int:
-    """The output budget, checked against the context window as vLLM does."""
-    requested = body.get("max_completion_tokens")
-    if requested is None:
-        requested = body.get("max_tokens")
-    room = cfg.max_model_len - prompt_tokens
-    if requested is None:
-        if room < 1:
-            raise _ApiError(
-                400,
-                f"This model's maximum context length is {cfg.max_model_len} "
-                f"tokens, but the {prompt_field} use {prompt_tokens} tokens.",
-            )
-        return min(cfg.default_max_tokens, room)
-    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
-        raise _ApiError(400, f"max_tokens must be a positive integer, got {requested!r}")
-    if requested > room:
-        raise _ApiError(
-            400,
-            f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + requested} tokens ({prompt_tokens} in the "
-            f"{prompt_field}, {requested} in the completion). Please reduce the length of the "
-            f"{prompt_field} or completion.",
-        )
-    return requested
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """A request's predetermined answer plus the OpenAI/vLLM response shapes for it."""
-
-    gen: _GenRequest
-    id: str
-    created: int
-    tokens: tuple[str, ...]
-
-    @property
-    def finish_reason(self) -> str:
-        return "length" if len(self.tokens) == self.gen.max_tokens else "stop"
-
-    def usage(self) -> dict[str, int]:
-        prompt, completion = self.gen.prompt_tokens, len(self.tokens)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
-
-    def choice(
-        self, text: str, finish: str | None, *, chunk: bool, role: bool = False
-    ) -> dict[str, Any]:
-        if self.gen.kind == "completions":
-            body: dict[str, Any] = {"text": text}
-        elif chunk:
-            body = {"delta": {"role": "assistant", "content": text} if role else {"content": text}}
-        else:
-            body = {"message": {"role": "assistant", "content": text}}
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
-
-    def envelope(
-        self, choices: list[dict[str, Any]], *, chunk: bool, usage: bool = False
-    ) -> dict[str, Any]:
-        if self.gen.kind == "completions":
-            obj = "text_completion"
-        else:
-            obj = "chat.completion.chunk" if chunk else "chat.completion"
-        out: dict[str, Any] = {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.gen.model,
-            "choices": choices,
-        }
-        if usage:
-            out["usage"] = self.usage()
-        return out
-
-
-class _Sink(Protocol):
-    """Where a sequence's tokens go: an SSE stream, or a buffer for one JSON answer."""
-
-    async def start(self, request: web.Request) -> None: ...
-    async def token(self, text: str) -> None: ...
-    async def finish(self) -> web.StreamResponse: ...
-
-
-class _SseSink:
-    """Sends each token as its own SSE event the moment it exists, so TTFT is real."""
-
-    def __init__(self, plan: _Plan) -> None:
-        self._plan = plan
-        self._sent = 0
-        self._response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream; charset=utf-8"}
-        )
-
-    async def start(self, request: web.Request) -> None:
-        # Headers go out before queueing, as with vLLM, whose response starts on admission.
-        await self._response.prepare(request)
-
-    async def token(self, text: str) -> None:
-        plan = self._plan
-        if self._sent == 0 and plan.gen.kind == "chat":
-            await self._send(
-                plan.envelope([plan.choice("", None, chunk=True, role=True)], chunk=True)
-            )
-        self._sent += 1
-        finish = plan.finish_reason if self._sent == len(plan.tokens) else None
-        await self._send(plan.envelope([plan.choice(text, finish, chunk=True)], chunk=True))
-
-    async def finish(self) -> web.StreamResponse:
-        if self._plan.gen.include_usage:
-            await self._send(self._plan.envelope([], chunk=True, usage=True))
-        await self._response.write(b"data: [DONE]\n\n")
-        return self._response
-
-    async def _send(self, event: dict[str, Any]) -> None:
-        data = json.dumps(event, separators=(",", ":"))
-        await self._response.write(f"data: {data}\n\n".encode())
-
-
-class _JsonSink:
-    """Collects the tokens and answers with one completion object at the end."""
-
-    def __init__(self, plan: _Plan) -> None:
-        self._plan = plan
-        self._parts: list[str] = []
-
-    async def start(self, request: web.Request) -> None:
-        pass
-
-    async def token(self, text: str) -> None:
-        self._parts.append(text)
-
-    async def finish(self) -> web.StreamResponse:
-        plan = self._plan
-        choice = plan.choice("".join(self._parts), plan.finish_reason, chunk=False)
-        return web.json_response(plan.envelope([choice], chunk=False, usage=True))
 
 
 def _drop_connection(request: web.Request) -> web.Response:
@@ -653,13 +396,13 @@ class SimBackend:
             if inputs and all(isinstance(x, int) for x in inputs):
                 inputs = [inputs]
             tokens = [
-                len(x) if isinstance(x, list) else _ceil_tokens(len(x), self.config.chars_per_token)
+                len(x) if isinstance(x, list) else ceil_tokens(len(x), self.config.chars_per_token)
                 for x in inputs
             ]
         except (ValueError, KeyError, TypeError):
-            return _error_response(400, "'input' must be a string, strings or token ids")
+            return error_response(400, "'input' must be a string, strings or token ids")
         if body.get("model") not in self.config.models:
-            return _error_response(404, f"The model `{body.get('model')}` does not exist.")
+            return error_response(404, f"The model `{body.get('model')}` does not exist.")
         data = [
             {
                 "object": "embedding",
@@ -724,7 +467,7 @@ class SimBackend:
             body = await request.json()
             faults = await self.update_faults(**body)
         except (ValueError, TypeError) as exc:
-            return _error_response(400, f"Invalid faults: {exc}")
+            return error_response(400, f"Invalid faults: {exc}")
         return web.json_response(asdict(faults))
 
     async def _reset(self, request: web.Request) -> web.Response:
@@ -738,17 +481,17 @@ class SimBackend:
         try:
             body = await request.json()
         except (ValueError, RecursionError):  # RecursionError: absurdly nested JSON
-            return _error_response(400, "Request body is not valid JSON")
+            return error_response(400, "Request body is not valid JSON")
         try:
-            gen = _parse_generation(kind, body, self.config)
-        except _ApiError as exc:
+            gen = parse_generation(kind, body, self.config)
+        except RefusedRequest as exc:
             return exc.response()
         rec = self._admit(request, gen)
         if self._draw_failure():
             self._finish(rec, "failed")
-            return _error_response(self.faults.fail_status, "Injected failure (fail_rate)")
+            return error_response(self.faults.fail_status, "Injected failure (fail_rate)")
         plan = self._plan(gen)
-        sink: _Sink = _SseSink(plan) if gen.stream else _JsonSink(plan)
+        sink: Sink = SseSink(plan) if gen.stream else JsonSink(plan)
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -770,7 +513,7 @@ class SimBackend:
         self._finish(rec, "completed")
         return response
 
-    def _admit(self, request: web.Request, gen: _GenRequest) -> RequestRecord:
+    def _admit(self, request: web.Request, gen: GenerationRequest) -> RequestRecord:
         stats = self.stats
         rec = RequestRecord(
             index=len(stats.log),
@@ -801,13 +544,13 @@ class SimBackend:
         rate = self.faults.fail_rate
         return rate > 0 and self._rng.random() < rate
 
-    def _plan(self, gen: _GenRequest) -> _Plan:
+    def _plan(self, gen: GenerationRequest) -> AnswerPlan:
         """Fix the whole answer at arrival, so it depends only on seed and arrival order."""
         n_tokens = output_tokens(self.config.output_mode, gen.max_tokens, gen.min_tokens, self._rng)
         text_seed = self._rng.getrandbits(128)
         words = random.Random(text_seed).choices(_WORDS, k=n_tokens)
         prefix = "chatcmpl" if gen.kind == "chat" else "cmpl"
-        return _Plan(
+        return AnswerPlan(
             gen=gen,
             id=f"{prefix}-{text_seed:032x}",
             created=int(time.time()),
@@ -815,7 +558,7 @@ class SimBackend:
         )
 
     async def _run(
-        self, rec: RequestRecord, plan: _Plan, emit: Callable[[str], Awaitable[None]]
+        self, rec: RequestRecord, plan: AnswerPlan, emit: Callable[[str], Awaitable[None]]
     ) -> None:
         """Wait for a batch slot, prefill (yields token 1), then decode one token at a time."""
         cfg = self.config

@@ -16,7 +16,8 @@ import aiohttp
 import openai
 import pytest
 
-from sfq_proxy.sim.server import SimBackend, SimConfig, add_parser, estimate_prompt_tokens
+from sfq_proxy.sim.api import estimate_prompt_tokens
+from sfq_proxy.sim.server import SimBackend, SimConfig, add_parser
 
 T = TypeVar("T")
 MODEL = "sim-llama"
