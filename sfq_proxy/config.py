@@ -79,8 +79,9 @@ PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 # Bounds that keep every number derived from the config finite and every timer valid:
-# a flow's weight (class × org) stays within the fair queue's [1e-6, 1e6], and the largest
-# request (max body, max_tokens) at the largest cost weights stays below its MAX_COST.
+# a flow's weight (class × org) stays within [1e-6, 1e6], inside the fair queue's
+# [1e-9, 1e9]; and the largest request (max body, max_tokens) at the largest cost weights
+# stays below its MAX_COST.
 Weight = Annotated[float, Field(ge=0.001, le=1000, allow_inf_nan=False)]
 CostWeight = Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False)]
 Seconds = Annotated[float, Field(gt=0, le=31_536_000, allow_inf_nan=False)]  # a year
