@@ -92,9 +92,18 @@ class Admission:
         if idempotency_key is not None:
             self._active.discard((flow.org, idempotency_key))
 
-    def may_retry(self, flow: Flow, now: float) -> bool:
-        """Spend one retry from the flow's budget, if it has one left."""
-        return self._budget(flow).try_retry(now)
+    def may_retry(self, flow: Flow, tokens: float, now: float) -> bool:
+        """A retry pays like a request: one from the flow's retry budget, and ``tokens``
+        from the org's and the pool's buckets, all now or none (it does not wait for
+        them: the client then gets the upstream's own answer)."""
+        rates = [rate for rate in self._rates(flow) if rate is not None]
+        if any(rate.wait(tokens, now) > 0 for rate in rates):
+            return False
+        if not self._budget(flow).try_retry(now):
+            return False
+        for rate in rates:
+            rate.take(tokens, now)
+        return True
 
     def _budget(self, flow: Flow) -> RetryBudget:
         budget = self._budgets.get(flow)

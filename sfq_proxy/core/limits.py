@@ -8,6 +8,7 @@ Every method takes ``now`` from the caller's clock, so tests and the simulator d
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -113,22 +114,54 @@ def _check_amount(amount: float) -> None:
 
 @dataclass(slots=True)
 class RetryBudget:
-    """Retries may not exceed ``ratio`` of the requests of the last ``window_s`` seconds."""
+    """Retries may not exceed ``ratio`` of the requests of the last ``window_s`` seconds.
+
+    Counted in one-second buckets, so a flow's memory is O(window) however many requests it
+    makes (one timestamp each grew without bound for a flow that never retried). Counts
+    err on the safe side: a request at ``t`` counts in second ``floor(t)``, a retry in
+    second ``ceil(t)``, and a second counts while it is inside the window, so a request
+    never counts longer than it should and a retry never shorter; with whole-second times
+    both are exact.
+    """
 
     ratio: float
     window_s: float = 60.0
-    _requests: deque[float] = field(default_factory=deque)
-    _retries: deque[float] = field(default_factory=deque)
+    _buckets: deque[list[int]] = field(default_factory=deque)  # [second, requests, retries]
 
     def record_request(self, now: float) -> None:
-        self._requests.append(now)
+        self._forget(now)
+        self._bucket(math.floor(now))[1] += 1
 
     def try_retry(self, now: float) -> bool:
         """Spend one retry if the budget allows it now."""
-        for times in (self._requests, self._retries):
-            while times and times[0] <= now - self.window_s:
-                times.popleft()
-        if len(self._retries) + 1 > self.ratio * len(self._requests) + 1e-9:  # 0.29·100 ≈ 28.99…
+        self._forget(now)
+        requests = sum(n for _, n, _ in self._buckets)
+        retries = sum(n for _, _, n in self._buckets)
+        if retries + 1 > self.ratio * requests + 1e-9:  # 0.29·100 ≈ 28.99…
             return False
-        self._retries.append(now)
+        self._bucket(math.ceil(now))[2] += 1
         return True
+
+    def _bucket(self, second: int) -> list[int]:
+        """The bucket of ``second``, kept in order (it is one of the last two, or new)."""
+        buckets = self._buckets
+        for bucket in reversed(buckets):
+            if bucket[0] == second:
+                return bucket
+            if bucket[0] < second:
+                break
+        bucket = [second, 0, 0]
+        if buckets and buckets[-1][0] > second:  # a request's floor after a retry's ceil
+            buckets.insert(len(buckets) - 1, bucket)
+        else:
+            buckets.append(bucket)
+        return bucket
+
+    def _forget(self, now: float) -> None:
+        """Drop the seconds outside the window: a second ``s`` counts while ``s > now - window``."""
+        while self._buckets and self._buckets[0][0] <= now - self.window_s:
+            self._buckets.popleft()
+
+    def __len__(self) -> int:
+        """How many buckets it holds: at most ``window_s`` + 2, whatever the traffic."""
+        return len(self._buckets)

@@ -3,8 +3,9 @@
 Retries happen only while nothing has reached the client (connect error, or a backend's
 429/502/503). A retry goes back to the *head of its own flow*, waits for that flow's turn
 by meter like any request, is charged again when dispatched, waits a backoff with full
-jitter first (at least the backend's ``Retry-After``), and draws on the flow's retry
-budget. Out of attempts, budget or time, the client gets the upstream's own error.
+jitter first (at least the backend's ``Retry-After``), and pays like a request: from the
+flow's retry budget and the org's and pool's rate buckets. Out of attempts, budget, rate or
+time, the client gets the upstream's own error.
 
 Whatever fails while a request is served, its slot, its queue entry and its idempotency key
 are given back: the relay answers the backend's faults itself, a bug before the answer
@@ -200,7 +201,7 @@ async def _serve(
             break
         if expires_at is not None and proxy.clock() + delay >= expires_at:
             break
-        if not proxy.admission.may_retry(flow, proxy.clock()):
+        if not proxy.admission.may_retry(flow, ticket.tokens, proxy.clock()):
             metrics.count(key, "retry_budget_refusals")
             break
         metrics.count(key, "retries", "unreachable" if status is None else str(status))

@@ -225,22 +225,22 @@ def test_pool_tokens_per_minute_are_shared_too() -> None:
 def test_may_retry_follows_the_flow_budget() -> None:
     adm = admission(budget_ratio=0.1)
     assert admitted(adm, A, 10) == 10
-    assert adm.may_retry(A, 1.0) is True
-    assert adm.may_retry(A, 1.0) is False
-    assert adm.may_retry(B, 1.0) is False  # b sent nothing
-    assert adm.may_retry(A_INTERACTIVE, 1.0) is False  # another class: another flow
+    assert adm.may_retry(A, 1, 1.0) is True
+    assert adm.may_retry(A, 1, 1.0) is False
+    assert adm.may_retry(B, 1, 1.0) is False  # b sent nothing
+    assert adm.may_retry(A_INTERACTIVE, 1, 1.0) is False  # another class: another flow
     assert admitted(adm, A, 10, now=2.0) == 10
-    assert adm.may_retry(A, 2.0) is True
-    assert adm.may_retry(A, 61.0) is False  # 10 requests of 2.0 s, 1 retry of 2.0 s left
+    assert adm.may_retry(A, 1, 2.0) is True
+    assert adm.may_retry(A, 1, 61.0) is False  # 10 requests of 2.0 s, 1 retry of 2.0 s left
 
 
 def test_may_retry_uses_the_configured_ratio() -> None:
     adm = admission(budget_ratio=0.5)
     assert admitted(adm, A, 4) == 4
-    assert [adm.may_retry(A, 0.0) for _ in range(3)] == [True, True, False]
+    assert [adm.may_retry(A, 1, 0.0) for _ in range(3)] == [True, True, False]
     never = admission(budget_ratio=0.0)
     assert admitted(never, A, 100) == 100
-    assert never.may_retry(A, 0.0) is False
+    assert never.may_retry(A, 1, 0.0) is False
 
 
 def test_rejected_requests_do_not_count_for_the_retry_budget() -> None:
@@ -248,15 +248,15 @@ def test_rejected_requests_do_not_count_for_the_retry_budget() -> None:
     assert admitted(adm, A, 20) == 9
     for _ in range(10):
         rejection(adm, A, queued=5)
-    assert adm.may_retry(A, 0.0) is False  # 9 admitted: 0.9 of a retry
+    assert adm.may_retry(A, 1, 0.0) is False  # 9 admitted: 0.9 of a retry
     adm.admit(A, 1, 0, None, 30.0)
-    assert adm.may_retry(A, 30.0) is True
+    assert adm.may_retry(A, 1, 30.0) is True
 
 
 def test_retry_budget_is_per_pool_flow() -> None:
     adm = admission()
     assert admitted(adm, A_LOCAL, 10) == 10
-    assert adm.may_retry(A, 0.0) is False  # nothing was sent to pool prov
+    assert adm.may_retry(A, 1, 0.0) is False  # nothing was sent to pool prov
 
 
 def test_a_request_larger_than_a_full_tokens_bucket_is_400_naming_the_limit() -> None:
@@ -279,3 +279,31 @@ def test_a_refund_gives_the_org_and_the_pool_their_tokens_back() -> None:
     assert rejection(adm, B, tokens=500).code == "rate_limited"  # the pool's is empty too
     adm.refund(A, 1000, 0.0)  # e.g. the backend answered 400 at once
     adm.admit(A, 1000, 0, None, 0.0)
+
+
+def test_a_million_admitted_requests_keep_the_retry_budget_bounded() -> None:
+    """O(1) memory per flow: what admission keeps for the retry budget does not grow with
+    the requests it has seen (one timestamp each, never dropped without a retry, did)."""
+    adm = admission()
+    for n in range(1_000_000):
+        adm.admit(A, 1, 0, None, n / 1000)  # 1,000 a second for 1,000 s
+    assert len(adm._budgets[A]) <= 62
+    assert adm.may_retry(A, 1, 1000.0)
+
+
+def test_a_retry_pays_like_a_request_from_the_orgs_and_the_pools_buckets() -> None:
+    """A retry used to skip the org's rpm/tpm and the pool's intake: a flow could multiply
+    its rate by retrying. Now it takes its tokens too, all at once or not at all."""
+    adm = admission(orgs={"a": {"rpm": 3}}, budget_ratio=1.0)
+    adm.admit(A, 1, 0, None, 0.0)
+    adm.admit(A, 1, 0, None, 0.0)  # room for two retries in the budget
+    assert adm.may_retry(A, 1, 0.0) is True  # the org's third request this minute
+    assert adm.may_retry(A, 1, 0.0) is False  # out of rpm, though the budget has room
+    assert rejection(adm, A).code == "rate_limited"  # the retry used the org's rate
+    assert adm.may_retry(A, 1, 20.0) is True  # a token back after 20 s
+    tpm = admission(orgs={"a": {"tpm": 1000}}, pool_rate={"tokens_per_minute": 1500},
+                    budget_ratio=1.0)  # fmt: skip
+    tpm.admit(A, 600, 0, None, 0.0)
+    assert tpm.may_retry(A, 600, 0.0) is False  # the org's 400 left are not enough
+    assert tpm.admit(B, 900, 0, None, 0.0) is None  # the refused retry took nothing
+    assert tpm.may_retry(B, 100, 0.0) is False  # the pool has none left for b either

@@ -275,3 +275,43 @@ def test_give_back_returns_tokens_up_to_a_full_bucket() -> None:
     assert bucket.level == 30
     bucket.give_back(1000, 0.0)
     assert bucket.level == bucket.capacity == 60
+
+
+@fast
+@given(
+    ratio=st.sampled_from([0.1, 0.25, 1.0]),
+    steps=st.lists(
+        st.tuples(st.sampled_from(["request", "request", "retry"]), st.floats(0, 30)),
+        max_size=300,
+    ),
+)
+def test_with_fractional_times_the_buckets_never_grant_more_than_the_ratio(
+    ratio: float, steps: list[tuple[str, float]]
+) -> None:
+    """Between whole seconds the one-second buckets may refuse a retry an exact window
+    would grant, never the reverse."""
+    window = 60.0
+    budget = RetryBudget(ratio, window_s=window)
+    requests: list[float] = []
+    granted: list[float] = []
+    now = 0.0
+    for kind, elapsed in steps:
+        now += elapsed
+        if kind == "request":
+            budget.record_request(now)
+            requests.append(now)
+        elif budget.try_retry(now):
+            granted.append(now)
+            in_window_requests = sum(now - t < window for t in requests)
+            in_window_retries = sum(now - t < window for t in granted)
+            assert in_window_retries <= ratio * in_window_requests + 1e-9
+
+
+def test_a_flow_that_never_retries_keeps_a_window_of_buckets_not_a_timestamp_a_request() -> None:
+    """A million requests over about 17 minutes: the budget holds one bucket a second of
+    its window (it held a million timestamps), and still grants its share."""
+    budget = RetryBudget(0.1, window_s=60.0)
+    for n in range(1_000_000):
+        budget.record_request(n / 1000)  # 1,000 a second
+        assert len(budget) <= 62
+    assert budget.try_retry(1000.0)
