@@ -83,6 +83,16 @@ class CostModel:
         # floor of one token's worth: an empty prompt still occupies a slot, and SFQ needs > 0
         return Estimate(tokens, max_tokens, max(cost, 1.0), chars)
 
+    def actual(self, prompt_tokens: int | None, completion_tokens: int | None) -> float | None:
+        """The same formula on the tokens the backend reported: what the request really cost,
+        to be shown beside what it was charged (a charge is never corrected; the gap is a
+        mis-estimation, or a tenant gaming the estimate). None without a prompt count."""
+        if prompt_tokens is None:
+            return None
+        spec = self.spec
+        cost = spec.input_weight * prompt_tokens + spec.output_weight * (completion_tokens or 0)
+        return max(cost, 1.0)  # the floor a charge has too, so the two compare
+
     def observe(
         self,
         estimate: Estimate,

@@ -27,7 +27,8 @@ class AccessRecord:
     backend: str | None = None
     status: int | None = None
     outcome: str | None = None
-    cost: float | None = None
+    cost: float | None = None  # charged (the estimate)
+    cost_actual: float | None = None  # the same formula on the usage reported
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     queue_wait_s: float = 0.0

@@ -256,6 +256,13 @@ def _account(proxy: Proxy, flow: Flow, record: AccessRecord, relayed: Relayed) -
         metrics.observe(key, "time_to_first_token_seconds", relayed.first_chunk_s)
     metrics.count(key, "prompt_tokens", amount=relayed.prompt_tokens or 0)
     metrics.count(key, "completion_tokens", amount=relayed.completion_tokens or 0)
+    if status == 200 and relayed.fault is None:
+        actual = proxy.pools[flow.pool].cost.actual(
+            relayed.prompt_tokens, relayed.completion_tokens
+        )
+        if actual is not None:
+            record.cost_actual = actual
+            metrics.count(key, "cost_actual", amount=actual)
 
 
 def _backoff(attempt: int, base: float, cap: float, relayed: Relayed | None) -> float:

@@ -41,6 +41,8 @@ COUNTERS = {
     "rejections": ("Requests refused before being queued or while queued, by reason", "reason"),
     "upstream_errors": ("Error answers of backends passed to clients, by status", "status"),
     "cost_charged": ("Estimated cost charged at dispatch (share: its rate per flow)", None),
+    "cost_actual": ("The cost formula on the tokens backends reported using (compare with "
+                    "cost_charged: a gap is mis-estimation or gaming)", None),
     "prompt_tokens": ("Prompt tokens the backends reported using", None),
     "completion_tokens": ("Completion tokens the backends reported generating", None),
     "retries": ("Requests sent again, by what failed (unreachable or the status)", "reason"),
@@ -125,7 +127,7 @@ class Metrics(Collector):
 
     def count(self, flow: Key, name: str, label: str = "", amount: float = 1.0) -> None:
         """Add ``amount`` to counter ``name`` (with its extra label value) for ``flow``."""
-        # typeshed's Counter is int-valued; this one also sums float amounts (cost_charged)
+        # typeshed's Counter is int-valued; this one also sums float amounts (the costs)
         self._at(flow).counters[(name, label)] += amount  # type: ignore[assignment]
 
     def observe(self, flow: Key, name: str, seconds: float) -> None:

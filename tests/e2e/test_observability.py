@@ -84,6 +84,8 @@ async def test_counters_and_histograms_after_a_known_workload(lab: Lab) -> None:
     # the simulated server's usage: 4 overhead + 1 prompt token, and the max_tokens asked
     assert sample(got, "sfq_prompt_tokens_total", **a_flow) == 4 * 5
     assert sample(got, "sfq_completion_tokens_total", **a_flow) == 4 * 4
+    # what they really cost, by the same formula on that usage, beside what was charged
+    assert sample(got, "sfq_cost_actual_total", **a_flow) == 4 * (5 + 4)
     assert sample(got, "sfq_queue_wait_seconds_count", **a_flow) == 4  # once per dispatch
     assert sample(got, "sfq_queue_wait_seconds_count", **c_flow) == 1
     assert sample(got, "sfq_time_to_first_token_seconds_count", **a_flow) == 1  # one stream
@@ -205,6 +207,8 @@ async def test_access_log_line_per_request_with_ids_and_no_secrets(
     assert ok["backend"] == sim.url[7:]
     assert (ok["prompt_tokens"], ok["completion_tokens"]) == (4 + 6, 3)
     assert ok["cost"] == 6 + 3  # 21 chars / 4 → 6 input tokens, plus max_tokens
+    assert ok["cost_actual"] == (4 + 6) + 3  # the usage reported: the template's 4 tokens too
+    assert rejected["cost_actual"] is None
     assert ok["queue_wait_s"] >= 0
     assert ok["upstream_s"] > 0
     assert (rejected["org"], rejected["status"], rejected["outcome"]) == ("B", 404, "rejected")

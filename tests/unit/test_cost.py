@@ -148,3 +148,11 @@ def test_the_largest_request_under_the_most_extreme_config_is_a_valid_ticket() -
     estimate = CostModel(spec).estimate(request)
     tokens = estimate.input_tokens + estimate.max_tokens
     Ticket(org="a", cls="batch", cost=estimate.cost, weight=0.001 * 0.001, tokens=tokens)
+
+
+def test_the_actual_cost_is_the_same_formula_on_the_usage_reported() -> None:
+    model = CostModel(CostSpec(input_weight=2.0, output_weight=5.0, output_ratio=0.5))
+    assert model.actual(10, 4) == 2 * 10 + 5 * 4  # no output_ratio: these tokens happened
+    assert model.actual(10, None) == 20.0  # an embedding: no completion
+    assert model.actual(0, 0) == 1.0  # the floor a charge has too
+    assert model.actual(None, 4) is None  # nothing to compare without a prompt count
