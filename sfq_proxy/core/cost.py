@@ -22,7 +22,7 @@ class Tokenizer(Protocol):
 @dataclass(frozen=True, slots=True)
 class Estimate:
     input_tokens: int
-    max_tokens: int  # 0 for embeddings, which generate nothing
+    max_tokens: int  # output it may generate, every choice (n, best_of); 0 for embeddings
     cost: float
     # the characters input_tokens was derived from by chars/token (0 when a tokenizer counted
     # them, or token ids were sent): what calibration learns chars/token from
@@ -75,7 +75,8 @@ class CostModel:
         if request.kind is Kind.EMBEDDING:
             max_tokens = 0
         else:
-            max_tokens = request.max_tokens or self.spec.default_max_tokens
+            # n (or best_of) sequences, each up to max_tokens: what the backend may generate
+            max_tokens = (request.max_tokens or self.spec.default_max_tokens) * request.choices
         expected_output = max_tokens * self.output_ratio(org)
         cost = self.spec.input_weight * tokens + self.spec.output_weight * expected_output
         counted_by_chars = self._tokenizer is None and not request.token_ids

@@ -48,6 +48,7 @@ class InferenceRequest:
     max_tokens: int | None  # as asked, None when the pool's default applies
     raw: bytes  # what the backend is sent: the client's bytes, unless usage had to be asked for
     strip_usage: bool = False  # the proxy asked for the usage chunk; the client did not
+    choices: int = 1  # sequences generated, each up to max_tokens: the larger of n and best_of
 
 
 def _ask_for_usage(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
@@ -78,8 +79,7 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
         raise ApiError(400, f"'{field}' is required.")
     texts, token_ids = _inputs(kind, body[field], field)
     max_tokens = _max_tokens(body)
-    for name in _CHOICE_FIELDS:
-        _bounded_int(body, name, MAX_CHOICES)
+    choices = max(_bounded_int(body, name, MAX_CHOICES) or 1 for name in _CHOICE_FIELDS)
     upstream, strip_usage = (
         _ask_for_usage(body, raw) if kind is not Kind.EMBEDDING else (raw, False)
     )
@@ -92,6 +92,7 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
         max_tokens=max_tokens if kind is not Kind.EMBEDDING else None,
         raw=upstream,
         strip_usage=strip_usage,
+        choices=choices if kind is not Kind.EMBEDDING else 1,
     )
 
 

@@ -342,3 +342,18 @@ async def test_the_answer_says_what_its_flow_was_charged(lab: Lab) -> None:
     )
     assert reply.headers["X-Cost-Charged"] == "7"  # 8 chars / 4 per token + 5 output tokens
     assert served.queue().meter("A/batch") == 7.0
+
+
+async def test_asking_for_n_choices_is_charged_for_n_choices(lab: Lab) -> None:
+    """Through the proxy: n=4 is charged four outputs (it used to cost what n=1 costs)."""
+    sim = await lab.backend()
+    served = await lab.proxy(proxy_config([sim.url]))
+    client = lab.client(served)
+    messages = [{"role": "user", "content": "12345678"}]
+    one = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=5
+    )
+    four = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=5, n=4
+    )
+    assert (one.headers["X-Cost-Charged"], four.headers["X-Cost-Charged"]) == ("7", "22")

@@ -156,3 +156,16 @@ def test_the_actual_cost_is_the_same_formula_on_the_usage_reported() -> None:
     assert model.actual(10, None) == 20.0  # an embedding: no completion
     assert model.actual(0, 0) == 1.0  # the floor a charge has too
     assert model.actual(None, 4) is None  # nothing to compare without a prompt count
+
+
+def test_n_and_best_of_multiply_the_output_a_request_may_generate() -> None:
+    """n=4 used to cost what n=1 costs, for four times the output."""
+    model = CostModel(CostSpec(input_weight=1.0, output_weight=2.0, chars_per_token=4.0))
+    one = model.estimate(chat({"content": "x" * 40}, max_tokens=100))
+    four = model.estimate(chat({"content": "x" * 40}, max_tokens=100, n=4))
+    best_of = model.estimate(chat({"content": "x" * 40}, max_tokens=100, n=2, best_of=6))
+    assert (one.max_tokens, one.cost) == (100, 10 + 2 * 100)
+    assert (four.max_tokens, four.cost) == (400, 10 + 2 * 400)
+    assert best_of.max_tokens == 600  # best_of sequences are generated, n returned
+    # with no max_tokens, each choice may take the pool's default
+    assert model.estimate(chat({"content": "x"}, n=3)).max_tokens == 3 * 512

@@ -304,3 +304,11 @@ def test_a_lone_surrogate_nested_as_deep_as_json_allows_is_400_not_a_crash() -> 
     nested = "[" * 900 + '"\\ud800"' + "]" * 900
     raw = CHAT_TEXT.replace('"stream"', f'"x": {nested}, "stream"').encode()
     assert "surrogate" in rejected(Kind.CHAT, raw).message
+
+
+@pytest.mark.parametrize(
+    ("fields", "choices"),
+    [({}, 1), ({"n": 4}, 4), ({"best_of": 3}, 3), ({"n": 2, "best_of": 5}, 5), ({"n": None}, 1)],
+)
+def test_choices_are_the_larger_of_n_and_best_of(fields: dict[str, Any], choices: int) -> None:
+    assert chat({"content": "x"}, **fields).choices == choices
