@@ -60,6 +60,7 @@ __all__ = [
     "RetrySpec",
     "StrictModel",
     "TimeoutSpec",
+    "WeightedCost",
     "config_error",
     "default_classes",
     "default_config",
@@ -174,14 +175,13 @@ class OrgSpec(StrictModel):
     tpm: PerMinute | None = None
 
 
-class CostSpec(StrictModel):
-    """Cost model of a pool (docs/design.md §4): weighted input plus expected output tokens."""
+class WeightedCost(StrictModel):
+    """The cost formula's weights (docs/design.md §4): ``input_weight·input +
+    output_weight·max_tokens·output_ratio``. A pool's ``cost`` section extends it; the lab's
+    scenarios use it as it is, so both are bounded and checked alike."""
 
     input_weight: CostWeight = 1.0
     output_weight: CostWeight = 1.0
-    default_max_tokens: int = Field(512, gt=0, le=MAX_OUTPUT_TOKENS)
-    tokenizer: NonEmptyStr | None = None
-    chars_per_token: float = Field(4.0, ge=0.1, le=100, allow_inf_nan=False)
     output_ratio: float = Field(1.0, gt=0, le=1)
 
     @model_validator(mode="after")
@@ -190,6 +190,14 @@ class CostSpec(StrictModel):
         if self.input_weight == 0 and self.output_weight == 0:
             raise ValueError("input_weight and output_weight cannot both be 0")
         return self
+
+
+class CostSpec(WeightedCost):
+    """Cost model of a pool: the weights, and how its tokens are counted."""
+
+    default_max_tokens: int = Field(512, gt=0, le=MAX_OUTPUT_TOKENS)
+    tokenizer: NonEmptyStr | None = None
+    chars_per_token: float = Field(4.0, ge=0.1, le=100, allow_inf_nan=False)
 
 
 class HealthSpec(StrictModel):

@@ -39,6 +39,7 @@ from ..config import (
     PositiveFloat,
     PositiveInt,
     StrictModel,
+    WeightedCost,
     config_error,
     read_yaml,
 )
@@ -349,24 +350,11 @@ class EngineSpec(StrictModel):
     batch_slowdown: NonNegativeFloat = 0.0
 
 
-class CostSection(StrictModel):
-    input_weight: NonNegativeFloat = 1.0
-    output_weight: NonNegativeFloat = 1.0
-    # the proxy's cost.output_ratio: the share of max_tokens expected, before calibration
-    output_ratio: float = Field(1.0, gt=0, le=1)
-
-    @model_validator(mode="after")
-    def _some_weight(self) -> Self:
-        if self.input_weight == 0 and self.output_weight == 0:
-            raise ValueError("input_weight and output_weight cannot both be 0")
-        return self
-
-
 class PoolSection(StrictModel):
     backends: PositiveInt
     slots: PositiveInt
     engine: EngineSpec
-    cost: CostSection = CostSection()
+    cost: WeightedCost = WeightedCost()  # the proxy's own weights and bounds
 
 
 class WeightSpec(StrictModel):

@@ -441,6 +441,19 @@ def test_bad_numbers_are_errors_with_their_path() -> None:
     )
 
 
+def test_a_scenarios_cost_weights_are_bounded_and_checked_as_the_proxys_are() -> None:
+    """The same section type as a pool's cost: a weight the proxy would refuse used to pass
+    here and fail later, inside the simulator, without a path."""
+    data = base(A=team({"kind": "rate", "per_s": 1}))
+    data["pool"]["cost"] = {"input_weight": 1e6, "output_ratio": 2}
+    assert sorted(errors_of(data)) == [
+        ("pool.cost.input_weight", "must be <= 1000"),
+        ("pool.cost.output_ratio", "must be <= 1"),
+    ]
+    data["pool"]["cost"] = {"input_weight": 0, "output_weight": 0}
+    assert errors_of(data) == [("pool.cost", "input_weight and output_weight cannot both be 0")]
+
+
 def test_bad_distribution_parameters_are_errors() -> None:
     data = base(
         A=team(
