@@ -15,13 +15,14 @@ an input value, because the value might be a secret.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Self
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 import yaml
@@ -52,6 +53,7 @@ __all__ = [
     "KeySpec",
     "Limits",
     "Listen",
+    "MediaTokens",
     "MetricsSpec",
     "OrgSpec",
     "PoolSpec",
@@ -88,6 +90,10 @@ CostWeight = Annotated[float, Field(ge=0, le=1000, allow_inf_nan=False)]
 Seconds = Annotated[float, Field(gt=0, le=31_536_000, allow_inf_nan=False)]  # a year
 NonNegativeSeconds = Annotated[float, Field(ge=0, le=31_536_000, allow_inf_nan=False)]
 PerMinute = Annotated[float, Field(gt=0, le=1e12, allow_inf_nan=False)]
+# a ceiling on one request's tokens, input + output: at the largest cost weight its cost
+# stays far below the fair queue's MAX_COST
+RequestTokens = Annotated[int, Field(gt=0, le=100_000_000)]
+PartTokens = Annotated[int, Field(ge=0, le=10_000_000)]
 
 
 class StrictModel(BaseModel):
@@ -148,19 +154,25 @@ class KeySpec(StrictModel):
 
 
 class ClassSpec(StrictModel):
-    """A workload class. Priority classes bypass SFQ (strict band, FIFO, capped)."""
+    """A workload class. Priority classes bypass SFQ (strict band, FIFO, capped).
+
+    A priority class that some key grants must set ``max_in_flight``, ``max_queue_age_s``
+    and ``max_queue_len``, and the band's caps must leave a slot of every pool to the fair
+    queue (``Config`` checks it; see :func:`_check_priority_band`).
+    """
 
     weight: Weight = 1.0
     priority: bool = False
     max_in_flight: PositiveInt | None = None
     max_queue_age_s: Seconds | None = None
     max_queue_len: PositiveInt | None = None
+    max_request_tokens: RequestTokens | None = None  # tighter than the pool's, when set
 
 
 def default_classes() -> dict[str, ClassSpec]:
     """The classes of docs/design.md §2 with the values of §7, used when ``classes:`` is absent."""
     return {
-        "system": ClassSpec(priority=True, max_in_flight=4, max_queue_age_s=5),
+        "system": ClassSpec(priority=True, max_in_flight=4, max_queue_age_s=5, max_queue_len=100),
         "interactive": ClassSpec(weight=6, max_queue_age_s=45, max_queue_len=1000),
         "batch": ClassSpec(weight=1, max_queue_age_s=7200, max_queue_len=100000),
     }
@@ -192,12 +204,29 @@ class WeightedCost(StrictModel):
         return self
 
 
+class MediaTokens(StrictModel):
+    """Input tokens a non-text content part is priced at, by kind. An image whose size the
+    proxy can read (a ``data:`` URL) is priced by OpenAI's tile rule instead; a part of a
+    kind not listed here is priced as a file."""
+
+    image: PartTokens = 765  # OpenAI's rule for a 1024×1024 image at high detail
+    audio: PartTokens = 1500
+    file: PartTokens = 3000
+    video: PartTokens = 10000
+
+
 class CostSpec(WeightedCost):
-    """Cost model of a pool: the weights, and how its tokens are counted."""
+    """Cost model of a pool: the weights, how its tokens are counted, and the bounds on
+    what one request may ask for (docs/design.md §4)."""
 
     default_max_tokens: int = Field(512, gt=0, le=MAX_OUTPUT_TOKENS)
     tokenizer: NonEmptyStr | None = None
     chars_per_token: float = Field(4.0, ge=0.1, le=100, allow_inf_nan=False)
+    tokens_per_message: float = Field(0.0, ge=0, le=1000, allow_inf_nan=False)
+    media_tokens: MediaTokens = MediaTokens()
+    max_request_tokens: RequestTokens = 131_072
+    over_limit: Literal["refuse", "clamp"] = "refuse"
+    inject_max_tokens: Literal["max_tokens", "max_completion_tokens", False] = "max_tokens"
 
 
 class HealthSpec(StrictModel):
@@ -365,6 +394,7 @@ class Config(StrictModel):
         errors, self._pool_by_model = _check_models(self.pools)
         errors += _check_backends(self.pools)
         errors += _check_key_classes(self.keys, self.classes)
+        errors += _check_priority_band(self.keys, self.classes, self.pools)
         key_errors, self._resolved = _resolve_keys(self.keys, environ)
         errors += key_errors
         for name, pool in self.pools.items():
@@ -416,10 +446,15 @@ class Config(StrictModel):
             f"listen {self.listen.host}:{self.listen.port} "
             f"(max body {self.limits.max_body_bytes} B, drain {_num(self.drain_timeout_s)} s)"
         ]
+        granted = _granted(self.keys, self.classes)
         for name, pool in self.pools.items():
             lines += _pool_summary(name, pool)
+            lines += _share_summary(_pool_slots(pool), granted)
         lines.append("classes:")
-        lines += [f"  {name}: {_class_summary(spec)}" for name, spec in self.classes.items()]
+        lines += [
+            f"  {name}: {_class_summary(spec)}" + ("" if name in granted else " (no key grants it)")
+            for name, spec in self.classes.items()
+        ]
         lines.append("keys:")
         lines += [
             f"  keys[{i}]: org={k.org}, classes=[{', '.join(k.classes)}] ({k.source})"
@@ -491,6 +526,64 @@ def _check_key_classes(keys: Iterable[KeySpec], classes: Mapping[str, ClassSpec]
     ]
 
 
+def _granted(keys: Iterable[KeySpec], classes: Mapping[str, ClassSpec]) -> dict[str, ClassSpec]:
+    """The classes some key grants, in the order of ``classes``: the only ones that can run."""
+    names = {cls for key in keys for cls in key.classes}
+    return {name: spec for name, spec in classes.items() if name in names}
+
+
+def _pool_slots(pool: PoolSpec) -> int:
+    """A pool's total slots as configured: the sum of its backends' slots."""
+    return sum(backend.slots for backend in pool.backends)
+
+
+def _band_cap(classes: Mapping[str, ClassSpec]) -> int:
+    """The most band requests running at once in one pool: the priority classes' caps."""
+    return sum(spec.max_in_flight or 0 for spec in classes.values() if spec.priority)
+
+
+# what a priority class must set, and why: the band is served before every fair-queued request
+_BAND_NEEDS = {
+    "max_in_flight": "an uncapped band can take every slot of a pool and starve the fair queue",
+    "max_queue_age_s": "band requests that never expire, always served first, let the band "
+    "hold the pool",
+    "max_queue_len": "an unbounded band queue, always served first, lets the band hold the pool",
+}
+
+
+def _check_priority_band(
+    keys: Iterable[KeySpec], classes: Mapping[str, ClassSpec], pools: Mapping[str, PoolSpec]
+) -> _Errors:
+    """The strict band must never starve a pool's fair queue.
+
+    The band is served before every SFQ flow, so a priority class needs ``max_in_flight``,
+    ``max_queue_age_s`` and ``max_queue_len``, and the ``max_in_flight`` of all priority
+    classes together must stay below every pool's total slots (the smallest pool binds): at
+    least one slot then always serves the fair queue. Only classes some key grants are
+    checked, since no request can ever be of another class (the default ``system`` class is
+    defined even where no key uses it). The slots are the configured ones: a backend out of
+    rotation lowers them for a while.
+    """
+    band = {name: spec for name, spec in _granted(keys, classes).items() if spec.priority}
+    errors = [
+        (f"classes.{name}.{field}", f"a priority class needs {field}: {why}")
+        for name, spec in band.items()
+        for field, why in _BAND_NEEDS.items()
+        if getattr(spec, field) is None
+    ]
+    capped = {name: spec.max_in_flight for name, spec in band.items() if spec.max_in_flight}
+    total = sum(capped.values())
+    smallest = min(pools, key=lambda name: _pool_slots(pools[name]), default=None)
+    if smallest is None or total < (slots := _pool_slots(pools[smallest])):
+        return errors
+    parts = " + ".join(f"{name} {cap}" for name, cap in capped.items())
+    message = (
+        f"the priority band's max_in_flight total {total} ({parts}) leaves no slot of pool "
+        f"{smallest!r} ({slots} slots) to the fair queue; it must be below every pool's slots"
+    )
+    return errors + [(f"classes.{name}.max_in_flight", message) for name in capped]
+
+
 def _resolve_keys(
     keys: Iterable[KeySpec], environ: Mapping[str, str]
 ) -> tuple[_Errors, tuple[ResolvedKey, ...]]:
@@ -540,12 +633,52 @@ def _fmt_caps(spec: BaseModel, names: Iterable[str]) -> list[str]:
 
 def _class_summary(spec: ClassSpec) -> str:
     head = ["priority"] if spec.priority else [f"weight={_num(spec.weight)}"]
-    return ", ".join(head + _fmt_caps(spec, ("max_in_flight", "max_queue_age_s", "max_queue_len")))
+    caps = ("max_in_flight", "max_queue_age_s", "max_queue_len", "max_request_tokens")
+    return ", ".join(head + _fmt_caps(spec, caps))
+
+
+def _pct(share: float, *, up: bool) -> str:
+    """``share`` as a percentage to 0.1, rounded up for an upper bound, down for a lower one."""
+    tenths = round(share * 1000, 6)  # so that 0.5 stays 500, not 500.0000001
+    return f"{(math.ceil(tenths) if up else math.floor(tenths)) / 10:g}%"
+
+
+def _share_summary(slots: int, classes: Mapping[str, ClassSpec]) -> list[str]:
+    """Each granted class's worst-case share of a pool's ``slots``, every class backlogged.
+
+    A priority class runs at most its ``max_in_flight``; the fair queue gets at least the
+    rest, divided by class weight — assuming the same orgs, of equal weight, behind every
+    class (a class with more orgs backlogged gets more). An SFQ class's own
+    ``max_in_flight`` can hold it lower.
+    """
+    band = _band_cap(classes)
+    rest = 1 - band / slots
+    sfq_weight = sum(spec.weight for spec in classes.values() if not spec.priority)
+    lines = [f"  worst-case shares of {slots} slots (all classes backlogged, equal org weights):"]
+    for name, spec in classes.items():
+        cap = spec.max_in_flight
+        if spec.priority:
+            share = _pct((cap or slots) / slots, up=True)
+            lines.append(f"    {name}: up to {share} (priority, max_in_flight={cap})")
+            continue
+        of_rest = spec.weight / sfq_weight
+        share_f, note = rest * of_rest, f" ({_pct(of_rest, up=False)} of the rest)" if band else ""
+        if cap is not None and cap / slots < share_f:
+            share_f, note = cap / slots, f" (held by its max_in_flight={cap})"
+        lines.append(f"    {name}: at least {_pct(share_f, up=False)}{note}")
+    return lines
 
 
 def _org_summary(spec: OrgSpec) -> str:
     caps = _fmt_caps(spec, ("max_in_flight", "rpm", "tpm"))
     return ", ".join([f"weight={_num(spec.weight)}", *caps])
+
+
+def _injection(cost: CostSpec) -> str:
+    field = cost.inject_max_tokens
+    if field is False:
+        return "none asked: sent unchanged"
+    return f"none asked: sent {field}={cost.default_max_tokens}"
 
 
 def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
@@ -560,6 +693,9 @@ def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
         f"  cost: {_num(cost.input_weight)}·in + {_num(cost.output_weight)}·out "
         f"(default_max_tokens={cost.default_max_tokens}, output_ratio={_num(cost.output_ratio)}, "
         f"{tokens})",
+        f"  per request: at most {cost.max_request_tokens} tokens in + out (c_max "
+        f"{_num(max(cost.input_weight, cost.output_weight) * cost.max_request_tokens)}), "
+        f"more is {cost.over_limit.replace('refuse', 'refus')}ed; {_injection(cost)}",
     ]
     lines += [f"  backend {b.name}: {b.url}, {b.slots} slots" for b in pool.backends]
     if pool.rate is not None:

@@ -15,7 +15,7 @@ import openai
 import yaml
 from aiohttp import web
 
-from sfq_proxy.config import Config, parse_config
+from sfq_proxy.config import Config, default_classes, parse_config
 from sfq_proxy.core.fair_queue import FairQueue
 from sfq_proxy.core.flows import org_and_class
 from sfq_proxy.http.runtime import PROXY, Proxy
@@ -45,7 +45,8 @@ def config_yaml(
     **overrides: Any,
 ) -> str:
     """The YAML of :func:`proxy_config`: ``pool`` adds settings to the pool, ``overrides``
-    replaces top-level sections."""
+    replaces top-level sections. The OPS key has the priority class ``system`` only where
+    the band fits (see :func:`_band_only_where_it_fits`)."""
     data: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "keys": [
@@ -66,7 +67,21 @@ def config_yaml(
         "drain_timeout_s": 5,
     }
     data.update(overrides)
+    _band_only_where_it_fits(data)
     return yaml.safe_dump(data)
+
+
+def _band_only_where_it_fits(data: dict[str, Any]) -> None:
+    """Take ``system`` from the OPS key when the smallest pool has no more slots than the
+    class's ``max_in_flight``: the config refuses a priority band that could fill a pool
+    (docs/design.md §3), so a 1-slot pool, or a 4-slot one with the default cap 4, has none."""
+    classes = data.get("classes") or {n: c.model_dump() for n, c in default_classes().items()}
+    cap = classes.get("system", {}).get("max_in_flight")
+    slots = min(sum(b["slots"] for b in pool["backends"]) for pool in data["pools"].values())
+    if cap is not None and cap >= slots:
+        for key in data["keys"]:
+            if key.get("key") == KEYS["OPS"]:
+                key["classes"] = [c for c in key["classes"] if c != "system"]
 
 
 @dataclass(frozen=True)

@@ -4,13 +4,18 @@ SFQ charges a request once, at dispatch, and never corrects it (article §5.1). 
 gap between the estimate and reality is closed here instead, outside the algorithm, by
 recalibrating the estimate itself from the ``usage`` of completed requests (article §7.4):
 
-- per pool, ``chars_per_token`` = Σ prompt chars ÷ Σ prompt tokens, from text prompts only;
+- per pool, the input model ``prompt_tokens ≈ a·messages + b·chars``, a least-squares fit
+  on text prompts only. ``a`` is what the chat template adds per message (role markers,
+  and a preamble folded into it), ``b`` is 1 / chars-per-token. A pure ratio
+  Σchars ÷ Σtokens cannot tell the two apart: on short chats the template's tokens weigh
+  as much as the text's and the ratio sinks to its floor, pricing a long prompt at several
+  times its tokens (issue 16);
 - per pool and per (pool, org), ``output_ratio`` = Σ completion tokens ÷ Σ max_tokens,
   because clients ask for far more ``max_tokens`` than they use, and some much more than
   others. An org's own ratio is trusted once it has ``min_org_samples`` observations.
 
-Both are ratios of exponentially decayed sums, so that old behaviour fades with a half-life
-counted in observations of that ratio (not in seconds: a quiet pool keeps what it learned).
+Both rest on exponentially decayed sums, so that old behaviour fades with a half-life
+counted in observations (not in seconds: a quiet pool keeps what it learned).
 A learned value only changes future estimates; nothing already charged moves.
 
 Sans-I/O: no clock, no event loop, no files (``sfq_proxy.http.calibration_store`` keeps it).
@@ -26,15 +31,148 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["Calibration", "Ratio"]
+__all__ = ["MAX_TOKENS_PER_MESSAGE", "Calibration", "InputFit", "InputModel", "Ratio"]
 
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1 had a chars_per_token ratio where 2 has the input fit's sums
 _RATIO_KEYS = frozenset({"num", "den", "samples"})
-_POOL_KEYS = frozenset({"chars_per_token", "output_ratio", "orgs"})
+_POOL_KEYS = frozenset({"input", "output_ratio", "orgs"})
+_V1_POOL_KEYS = frozenset({"chars_per_token", "output_ratio", "orgs"})
+
+# The fitted template tokens per message are clamped to [0, MAX_TOKENS_PER_MESSAGE]. A
+# template never removes tokens, so a negative value is noise. Templates add 3 to 8 per
+# message (ChatML, Llama 3), and with one regressor for both, a fixed preamble (Llama 3.1's
+# dated system header: about 25 tokens) lands on single-message prompts' per-message
+# share: 64 leaves room for both. Beyond it, the fit is explaining tokens that the chars
+# do not show (media parts, tool schemas) or noise; b is then refit under the clamped a.
+MAX_TOKENS_PER_MESSAGE = 64.0
+
+# The least-squares fit is used when 1 − ρ² ≥ this, ρ the cosine between the (decayed,
+# weighted) vectors of messages and of chars: 1 − ρ² is 0 when chars ∝ messages (every
+# request alike, or one sample) and about CV² for single-message traffic whose chars vary
+# by a coefficient of variation CV. Below 1% of variation the slope is mostly noise (and
+# rounding), and the priors are a better guess than an extrapolation from it.
+_MIN_SPREAD = 1e-4
+
+# Ill-conditioned data still fix one thing: the tokens of a message of their own length
+# (t ≈ a·m + b·c along c = r·m). The configured (a0, b0) is moved onto that line by the
+# least change, a trusted to about _A_SPREAD tokens a message, b to about _B_SPREAD of b0
+# (chars/token is 3 to 5 for most text). So the gap goes to the template while messages
+# hold few text tokens (below 4 × 8 = 32 or so), to chars/token when they hold many: many
+# identical tiny chats are not read as 1 token a character, nor one long prompt repeated
+# as a 300-token template.
+_A_SPREAD = 8.0
+_B_SPREAD = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class InputModel:
+    """Input tokens ≈ ``tokens_per_message``·messages + chars / ``chars_per_token``."""
+
+    tokens_per_message: float
+    chars_per_token: float
+
+    def tokens(self, messages: int, chars: int) -> float:
+        """Unrounded: the caller rounds once, after adding what it counts otherwise."""
+        return self.tokens_per_message * messages + chars / self.chars_per_token
+
+
+_DEFAULT_PRIOR = InputModel(tokens_per_message=0.0, chars_per_token=4.0)  # CostSpec's
+
+
+@dataclass
+class InputFit:
+    """Exponentially decayed sums for the least-squares fit of ``t ≈ a·m + b·c``.
+
+    ``m`` messages, ``c`` characters and ``t`` prompt tokens of each observation: their
+    sums (for the fallback ratio) and the sums of the products the normal equations need.
+    Every sum is of counts ≥ 0, so every sum is ≥ 0 too.
+    """
+
+    m: float = 0.0
+    c: float = 0.0
+    t: float = 0.0
+    mm: float = 0.0
+    mc: float = 0.0
+    cc: float = 0.0
+    mt: float = 0.0
+    ct: float = 0.0
+    samples: int = 0  # raw count, undecayed: how much evidence there is, not how recent
+
+    def add(self, m: float, c: float, t: float, decay: float) -> None:
+        """Age what was seen before by one step of ``decay``, then count this observation."""
+        self.m = self.m * decay + m
+        self.c = self.c * decay + c
+        self.t = self.t * decay + t
+        self.mm = self.mm * decay + m * m
+        self.mc = self.mc * decay + m * c
+        self.cc = self.cc * decay + c * c
+        self.mt = self.mt * decay + m * t
+        self.ct = self.ct * decay + c * t
+        self.samples += 1
+
+    def solve(self, prior: InputModel, cpt_bounds: tuple[float, float]) -> InputModel | None:
+        """The fitted model, clamped; None until something has been observed.
+
+        ``prior`` is the configured model, the starting point when the data cannot tell
+        ``a`` from ``b`` (see ``_MIN_SPREAD``): ``a`` is then the prior's moved by its share
+        of the gap (``_A_SPREAD``), and b = (Σt − a·Σm) ÷ Σc, decayed; with a0 = 0 and
+        messages of long text, that is the old ratio Σchars ÷ Σtokens. ``a`` is clamped to
+        [0, MAX_TOKENS_PER_MESSAGE], and ``b`` refit under it when that moved it (by least
+        squares, or on the ratio's line). chars/token = 1/b is clamped to ``cpt_bounds``
+        last (b ≤ 0 gives the upper bound: tokens do not shrink as text grows). Sums that
+        no float arithmetic makes sense of (only a hand-edited file has them) give None.
+        """
+        if not (self.c > 0 and self.cc > 0):
+            return None
+        fitted = self._least_squares()
+        if fitted is None:
+            a = _clamp(self._prior_on_the_data(prior), (0.0, MAX_TOKENS_PER_MESSAGE))
+            b = self.t / self.c - a * (self.m / self.c)
+        else:
+            a, b = fitted
+            if not 0.0 <= a <= MAX_TOKENS_PER_MESSAGE:
+                a = _clamp(a, (0.0, MAX_TOKENS_PER_MESSAGE))
+                b = self.ct / self.cc - a * (self.mc / self.cc)
+        if math.isnan(a) or math.isnan(b):
+            return None
+        chars_per_token = 1.0 / b if b > 0 else math.inf
+        return InputModel(a, _clamp(chars_per_token, cpt_bounds))
+
+    def _prior_on_the_data(self, prior: InputModel) -> float:
+        """``a`` where the least change to the prior meets Σt = a·Σm + b·Σc (decayed).
+
+        Minimising ((a − a0)/σa)² + ((b − b0)/σb)² on that line gives
+        a = a0 + gap·σa²·Σm / (σa²·Σm² + σb²·Σc²), gap = Σt − a0·Σm − b0·Σc; computed per
+        character (every sum over Σc > 0), so that no square of a sum can overflow.
+        """
+        q = self.m / self.c  # messages per character
+        b0 = 1.0 / prior.chars_per_token
+        gap = self.t / self.c - prior.tokens_per_message * q - b0
+        var_a, var_b = _A_SPREAD**2, (_B_SPREAD * b0) ** 2
+        return prior.tokens_per_message + gap * var_a * q / (var_a * q * q + var_b)
+
+    def _least_squares(self) -> tuple[float, float] | None:
+        """Solve [[mm, mc], [mc, cc]]·(a, b) = (mt, ct), or None if ill-conditioned.
+
+        Solved scaled to a unit diagonal, (a·√mm, b·√cc): the matrix becomes [[1, ρ], [ρ, 1]],
+        so no product of two sums is ever formed (none can overflow, whatever the counts
+        and the half-life), and its determinant 1 − ρ² is the conditioning itself.
+        """
+        sm, sc = math.sqrt(self.mm), math.sqrt(self.cc)
+        if not (sm > 0 and sc > 0):
+            return None
+        rho = min(self.mc / sm / sc, 1.0)  # ≥ 0: every sum is; ≤ 1 but for rounding
+        spread = (1.0 - rho) * (1.0 + rho)
+        if not spread >= _MIN_SPREAD:
+            return None
+        u, v = self.mt / sm, self.ct / sc
+        a = (u - rho * v) / spread / sm
+        b = (v - rho * u) / spread / sc
+        return (a, b) if math.isfinite(a) and math.isfinite(b) else None
 
 
 @dataclass
@@ -58,7 +196,7 @@ class Ratio:
 
 @dataclass
 class _Pool:
-    chars_per_token: Ratio = field(default_factory=Ratio)
+    input: InputFit = field(default_factory=InputFit)
     output_ratio: Ratio = field(default_factory=Ratio)
     orgs: dict[str, Ratio] = field(default_factory=dict)  # insertion order = least recent first
 
@@ -104,21 +242,23 @@ class Calibration:
         org: str,
         *,
         chars: int,
+        messages: int,
         prompt_tokens: int | None,
         max_tokens: int,
         completion_tokens: int | None,
     ) -> None:
         """Learn from one completed request; whatever its ``usage`` lacks is not learned from.
 
-        A prompt without text (token ids only) says nothing about chars per token, and a
-        response without a completion count (or a request with no output budget, such as an
-        embedding) says nothing about the output ratio.
+        ``chars`` is 0 unless the whole input was text counted by characters: a prompt with
+        token ids or media parts says nothing about chars per token, as its tokens are not
+        all in its chars. A response without a completion count (or a request with no
+        output budget, such as an embedding) says nothing about the output ratio.
         """
         state = self._pools.get(pool)
         if state is None:
             state = self._pools[pool] = _Pool()
-        if chars > 0 and prompt_tokens is not None and prompt_tokens > 0:
-            state.chars_per_token.add(chars, prompt_tokens, self.decay)
+        if chars > 0 and messages >= 0 and prompt_tokens is not None and prompt_tokens > 0:
+            state.input.add(messages, chars, prompt_tokens, self.decay)
         if completion_tokens is not None and completion_tokens >= 0 and max_tokens > 0:
             state.output_ratio.add(completion_tokens, max_tokens, self.decay)
             self._org_ratio(state, org).add(completion_tokens, max_tokens, self.decay)
@@ -135,11 +275,15 @@ class Calibration:
 
     # -- estimates -------------------------------------------------------------------------
 
-    def chars_per_token(self, pool: str, default: float) -> float:
-        """The pool's learned ratio, or the configured ``default`` until it is trusted."""
+    def input_model(self, pool: str, default: InputModel) -> InputModel:
+        """The pool's fitted input model, or the configured ``default`` until it rests on
+        ``min_pool_samples`` text prompts. ``default`` is also the prior the fit starts
+        from when its data cannot separate the two parameters."""
         state = self._pools.get(pool)
-        learned = self._trusted(state.chars_per_token) if state else None
-        return default if learned is None else _clamp(learned, self.chars_per_token_bounds)
+        if state is None or state.input.samples < self.min_pool_samples:
+            return default
+        fitted = state.input.solve(default, self.chars_per_token_bounds)
+        return default if fitted is None else fitted
 
     def _trusted(self, ratio: Ratio) -> float | None:
         """A pool's learned value once it rests on ``min_pool_samples`` requests: one odd
@@ -165,20 +309,32 @@ class Calibration:
 
     # -- reporting and persistence ---------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, priors: Mapping[str, InputModel] | None = None) -> dict[str, Any]:
         """Per pool, the values the estimates would use (clamped; None until learned).
 
-        An org's value is reported even before it has ``min_org_samples``, when its pool's
-        value is used in its place: ``samples`` tells which applies.
+        ``priors`` maps a pool to its configured input model (``_DEFAULT_PRIOR`` if absent):
+        what the input fit starts from while its data cannot separate the two parameters.
+        A value is reported even before it rests on ``min_pool_samples`` (or an org's on
+        ``min_org_samples``), when the configured (or the pool's) value is used in its
+        place: ``samples`` tells which applies.
         """
-        cpt, out = self.chars_per_token_bounds, self.output_ratio_bounds
+        priors = priors or {}
+        out = self.output_ratio_bounds
         return {
             name: {
-                "chars_per_token": _report(state.chars_per_token, cpt),
+                "input": self._report_input(state.input, priors.get(name, _DEFAULT_PRIOR)),
                 "output_ratio": _report(state.output_ratio, out),
                 "orgs": {org: _report(ratio, out) for org, ratio in state.orgs.items()},
             }
             for name, state in self._pools.items()
+        }
+
+    def _report_input(self, fit: InputFit, prior: InputModel) -> dict[str, Any]:
+        model = fit.solve(prior, self.chars_per_token_bounds)
+        return {
+            "tokens_per_message": None if model is None else model.tokens_per_message,
+            "chars_per_token": None if model is None else model.chars_per_token,
+            "samples": fit.samples,
         }
 
     def to_json(self) -> dict[str, Any]:
@@ -187,7 +343,7 @@ class Calibration:
             "version": FORMAT_VERSION,
             "pools": {
                 name: {
-                    "chars_per_token": _ratio_to_json(state.chars_per_token),
+                    "input": _input_to_json(state.input),
                     "output_ratio": _ratio_to_json(state.output_ratio),
                     "orgs": {org: _ratio_to_json(r) for org, r in state.orgs.items()},
                 }
@@ -201,15 +357,21 @@ class Calibration:
 
         Settings are not stored in the document: they come from the current config, and if
         ``max_orgs`` shrank, the best-sampled orgs are the ones kept.
+
+        A version 1 document (before the input fit) is still read, as strictly: its output
+        ratios are kept, its ``chars_per_token`` ratio is dropped, since a ratio of sums
+        cannot be split into the fit's two parameters. The input model is then learned
+        afresh, from the configured values until ``min_pool_samples`` text prompts.
         """
         calibration = cls(**settings)
         document = _mapping(data, "document")
-        if document.get("version") != FORMAT_VERSION:
-            raise ValueError(f"unsupported version {document.get('version')!r}")
+        version = document.get("version")
+        if type(version) is not int or version not in (1, FORMAT_VERSION):
+            raise ValueError(f"unsupported version {version!r}")
         if set(document) != {"version", "pools"}:
             raise ValueError(f"unexpected keys {sorted(set(document) - {'version', 'pools'})}")
         for name, raw in _mapping(document["pools"], "pools").items():
-            calibration._pools[name] = _pool_from_json(raw, f"pools.{name}")
+            calibration._pools[name] = _pool_from_json(raw, f"pools.{name}", version)
             excess = len(calibration._pools[name].orgs) - calibration.max_orgs
             if excess > 0:
                 _evict_weakest(calibration._pools[name].orgs, excess)
@@ -240,6 +402,10 @@ def _evict_weakest(orgs: dict[str, Ratio], count: int) -> None:
         del orgs[org]
 
 
+def _input_to_json(fit: InputFit) -> dict[str, Any]:
+    return {f.name: getattr(fit, f.name) for f in fields(fit)}
+
+
 def _report(ratio: Ratio, bounds: tuple[float, float]) -> dict[str, Any]:
     value = ratio.value()
     return {"value": None if value is None else _clamp(value, bounds), "samples": ratio.samples}
@@ -255,30 +421,50 @@ def _mapping(data: Any, where: str) -> Mapping[str, Any]:
     return data
 
 
-def _pool_from_json(data: Any, where: str) -> _Pool:
+def _pool_from_json(data: Any, where: str, version: int) -> _Pool:
+    """A version 1 pool is checked as strictly as ever, then its chars/token ratio dropped."""
     raw = _mapping(data, where)
-    if set(raw) != _POOL_KEYS:
-        raise ValueError(f"{where}: expected keys {sorted(_POOL_KEYS)}, got {sorted(raw)}")
+    keys = _POOL_KEYS if version == FORMAT_VERSION else _V1_POOL_KEYS
+    if set(raw) != keys:
+        raise ValueError(f"{where}: expected keys {sorted(keys)}, got {sorted(raw)}")
+    if version == FORMAT_VERSION:
+        fit = _input_from_json(raw["input"], f"{where}.input")
+    else:
+        _ratio_from_json(raw["chars_per_token"], f"{where}.chars_per_token")
+        fit = InputFit()
     orgs = _mapping(raw["orgs"], f"{where}.orgs")
     return _Pool(
-        chars_per_token=_ratio_from_json(raw["chars_per_token"], f"{where}.chars_per_token"),
+        input=fit,
         output_ratio=_ratio_from_json(raw["output_ratio"], f"{where}.output_ratio"),
         orgs={org: _ratio_from_json(r, f"{where}.orgs.{org}") for org, r in orgs.items()},
     )
+
+
+def _input_from_json(data: Any, where: str) -> InputFit:
+    """Its sums are of counts ≥ 0 (products included), so each must be finite and ≥ 0."""
+    raw = _mapping(data, where)
+    keys = {f.name for f in fields(InputFit)}
+    if set(raw) != keys:
+        raise ValueError(f"{where}: expected keys {sorted(keys)}, got {sorted(raw)}")
+    sums = {k: _sum_from_json(raw[k], f"{where}.{k}") for k in sorted(keys - {"samples"})}
+    return InputFit(**sums, samples=_samples_from_json(raw["samples"], f"{where}.samples"))
 
 
 def _ratio_from_json(data: Any, where: str) -> Ratio:
     raw = _mapping(data, where)
     if set(raw) != _RATIO_KEYS:
         raise ValueError(f"{where}: expected keys {sorted(_RATIO_KEYS)}, got {sorted(raw)}")
-    samples = raw["samples"]
-    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
-        raise ValueError(f"{where}.samples: expected an int >= 0, not {samples!r}")
     return Ratio(
         num=_sum_from_json(raw["num"], f"{where}.num"),
         den=_sum_from_json(raw["den"], f"{where}.den"),
-        samples=samples,
+        samples=_samples_from_json(raw["samples"], f"{where}.samples"),
     )
+
+
+def _samples_from_json(value: Any, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{where}: expected an int >= 0, not {value!r}")
+    return value
 
 
 def _sum_from_json(value: Any, where: str) -> float:

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from ..config import ConfigError, CostSpec
-from .calibration import Calibration
-from .inference_request import InferenceRequest, Kind
+from .calibration import Calibration, InputModel
+from .errors import ApiError
+from .inference_request import InferenceRequest, Kind, with_output_limit
 
 
 class Tokenizer(Protocol):
@@ -27,6 +28,8 @@ class Estimate:
     # the characters input_tokens was derived from by chars/token (0 when a tokenizer counted
     # them, or token ids were sent): what calibration learns chars/token from
     chars: int = 0
+    # the messages it was derived from with them (0 likewise): calibration learns from both
+    messages: int = 0
 
 
 class CostModel:
@@ -53,36 +56,97 @@ class CostModel:
                 raise ConfigError([(f"{path}.tokenizer", message)]) from exc
 
     def input_tokens(self, request: InferenceRequest) -> int:
+        """Text tokens plus the chat template's per message, plus token ids as sent, plus
+        the image, audio, file and video parts (docs/design.md §4).
+
+        A tokenizer counts the text but not the template, hence the configured
+        ``tokens_per_message`` on top. Without text (token ids only) no template applies.
+        """
         text = request.text or ""
+        messages = request.messages if text else 0
         if self._tokenizer is not None:
             counted = self._tokenizer.count(text) if text else 0
-        else:
-            counted = math.ceil(len(text) / self.chars_per_token())
-        return counted + request.token_ids
+            counted += math.ceil(self.spec.tokens_per_message * messages)
+        else:  # rounded up, less a millionth: a fit's last bits must not add a whole token
+            counted = math.ceil(self.input_model().tokens(messages, len(text)) - 1e-6)
+        return counted + request.token_ids + self.media_tokens(request)
 
-    def chars_per_token(self) -> float:
-        default = self.spec.chars_per_token
+    def media_tokens(self, request: InferenceRequest) -> int:
+        """What a request's non-text parts are priced at: an image whose size was read by
+        its own rule, any other part at the pool's price for its kind."""
+        prices = self.spec.media_tokens
+        return sum(getattr(prices, m.kind) if m.tokens is None else m.tokens for m in request.media)
+
+    def input_model(self) -> InputModel:
+        """What calibration learned of the pool's text, else the configured values."""
+        default = InputModel(self.spec.tokens_per_message, self.spec.chars_per_token)
         cal = self._calibration
-        return default if cal is None else cal.chars_per_token(self._pool, default)
+        return default if cal is None else cal.input_model(self._pool, default)
 
     def output_ratio(self, org: str) -> float:
         default = self.spec.output_ratio
         cal = self._calibration
         return default if cal is None else cal.output_ratio(self._pool, org, default)
 
-    def estimate(self, request: InferenceRequest, org: str = "") -> Estimate:
+    def price(
+        self, request: InferenceRequest, org: str, ceiling: int | None = None
+    ) -> tuple[InferenceRequest, Estimate]:
+        """The request to send upstream, and what it is charged.
+
+        Its output is bounded so that input + output stays within the pool's (or the
+        tighter ``ceiling`` of the class) ``max_request_tokens``: c_max is then bounded, and
+        a typo cannot lock an org out. A client that asked for more is refused, or clamped
+        when the pool says so; a client that asked for nothing gets the pool's default,
+        written into the body (unless the pool says not to), so that what the backend may
+        generate is what was charged: leaving ``max_tokens`` out buys nothing.
+        """
         tokens = self.input_tokens(request)
+        limit = min(self.spec.max_request_tokens, ceiling or self.spec.max_request_tokens)
+        sent, per_choice = self._bounded(request, tokens, limit)
+        return sent, self._estimate(sent, tokens, per_choice, org)
+
+    def _bounded(
+        self, request: InferenceRequest, tokens: int, limit: int
+    ) -> tuple[InferenceRequest, int]:
+        """``request`` with its output per choice bounded, and that bound (0: no output)."""
         if request.kind is Kind.EMBEDDING:
-            max_tokens = 0
-        else:
-            # n (or best_of) sequences, each up to max_tokens: what the backend may generate
-            max_tokens = (request.max_tokens or self.spec.default_max_tokens) * request.choices
+            if tokens > limit:
+                raise _over_limit(f"Its input of about {tokens} tokens is", limit)
+            return request, 0
+        room = (limit - tokens) // request.choices  # n (or best_of) sequences, each this long
+        asked = request.max_tokens
+        if asked is not None and asked <= room:
+            return request, asked
+        if room < 1:
+            raise _over_limit(f"Its input of about {tokens} tokens leaves no output within", limit)
+        if asked is not None and self.spec.over_limit == "refuse":
+            wanted = tokens + asked * request.choices
+            raise _over_limit(f"It may use {wanted} tokens, input and output, over", limit)
+        per_choice = min(asked or self.spec.default_max_tokens, room)
+        field = self.spec.inject_max_tokens
+        if asked is None and field is False:  # the operator's choice: the body goes unchanged
+            return request, per_choice
+        if request.kind is Kind.COMPLETION or field is False:
+            field = "max_tokens"  # the only field of /v1/completions
+        return with_output_limit(request, per_choice, field), per_choice
+
+    def estimate(self, request: InferenceRequest, org: str = "") -> Estimate:
+        """What ``request`` is charged as it is (the lab's requests are already bounded)."""
+        per_choice = request.max_tokens or self.spec.default_max_tokens
+        return self._estimate(request, self.input_tokens(request), per_choice, org)
+
+    def _estimate(
+        self, request: InferenceRequest, tokens: int, per_choice: int, org: str
+    ) -> Estimate:
+        max_tokens = 0 if request.kind is Kind.EMBEDDING else per_choice * request.choices
         expected_output = max_tokens * self.output_ratio(org)
         cost = self.spec.input_weight * tokens + self.spec.output_weight * expected_output
-        counted_by_chars = self._tokenizer is None and not request.token_ids
+        # calibration learns the text's chars/token only from inputs that are all text
+        counted_by_chars = self._tokenizer is None and not request.token_ids and not request.media
         chars = len(request.text or "") if counted_by_chars else 0
+        messages = request.messages if counted_by_chars else 0
         # floor of one token's worth: an empty prompt still occupies a slot, and SFQ needs > 0
-        return Estimate(tokens, max_tokens, max(cost, 1.0), chars)
+        return Estimate(tokens, max_tokens, max(cost, 1.0), chars, messages)
 
     def actual(self, prompt_tokens: int | None, completion_tokens: int | None) -> float | None:
         """The same formula on the tokens the backend reported: what the request really cost,
@@ -105,9 +169,17 @@ class CostModel:
         if self._calibration is None:
             return
         self._calibration.observe(
-            self._pool, org, chars=estimate.chars, prompt_tokens=prompt_tokens,
-            max_tokens=estimate.max_tokens, completion_tokens=completion_tokens,
+            self._pool, org, chars=estimate.chars, messages=estimate.messages,
+            prompt_tokens=prompt_tokens, max_tokens=estimate.max_tokens,
+            completion_tokens=completion_tokens,
         )  # fmt: skip
+
+
+def _over_limit(what: str, limit: int) -> ApiError:
+    return ApiError(
+        400, f"This request is too large for its pool. {what} the ceiling of {limit} "
+        "tokens per request; lower max_tokens or the input.", code="tokens_exceed_limit",
+    )  # fmt: skip
 
 
 class _HfTokenizer:

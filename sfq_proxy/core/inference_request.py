@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, TypeGuard
 
 from .errors import ApiError
+from .media import Media, media_part
 
 
 class Kind(Enum):
@@ -49,6 +50,9 @@ class InferenceRequest:
     raw: bytes  # what the backend is sent: the client's bytes, unless usage had to be asked for
     strip_usage: bool = False  # the proxy asked for the usage chunk; the client did not
     choices: int = 1  # sequences generated, each up to max_tokens: the larger of n and best_of
+    messages: int = 1  # texts the input is made of (chat messages, prompts, inputs)
+    names_output: bool = False  # the body has a token field, be it only null
+    media: tuple[Media, ...] = ()  # its image, audio, file and video parts, priced apart
 
 
 def _ask_for_usage(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
@@ -77,7 +81,10 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
     field = _INPUT_FIELD[kind]
     if field not in body:
         raise ApiError(400, f"'{field}' is required.")
-    texts, token_ids = _inputs(kind, body[field], field)
+    media: list[Media] = []
+    texts, token_ids = _inputs(kind, body[field], field, media)
+    messages = max(len(texts), 1)  # each text has its template overhead; tools do not
+    texts += _tool_texts(body) if kind is Kind.CHAT else []
     max_tokens = _max_tokens(body)
     choices = max(_bounded_int(body, name, MAX_CHOICES) or 1 for name in _CHOICE_FIELDS)
     upstream, strip_usage = (
@@ -93,7 +100,37 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
         raw=upstream,
         strip_usage=strip_usage,
         choices=choices if kind is not Kind.EMBEDDING else 1,
+        messages=messages,
+        names_output=any(name in body for name in _OUTPUT_FIELDS),
+        media=tuple(media),
     )
+
+
+def with_output_limit(request: InferenceRequest, per_choice: int, field: str) -> InferenceRequest:
+    """``request`` as sent upstream with its output bounded to ``per_choice`` tokens.
+
+    A body that names no token field gets ``field`` appended to its bytes (the common case,
+    cheap, and the client's bytes stay as they were); one whose value was lowered gets every
+    token field it set rewritten, since a backend may read either of them, and one that
+    names them only as null gets ``field`` written in place.
+    """
+    if request.names_output:  # never a second member of that name: parsers differ on which wins
+        raw = _rewritten(request.raw, per_choice, field)
+    else:
+        raw = request.raw.rstrip()[:-1] + f',"{field}":{per_choice}}}'.encode()
+    return replace(request, raw=raw, max_tokens=per_choice)
+
+
+def _rewritten(raw: bytes, per_choice: int, field: str) -> bytes:
+    """``raw`` with every token field it sets (else ``field``) at ``per_choice``."""
+    body = json.loads(raw)
+    for name in [name for name in _OUTPUT_FIELDS if body.get(name) is not None] or [field]:
+        body[name] = per_choice
+    try:  # 1e400 was read as infinity, which JSON cannot write back
+        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        raise ApiError(400, "The body holds a number out of range.") from None
+    return text.encode()
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:
@@ -142,12 +179,13 @@ def _has_lone_surrogate(body: dict[str, Any]) -> bool:
     return False
 
 
-def _inputs(kind: Kind, value: Any, field: str) -> tuple[list[str], int]:
-    """The texts and the number of token ids in a ``messages``/``prompt``/``input`` value."""
+def _inputs(kind: Kind, value: Any, field: str, media: list[Media]) -> tuple[list[str], int]:
+    """The texts and the number of token ids in a ``messages``/``prompt``/``input`` value;
+    a chat's non-text content parts are added to ``media``."""
     if kind is Kind.CHAT:
         if not isinstance(value, list) or not value:
             raise ApiError(400, "'messages' must be a non-empty array.")
-        return [_message_text(m, i) for i, m in enumerate(value)], 0
+        return [_message_text(m, i, media) for i, m in enumerate(value)], 0
     if isinstance(value, str):
         return [value], 0
     if isinstance(value, list) and value:
@@ -160,16 +198,28 @@ def _inputs(kind: Kind, value: Any, field: str) -> tuple[list[str], int]:
     raise ApiError(400, f"'{field}' must be a string, an array of strings or of token ids.")
 
 
-def _message_text(message: Any, index: int) -> str:
+def _tool_texts(body: dict[str, Any]) -> list[str]:
+    """Tool (and legacy function) definitions, and the tool calls of earlier turns, as the
+    JSON text a chat template renders into the prompt: a tenant must not get a 20 KB schema
+    for free. Counted as compact JSON, an estimate like any other chars/token count."""
+    parts = [body[name] for name in ("tools", "functions") if body.get(name)]
+    parts += [m["tool_calls"] for m in body["messages"] if m.get("tool_calls")]
+    return [json.dumps(part, separators=(",", ":"), ensure_ascii=False) for part in parts]
+
+
+def _message_text(message: Any, index: int, media: list[Media]) -> str:
+    """The text of one message; its image, audio, file and video parts go to ``media``."""
     if not isinstance(message, dict):
         raise ApiError(400, f"'messages[{index}]' must be an object.")
     content = message.get("content")
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        texts = [p.get("text", "") for p in content]
+        texts = [p.get("text", "") for p in content]  # a text of any part must be a string
         if all(isinstance(t, str) for t in texts):
-            return "".join(texts)
+            kinds = [media_part(p) for p in content]
+            media += [m for m in kinds if m is not None]
+            return "".join(t for t, m in zip(texts, kinds, strict=True) if m is None)
     raise ApiError(400, f"'messages[{index}].content' must be a string or an array of parts.")
 
 

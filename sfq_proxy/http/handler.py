@@ -108,9 +108,9 @@ async def _admit_and_serve(
     if not pool.placement.any_healthy():
         cooldown = pool.spec.health.cooldown_s
         raise ApiError(503, f"Pool '{flow.pool}' has no healthy backend.", retry_after=cooldown)
-    estimate = pool.cost.estimate(inference, flow.org)
-    inference = replace(inference, text=None)  # queued, it holds its body, not its prompt twice
     cls = proxy.config.classes[flow.cls]
+    inference, estimate = pool.cost.price(inference, flow.org, cls.max_request_tokens)
+    inference = replace(inference, text=None)  # queued, it holds its body, not its prompt twice
     ticket = Ticket(
         org=flow.org,
         cls=flow.cls,

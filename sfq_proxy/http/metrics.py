@@ -24,7 +24,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from ..core.calibration import Calibration
+from ..core.calibration import Calibration, InputModel
 from ..core.flows import org_and_class
 from .pool_runtime import Pool
 
@@ -230,15 +230,25 @@ class Metrics(Collector):
         return self.org_label(org), cls, pool
 
     def _calibration_metrics(self) -> Iterable[Metric]:
-        """What calibration learned; org="" is the pool's own value."""
+        """What calibration learned; org="" is the pool's own value. The input model's two
+        parameters share its sample count."""
         labels = ["pool", "org", "quantity"]
         value = GaugeMetricFamily("sfq_calibration", "Learned estimate parameter", labels=labels)
         samples = GaugeMetricFamily(
             "sfq_calibration_samples", "Requests it was learned from", labels=labels
         )
-        snapshot = self._calibration.snapshot() if self._calibration else {}
+        priors = {
+            name: InputModel(pool.cost.spec.tokens_per_message, pool.cost.spec.chars_per_token)
+            for name, pool in self._pools.items()
+        }
+        snapshot = self._calibration.snapshot(priors) if self._calibration else {}
         for pool, learned in snapshot.items():
-            entries = [("", name, learned[name]) for name in ("chars_per_token", "output_ratio")]
+            fit = learned["input"]
+            entries = [
+                ("", name, {"value": fit[name], "samples": fit["samples"]})
+                for name in ("tokens_per_message", "chars_per_token")
+            ]
+            entries.append(("", "output_ratio", learned["output_ratio"]))
             entries += [
                 (org, "output_ratio", v)
                 for org, v in learned["orgs"].items()

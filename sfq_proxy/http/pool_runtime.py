@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from ..config import Config, PoolSpec
-from ..core.calibration import Calibration
+from ..core.calibration import Calibration, InputModel
 from ..core.cost import CostModel
 from ..core.errors import ApiError
 from ..core.flows import org_and_class
@@ -171,10 +171,18 @@ class Pool:
                 for b in self.placement.backends
             ],
             "recent_dispatches": [{"flow": f, "backend": b} for f, b in self.recent],
-            "calibration": self.calibration.snapshot().get(self.name, {})
-            if self.calibration
-            else {},
+            "calibration": self._calibration_state(),
         }
+
+    def _calibration_state(self) -> dict[str, Any]:
+        """What calibration learned of this pool; the input model as its estimates use it,
+        from this pool's configured one."""
+        if self.calibration is None:
+            return {}
+        spec = self.cost.spec
+        prior = {self.name: InputModel(spec.tokens_per_message, spec.chars_per_token)}
+        learned: dict[str, Any] = self.calibration.snapshot(prior).get(self.name, {})
+        return learned
 
     def _run(self, tickets: list[Ticket]) -> None:
         """Carry out the scheduler's decisions: wake the dispatched, and come back when the

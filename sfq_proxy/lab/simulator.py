@@ -45,18 +45,18 @@ def cost_spec(pool: PoolModel) -> CostSpec:
     )
 
 
-def cost_model(pool: PoolModel, *, calibrate: bool = True) -> CostModel:
-    """The proxy's cost model for ``pool``, with calibration at the proxy's default settings
-    (as ``http/runtime.py`` builds it from an unset ``calibration`` section)."""
+def cost_model(spec: CostSpec, *, calibrate: bool = True) -> CostModel:
+    """The proxy's cost model for a pool's ``spec``, with calibration at the proxy's default
+    settings (as ``http/runtime.py`` builds it from an unset ``calibration`` section)."""
     calibration = None
     if calibrate:
-        spec = CalibrationSpec()
+        settings = CalibrationSpec()
         calibration = Calibration(
-            half_life_requests=spec.half_life_requests,
-            min_org_samples=spec.min_org_samples,
-            min_pool_samples=spec.min_org_samples,
+            half_life_requests=settings.half_life_requests,
+            min_org_samples=settings.min_org_samples,
+            min_pool_samples=settings.min_org_samples,
         )
-    return CostModel(cost_spec(pool), pool=POOL, calibration=calibration)
+    return CostModel(spec, pool=POOL, calibration=calibration)
 
 
 def inference_request(request: Request) -> InferenceRequest:
@@ -77,7 +77,7 @@ def cost_of(request: Request, pool: PoolModel) -> float:
     """The proxy's estimate before any calibration: ``max(1, input_weight·input +
     output_weight·max_tokens·output_ratio)``. (A run charges calibrated estimates: see the
     ``cost`` of its ``Served`` records.)"""
-    return cost_model(pool, calibrate=False).estimate(inference_request(request)).cost
+    return cost_model(cost_spec(pool), calibrate=False).estimate(inference_request(request)).cost
 
 
 def service_time(request: Request, pool: PoolModel, running: int) -> float:
@@ -109,7 +109,7 @@ def simulate(
         for i in range(pool.backends)
     ]
     scheduler = Scheduler(Placement(specs), queue=policy)
-    costs = cost_model(pool)
+    costs = cost_model(cost_spec(pool))
     weights = {team.name: team.weight for team in scenario.teams}
     heap: list[tuple[float, int, int, Ticket | None]] = []
     seq = 0

@@ -10,13 +10,17 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, Literal, Protocol
 
 from aiohttp import web
 
+from ..core.media import media_part
+
 __all__ = [
+    "DEFAULT_MEDIA_TOKENS",
+    "OUTPUT_FIELDS",
     "AnswerPlan",
     "GenerationRequest",
     "JsonSink",
@@ -41,7 +45,11 @@ class ApiLimits(Protocol):
     @property
     def max_model_len(self) -> int: ...
     @property
-    def default_max_tokens(self) -> int: ...
+    def default_max_tokens(self) -> int | None: ...
+    @property
+    def tokens_per_message(self) -> int: ...
+    @property
+    def media_tokens(self) -> Mapping[str, int]: ...
 
 
 Kind = Literal["chat", "completions"]
@@ -49,22 +57,40 @@ Kind = Literal["chat", "completions"]
 
 # Chat templates wrap every message in role markers; vLLM's Llama-3 template adds about four.
 MESSAGE_OVERHEAD_TOKENS = 4
+# What a non-text content part costs when the part itself does not tell (a remote image, any
+# audio, file or video), by kind: OpenAI's price of a 1024 × 1024 image at high detail, and
+# round figures for the others (the proxy's `cost.media_tokens` defaults are the same).
+DEFAULT_MEDIA_TOKENS: Mapping[str, int] = {
+    "image": 765,
+    "audio": 1500,
+    "file": 3000,
+    "video": 10000,
+}
+# the parameters of a request's output, recorded as the server received them
+OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "best_of")
 
 
-def estimate_prompt_tokens(body: Mapping[str, Any], chars_per_token: float = 4.0) -> int:
+def estimate_prompt_tokens(
+    body: Mapping[str, Any],
+    chars_per_token: float = 4.0,
+    tokens_per_message: int = MESSAGE_OVERHEAD_TOKENS,
+    media_tokens: Mapping[str, int] = DEFAULT_MEDIA_TOKENS,
+) -> int:
     """Token count of a request's prompt, from characters alone (no tokenizer).
 
-    Uses ``messages`` (chat) if present, else ``prompt`` (completions).  The proxy estimates
-    with the same rule, so both sides agree on request sizes.  Raises ValueError on a shape
-    vLLM would reject.
+    Uses ``messages`` (chat) if present, else ``prompt`` (completions). A chat prompt is
+    what a chat template makes of it: ``tokens_per_message`` per message (role markers),
+    plus each message's text at ``chars_per_token``, plus its non-text parts — an image by
+    OpenAI's tile rule when its size can be read from an inline ``data:`` URL, any other
+    part at ``media_tokens[kind]`` (``sfq_proxy.core.media`` says which kind a part is, as
+    the proxy prices it). Raises ValueError on a shape vLLM would reject.
     """
     if "messages" in body:
         messages = body["messages"]
         if not isinstance(messages, list) or not messages:
             raise ValueError("'messages' must be a non-empty list")
         return sum(
-            MESSAGE_OVERHEAD_TOKENS + ceil_tokens(_message_chars(m), chars_per_token)
-            for m in messages
+            tokens_per_message + _message_tokens(m, chars_per_token, media_tokens) for m in messages
         )
     prompt = body.get("prompt")
     if isinstance(prompt, str):
@@ -80,18 +106,31 @@ def ceil_tokens(chars: int, chars_per_token: float) -> int:
     return math.ceil(chars / chars_per_token)
 
 
-def _message_chars(message: object) -> int:
-    """Characters of a chat message's text; non-text parts (images, …) count as nothing."""
+def _message_tokens(
+    message: object, chars_per_token: float, media_tokens: Mapping[str, int]
+) -> int:
+    """Tokens of a chat message's content: its text by characters, and its media parts."""
     if not isinstance(message, dict):
         raise ValueError("each message must be an object")
     content = message.get("content")
     if content is None or isinstance(content, str):
-        return len(content or "")
-    if isinstance(content, list):
-        texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-        if all(isinstance(t, str) for t in texts):
-            return sum(len(t) for t in texts if isinstance(t, str))
-    raise ValueError("message 'content' must be a string or a list of content parts")
+        return ceil_tokens(len(content or ""), chars_per_token)
+    if not isinstance(content, list) or not all(isinstance(p, dict | str) for p in content):
+        raise ValueError("message 'content' must be a string or a list of content parts")
+    chars = media = 0
+    for part in content:
+        found = media_part(part)
+        if found is not None:
+            media += found.tokens if found.tokens is not None else media_tokens[found.kind]
+            continue
+        if isinstance(part, str):  # vLLM reads a bare string part as text
+            chars += len(part)
+            continue
+        text = part.get("text")
+        if part.get("type") == "text" and not isinstance(text, str):
+            raise ValueError("message 'content' must be a string or a list of content parts")
+        chars += len(text) if isinstance(text, str) else 0
+    return ceil_tokens(chars, chars_per_token) + media
 
 
 class RefusedRequest(Exception):
@@ -128,6 +167,11 @@ class GenerationRequest:
     include_usage: bool
     user: str | None
     min_tokens: int | None = None  # vLLM's sampling parameter; see output_mode "min_tokens"
+    n: int = 1  # choices returned
+    sequences: int = 1  # sequences generated, each up to max_tokens: best_of if larger than n
+    # the output fields of the body as received (OUTPUT_FIELDS), for tests to check what a
+    # proxy sent upstream
+    asked: Mapping[str, Any] = field(default_factory=dict)
 
 
 def parse_generation(kind: Kind, body: object, cfg: ApiLimits) -> GenerationRequest:
@@ -144,13 +188,19 @@ def parse_generation(kind: Kind, body: object, cfg: ApiLimits) -> GenerationRequ
         raise RefusedRequest(404, f"The model `{model}` does not exist.")
     try:
         prompt_tokens = estimate_prompt_tokens(
-            {prompt_field: body[prompt_field]}, cfg.chars_per_token
+            {prompt_field: body[prompt_field]},
+            cfg.chars_per_token,
+            cfg.tokens_per_message,
+            cfg.media_tokens,
         )
     except ValueError as exc:
         raise RefusedRequest(400, str(exc)) from exc
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise RefusedRequest(400, "'stream' must be a boolean")
+    n, sequences = _choices(kind, body)
+    # as vLLM (and OpenAI): when best_of exceeds n the answer is not streamed
+    stream = stream and sequences == n
     options = body.get("stream_options") or {}
     user = body.get("user")
     return GenerationRequest(
@@ -162,7 +212,31 @@ def parse_generation(kind: Kind, body: object, cfg: ApiLimits) -> GenerationRequ
         include_usage=stream and isinstance(options, dict) and bool(options.get("include_usage")),
         user=user if isinstance(user, str) else None,
         min_tokens=_min_tokens(body),
+        n=n,
+        sequences=sequences,
+        asked={name: body[name] for name in OUTPUT_FIELDS if name in body},
     )
+
+
+def _choices(kind: Kind, body: dict[str, Any]) -> tuple[int, int]:
+    """(choices returned, sequences generated): ``n``, and for completions ``best_of``
+    sequences of which the first ``n`` are returned; checked as vLLM's SamplingParams does."""
+    n = _positive(body, "n")
+    best_of = _positive(body, "best_of") if kind == "completions" else None
+    if best_of is not None and best_of < n:
+        raise RefusedRequest(
+            400, f"best_of must be greater than or equal to n, got n={n} and best_of={best_of}."
+        )
+    return n, best_of or n
+
+
+def _positive(body: dict[str, Any], name: str) -> int:
+    value = body.get(name)
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RefusedRequest(400, f"{name} must be at least 1, got {value!r}.")
+    return value
 
 
 def _min_tokens(body: dict[str, Any]) -> int | None:
@@ -189,7 +263,9 @@ def _resolve_max_tokens(
                 f"This model's maximum context length is {cfg.max_model_len} "
                 f"tokens, but the {prompt_field} use {prompt_tokens} tokens.",
             )
-        return min(cfg.default_max_tokens, room)
+        # vLLM's own default is the rest of the context window (default_max_tokens None)
+        default = cfg.default_max_tokens
+        return room if default is None else min(default, room)
     if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
         raise RefusedRequest(400, f"max_tokens must be a positive integer, got {requested!r}")
     if requested > room:
@@ -205,19 +281,27 @@ def _resolve_max_tokens(
 
 @dataclass(frozen=True)
 class AnswerPlan:
-    """A request's predetermined answer plus the OpenAI/vLLM response shapes for it."""
+    """A request's predetermined answer plus the OpenAI/vLLM response shapes for it.
+
+    ``sequences`` holds every sequence generated (``gen.sequences`` of them); the first
+    ``gen.n`` are the choices returned, with index 0..n-1. Usage counts the tokens of the
+    returned choices, as vLLM does (with ``best_of`` the others were generated too).
+    """
 
     gen: GenerationRequest
     id: str
     created: int
-    tokens: tuple[str, ...]
+    sequences: tuple[tuple[str, ...], ...]
 
     @property
-    def finish_reason(self) -> str:
-        return "length" if len(self.tokens) == self.gen.max_tokens else "stop"
+    def returned(self) -> tuple[tuple[str, ...], ...]:
+        return self.sequences[: self.gen.n]
+
+    def finish_reason(self, index: int) -> str:
+        return "length" if len(self.sequences[index]) == self.gen.max_tokens else "stop"
 
     def usage(self) -> dict[str, int]:
-        prompt, completion = self.gen.prompt_tokens, len(self.tokens)
+        prompt, completion = self.gen.prompt_tokens, sum(len(s) for s in self.returned)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -225,7 +309,7 @@ class AnswerPlan:
         }
 
     def choice(
-        self, text: str, finish: str | None, *, chunk: bool, role: bool = False
+        self, index: int, text: str, finish: str | None, *, chunk: bool, role: bool = False
     ) -> dict[str, Any]:
         if self.gen.kind == "completions":
             body: dict[str, Any] = {"text": text}
@@ -233,7 +317,7 @@ class AnswerPlan:
             body = {"delta": {"role": "assistant", "content": text} if role else {"content": text}}
         else:
             body = {"message": {"role": "assistant", "content": text}}
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish}
+        return {"index": index, **body, "logprobs": None, "finish_reason": finish}
 
     def envelope(
         self, choices: list[dict[str, Any]], *, chunk: bool, usage: bool = False
@@ -255,19 +339,25 @@ class AnswerPlan:
 
 
 class Sink(Protocol):
-    """Where a sequence's tokens go: an SSE stream, or a buffer for one JSON answer."""
+    """Where a request's tokens go: an SSE stream, or a buffer for one JSON answer. Each
+    token comes with the index of the sequence it belongs to."""
 
     async def start(self, request: web.Request) -> None: ...
-    async def token(self, text: str) -> None: ...
+    async def token(self, index: int, text: str) -> None: ...
     async def finish(self) -> web.StreamResponse: ...
 
 
 class SseSink:
-    """Sends each token as its own SSE event the moment it exists, so TTFT is real."""
+    """Sends each token as its own SSE event the moment it exists, so TTFT is real.
+
+    As vLLM streams a chat: first one role chunk per choice, then one chunk per token, each
+    carrying the one choice it belongs to; a choice's last token carries its finish reason.
+    (Only used when every sequence is returned: best_of > n is never streamed.)
+    """
 
     def __init__(self, plan: AnswerPlan) -> None:
         self._plan = plan
-        self._sent = 0
+        self._sent = [0] * len(plan.sequences)
         self._response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream; charset=utf-8"}
         )
@@ -276,15 +366,16 @@ class SseSink:
         # Headers go out before queueing, as with vLLM, whose response starts on admission.
         await self._response.prepare(request)
 
-    async def token(self, text: str) -> None:
+    async def token(self, index: int, text: str) -> None:
         plan = self._plan
-        if self._sent == 0 and plan.gen.kind == "chat":
-            await self._send(
-                plan.envelope([plan.choice("", None, chunk=True, role=True)], chunk=True)
-            )
-        self._sent += 1
-        finish = plan.finish_reason if self._sent == len(plan.tokens) else None
-        await self._send(plan.envelope([plan.choice(text, finish, chunk=True)], chunk=True))
+        if not any(self._sent) and plan.gen.kind == "chat":
+            roles = [plan.choice(i, "", None, chunk=True, role=True) for i in range(plan.gen.n)]
+            for role in roles:
+                await self._send(plan.envelope([role], chunk=True))
+        self._sent[index] += 1
+        last = self._sent[index] == len(plan.sequences[index])
+        finish = plan.finish_reason(index) if last else None
+        await self._send(plan.envelope([plan.choice(index, text, finish, chunk=True)], chunk=True))
 
     async def finish(self) -> web.StreamResponse:
         if self._plan.gen.include_usage:
@@ -302,15 +393,18 @@ class JsonSink:
 
     def __init__(self, plan: AnswerPlan) -> None:
         self._plan = plan
-        self._parts: list[str] = []
+        self._parts: list[list[str]] = [[] for _ in plan.sequences]
 
     async def start(self, request: web.Request) -> None:
         pass
 
-    async def token(self, text: str) -> None:
-        self._parts.append(text)
+    async def token(self, index: int, text: str) -> None:
+        self._parts[index].append(text)
 
     async def finish(self) -> web.StreamResponse:
         plan = self._plan
-        choice = plan.choice("".join(self._parts), plan.finish_reason, chunk=False)
-        return web.json_response(plan.envelope([choice], chunk=False, usage=True))
+        choices = [
+            plan.choice(i, "".join(self._parts[i]), plan.finish_reason(i), chunk=False)
+            for i in range(plan.gen.n)
+        ]
+        return web.json_response(plan.envelope(choices, chunk=False, usage=True))

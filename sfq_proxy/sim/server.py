@@ -18,7 +18,7 @@ import random
 import socket
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from http import HTTPStatus
 from typing import Any, Literal
@@ -27,6 +27,8 @@ from aiohttp import web
 
 from ..http.server import run, wait_for_signal
 from .api import (
+    DEFAULT_MEDIA_TOKENS,
+    MESSAGE_OVERHEAD_TOKENS,
     AnswerPlan,
     GenerationRequest,
     JsonSink,
@@ -63,6 +65,9 @@ _WORDS = (
 )  # fmt: skip
 
 
+_MEDIA_FIELDS = {kind: f"{kind}_tokens" for kind in DEFAULT_MEDIA_TOKENS}
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """Engine model parameters.
@@ -70,6 +75,12 @@ class SimConfig:
     Defaults approximate vLLM serving an 8B bf16 model on one H100-class GPU: 256 sequences
     per batch (vLLM's default ``max_num_seqs``), ~10k prompt tokens/s of prefill and ~80
     tokens/s per sequence when decoding alone, falling off linearly as the batch grows.
+
+    A request without ``max_tokens`` (or ``max_completion_tokens``) generates up to
+    ``default_max_tokens``, or, when that is None, up to the rest of the context window as
+    vLLM itself does. Its prompt counts ``tokens_per_message`` per chat message (the chat
+    template's role markers), its text at ``chars_per_token``, and each non-text part: an
+    image by OpenAI's tile rule when its size can be read, else ``{kind}_tokens``.
     """
 
     models: Sequence[str] = (DEFAULT_MODEL,)
@@ -83,8 +94,13 @@ class SimConfig:
     # max: generate max_tokens; random: a seeded draw in [1, max_tokens]; min_tokens: stop at
     # the request's min_tokens (replays a trace's real output lengths), else max_tokens
     output_mode: Literal["max", "random", "min_tokens"] = "max"
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = 256
     seed: int = 0
+    tokens_per_message: int = MESSAGE_OVERHEAD_TOKENS
+    image_tokens: int = DEFAULT_MEDIA_TOKENS["image"]
+    audio_tokens: int = DEFAULT_MEDIA_TOKENS["audio"]
+    file_tokens: int = DEFAULT_MEDIA_TOKENS["file"]
+    video_tokens: int = DEFAULT_MEDIA_TOKENS["video"]
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -99,13 +115,21 @@ class SimConfig:
             "time_scale",
             "max_model_len",
             "chars_per_token",
-            "default_max_tokens",
         )
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
-        if self.batch_slowdown < 0:
-            raise ValueError("batch_slowdown must be >= 0")
+        if self.default_max_tokens is not None and self.default_max_tokens <= 0:
+            raise ValueError("default_max_tokens must be positive, or None (up to the context)")
+        not_negative = ("batch_slowdown", "tokens_per_message", *_MEDIA_FIELDS.values())
+        for name in not_negative:
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+
+    @property
+    def media_tokens(self) -> Mapping[str, int]:
+        """What a non-text part whose size is unknown costs, by kind."""
+        return {kind: getattr(self, name) for kind, name in _MEDIA_FIELDS.items()}
 
     @property
     def engine(self) -> EngineModel:
@@ -157,13 +181,17 @@ class RequestRecord:
     user: str | None
     model: str
     prompt_tokens: int
-    max_tokens: int
+    max_tokens: int  # each sequence's budget, as resolved (asked, default, or context)
     stream: bool
     had_authorization: bool
     arrived_at: float
+    # the body's max_tokens, max_completion_tokens, n and best_of as they arrived (those
+    # present): what a proxy in front sent upstream
+    asked: dict[str, Any] = field(default_factory=dict)
+    sequences: int = 1  # generated (n, or best_of when larger), each in a batch slot
     started_at: float | None = None  # got a batch slot (None: failed or aborted while waiting)
     ended_at: float | None = None
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # generated, every sequence
     outcome: Outcome | None = None  # None while in flight
 
 
@@ -197,36 +225,49 @@ class _FifoSlots:
     """Counting semaphore granting strictly in arrival order, like vLLM's FCFS scheduler.
 
     Written out because asyncio.Semaphore's fairness is an implementation detail (it was not
-    FIFO before Python 3.11.1).  A released slot is handed straight to the oldest waiter.
+    FIFO before Python 3.11.1), and because a request with ``n`` sequences needs ``n`` slots
+    at once: taking them one by one, two such requests could each hold part of the batch
+    and wait for the rest forever. The oldest waiter is served first, whole, and nothing
+    overtakes it (head-of-line, as vLLM's scheduler admits a sequence group).
     """
 
     def __init__(self, capacity: int) -> None:
         self._free = capacity
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
 
-    async def acquire(self) -> None:
-        if self._free and not self._waiters:
-            self._free -= 1
+    async def acquire(self, count: int = 1) -> None:
+        if self._free >= count and not self._waiters:
+            self._free -= count
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
+        entry = (count, waiter)
+        self._waiters.append(entry)
         try:
             await waiter
         except asyncio.CancelledError:
             if waiter.done() and not waiter.cancelled():
-                self.release()  # the slot was handed over just before the cancel landed
+                self.release(count)  # the slots were handed over just before the cancel landed
             else:
-                with contextlib.suppress(ValueError):  # release() may have dropped it
-                    self._waiters.remove(waiter)
+                with contextlib.suppress(ValueError):  # _grant() may have dropped it
+                    self._waiters.remove(entry)
+                self._grant()  # the head may have left: the next may fit now
             raise
 
-    def release(self) -> None:
+    def release(self, count: int = 1) -> None:
+        self._free += count
+        self._grant()
+
+    def _grant(self) -> None:
         while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
+            count, waiter = self._waiters[0]
+            if waiter.done():  # cancelled while waiting
+                self._waiters.popleft()
+                continue
+            if self._free < count:
                 return
-        self._free += 1
+            self._waiters.popleft()
+            self._free -= count
+            waiter.set_result(None)
 
 
 class _InjectedDeath(Exception):
@@ -274,6 +315,8 @@ class SimBackend:
         self._site: web.SockSite | None = None
         self._host = "127.0.0.1"
         self._port = 0
+        self._engine_running = asyncio.Event()
+        self._engine_running.set()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -342,6 +385,16 @@ class SimBackend:
             self._site = web.SockSite(self._runner, _listen_socket(self._host, self._port))
             await self._site.start()
         self.faults.refuse_connections = False
+
+    def hold(self) -> None:
+        """Stall the engine: requests that arrive are accepted and wait for a batch slot (in
+        ``waiting``) until release(); those already running go on. A test or bench uses it
+        to let a proxy's queue fill up before anything is served, whatever the speed."""
+        self._engine_running.clear()
+
+    def release(self) -> None:
+        """Let the held requests take batch slots, in arrival order."""
+        self._engine_running.set()
 
     async def update_faults(self, **changes: Any) -> Faults:
         """Validate and apply fault knobs together (ValueError/TypeError if any is bad)."""
@@ -524,6 +577,8 @@ class SimBackend:
             stream=gen.stream,
             had_authorization="Authorization" in request.headers,
             arrived_at=time.monotonic(),
+            asked=dict(gen.asked),
+            sequences=gen.sequences,
         )
         stats.log.append(rec)
         stats.requests_seen += 1
@@ -546,54 +601,68 @@ class SimBackend:
 
     def _plan(self, gen: GenerationRequest) -> AnswerPlan:
         """Fix the whole answer at arrival, so it depends only on seed and arrival order."""
-        n_tokens = output_tokens(self.config.output_mode, gen.max_tokens, gen.min_tokens, self._rng)
-        text_seed = self._rng.getrandbits(128)
-        words = random.Random(text_seed).choices(_WORDS, k=n_tokens)
+        mode, rng = self.config.output_mode, self._rng
+        lengths = [output_tokens(mode, gen.max_tokens, gen.min_tokens, rng)]
+        text_seed = rng.getrandbits(128)  # drawn here, so one sequence draws as it always did
+        lengths += [output_tokens(mode, gen.max_tokens, gen.min_tokens, rng)
+                    for _ in range(gen.sequences - 1)]  # fmt: skip
+        words = random.Random(text_seed)
         prefix = "chatcmpl" if gen.kind == "chat" else "cmpl"
         return AnswerPlan(
             gen=gen,
             id=f"{prefix}-{text_seed:032x}",
             created=int(time.time()),
-            tokens=tuple(w if i == 0 else " " + w for i, w in enumerate(words)),
+            sequences=tuple(_text(words.choices(_WORDS, k=k)) for k in lengths),
         )
 
     async def _run(
-        self, rec: RequestRecord, plan: AnswerPlan, emit: Callable[[str], Awaitable[None]]
+        self, rec: RequestRecord, plan: AnswerPlan, emit: Callable[[int, str], Awaitable[None]]
     ) -> None:
-        """Wait for a batch slot, prefill (yields token 1), then decode one token at a time."""
+        """Wait for batch slots (one per sequence), prefill (yields each sequence's first
+        token), then decode one token of every unfinished sequence per step."""
         cfg = self.config
-        async with self._batch_slot(rec):
+        async with self._batch_slot(rec, len(plan.sequences)):
             await asyncio.sleep(cfg.prefill_seconds(plan.gen.prompt_tokens))
             owed = 0.0  # decode time not slept yet: tokens faster than the loop's tick go together
-            for i, token in enumerate(plan.tokens):
-                if i:
+            for step in range(max(map(len, plan.sequences))):
+                if step:
                     owed += cfg.decode_interval(self.stats.running)
                     if owed >= MIN_SLEEP_S:
                         await asyncio.sleep(owed)
                         owed = 0.0
-                if i == self.faults.die_after_tokens:
+                if step == self.faults.die_after_tokens:
                     raise _InjectedDeath
-                await emit(token)
-                rec.completion_tokens += 1
-                self.stats.completion_tokens += 1
+                for index, sequence in enumerate(plan.sequences):
+                    if step < len(sequence):
+                        await emit(index, sequence[step])
+                        rec.completion_tokens += 1
+                        self.stats.completion_tokens += 1
 
     @contextlib.asynccontextmanager
-    async def _batch_slot(self, rec: RequestRecord) -> AsyncIterator[None]:
-        """Hold one of max_num_seqs places, queueing FIFO for it; keeps the gauges exact."""
+    async def _batch_slot(self, rec: RequestRecord, sequences: int) -> AsyncIterator[None]:
+        """Hold a place of max_num_seqs per sequence (at most all of them), queueing FIFO for
+        them; keeps the gauges, which count sequences, exact."""
         stats = self.stats
-        stats.waiting += 1
+        places = min(sequences, self.config.max_num_seqs)
+        stats.waiting += places
         stats.max_concurrent = max(stats.max_concurrent, stats.waiting + stats.running)
         try:
-            await self._slots.acquire()
+            await self._engine_running.wait()
+            await self._slots.acquire(places)
         finally:
-            stats.waiting -= 1
-        stats.running += 1
+            stats.waiting -= places
+        stats.running += places
         rec.started_at = time.monotonic()
         try:
             yield
         finally:
-            stats.running -= 1
-            self._slots.release()
+            stats.running -= places
+            self._slots.release(places)
+
+
+def _text(words: list[str]) -> tuple[str, ...]:
+    """One token per word, each after the first with its leading space."""
+    return tuple(w if i == 0 else " " + w for i, w in enumerate(words))
 
 
 # --------------------------------------------------------------------- CLI
@@ -623,8 +692,39 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     p.add_argument("--batch-slowdown", type=float, default=d.batch_slowdown)
     p.add_argument("--time-scale", type=float, default=d.time_scale)
     p.add_argument("--output-mode", choices=("max", "random", "min_tokens"), default=d.output_mode)
+    p.add_argument(
+        "--default-max-tokens",
+        type=_max_tokens_arg,
+        default=d.default_max_tokens,
+        help="output of a request that sets no max_tokens: a number, or 'context' for the rest "
+        "of the context window, as vLLM does",
+    )
+    p.add_argument(
+        "--tokens-per-message",
+        type=int,
+        default=d.tokens_per_message,
+        help="prompt tokens the chat template adds per message",
+    )
+    for kind, name in _MEDIA_FIELDS.items():
+        p.add_argument(
+            f"--{kind}-tokens",
+            dest=name,
+            type=int,
+            default=getattr(d, name),
+            help=f"prompt tokens of a {kind} part whose size cannot be read",
+        )
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(func=run_from_args)
+
+
+def _max_tokens_arg(value: str) -> int | None:
+    """``--default-max-tokens``: a positive number, or ``context`` (None)."""
+    if value == "context":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a number or 'context'") from None
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -639,6 +739,9 @@ def run_from_args(args: argparse.Namespace) -> int:
         time_scale=args.time_scale,
         output_mode=args.output_mode,
         seed=args.seed,
+        default_max_tokens=args.default_max_tokens,
+        tokens_per_message=args.tokens_per_message,
+        **{name: getattr(args, name) for name in _MEDIA_FIELDS.values()},
     )
     run(lambda: _serve_until_signal(config, args.host, args.port))
     return 0

@@ -15,7 +15,7 @@ from sfq_proxy.sim.server import RequestRecord
 
 CHAT = [{"role": "user", "content": "hi"}]  # 1 input token by the chars/4 estimate
 CLASSES = {
-    "system": {"priority": True, "max_in_flight": 1, "max_queue_age_s": 30},
+    "system": {"priority": True, "max_in_flight": 1, "max_queue_age_s": 30, "max_queue_len": 10},
     "interactive": {"weight": 6},
     "batch": {"weight": 1},
 }

@@ -5,16 +5,27 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import random
 import re
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from proxy_lab import KEYS, MODEL, AccessLines, Lab, Served, dispatched_behind, proxy_config
+from proxy_lab import (
+    KEYS,
+    MODEL,
+    AccessLines,
+    Lab,
+    Served,
+    dispatched_behind,
+    eventually,
+    proxy_config,
+)
 
 from sfq_proxy.http.runtime import PROXY
 from sfq_proxy.http.server import bound_url, running
 from sfq_proxy.lab.scenario import Request, load_scenario
+from sfq_proxy.sim.api import MESSAGE_OVERHEAD_TOKENS
 
 AZURE = Path(__file__).resolve().parents[2] / "config" / "scenarios" / "azure-conv.yaml"
 
@@ -91,7 +102,41 @@ async def test_calibration_brings_charges_close_to_actual_cost_on_the_azure_trac
     assert after <= 0.25 < before
     pool = served.state.pools["sim"].state()["calibration"]
     assert pool["output_ratio"]["value"] == pytest.approx(0.25, abs=0.01)
-    assert pool["chars_per_token"]["value"] == pytest.approx(4.0, abs=0.01)
+    # one prompt string of exactly 4 chars/token: no template tokens, whatever its length
+    assert pool["input"]["chars_per_token"] == pytest.approx(4.0, abs=0.01)
+    assert pool["input"]["tokens_per_message"] == pytest.approx(0.0, abs=0.01)
+
+
+async def test_calibration_learns_the_chat_templates_tokens_apart_from_chars_per_token(
+    lab: Lab,
+) -> None:
+    """Short chats to the simulated server, whose template adds MESSAGE_OVERHEAD_TOKENS a
+    message: the pool learns that apart from the text's 4 chars/token (as a ratio, these
+    chats would have sunk chars/token to its floor), and shows both in its state and
+    metrics. A long single message is then priced at its real count."""
+    sim = await lab.backend()
+    calibration = {"half_life_requests": 1000, "min_org_samples": 10}
+    served = await lab.proxy(proxy_config([sim.url], calibration=calibration))
+    client, rng = lab.client(served, "A"), random.Random(16)
+    for _ in range(30):  # 4 to 40 characters a message: exactly 1 to 10 tokens
+        count = rng.randint(1, 6)
+        chat = [{"role": "user", "content": "x" * 4 * rng.randint(1, 10)} for _ in range(count)]
+        await client.chat.completions.create(model=MODEL, messages=chat, max_tokens=1)
+
+    def learned() -> dict:
+        return served.state.pools["sim"].state()["calibration"]["input"]
+
+    await eventually(lambda: learned()["samples"] == 30)
+    assert learned()["tokens_per_message"] == pytest.approx(MESSAGE_OVERHEAD_TOKENS, abs=1e-6)
+    assert learned()["chars_per_token"] == pytest.approx(4.0, rel=1e-6)
+    registry = served.state.metrics.registry
+    expected = {"tokens_per_message": MESSAGE_OVERHEAD_TOKENS, "chars_per_token": 4}
+    for quantity, value in expected.items():
+        labels = {"pool": "sim", "org": "", "quantity": quantity}
+        assert registry.get_sample_value("sfq_calibration", labels) == pytest.approx(value)
+        assert registry.get_sample_value("sfq_calibration_samples", labels) == 30
+    model = served.state.pools["sim"].cost.input_model()
+    assert model.tokens(1, 3996) == pytest.approx(MESSAGE_OVERHEAD_TOKENS + 999, rel=1e-6)
 
 
 async def _contended_dispatches(lab: Lab, served: Served, per_org: int) -> Counter[str]:

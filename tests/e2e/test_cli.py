@@ -35,12 +35,14 @@ def sfq_proxy(
     )
 
 
-def write_config(tmp_path: Path, slots: int = 4, name: str = "bad.yaml") -> Path:
+def write_config(
+    tmp_path: Path, slots: int = 4, name: str = "bad.yaml", classes: str = "[interactive]"
+) -> Path:
     path = tmp_path / name
     path.write_text(
         f"""
 keys:
-  - {{key: {PLAIN_SECRET}, org: product, classes: [interactive]}}
+  - {{key: {PLAIN_SECRET}, org: product, classes: {classes}}}
 pools:
   llama-8b:
     models: [meta-llama/Llama-3.1-8B-Instruct]
@@ -78,6 +80,19 @@ def test_check_config_of_the_example_summarises_it_without_secrets() -> None:
     assert "  keys[0]: org=analytics, classes=[batch] (from env ANALYTICS_KEY)\n" in out
     assert "  keys[2]: org=ops, classes=[system, interactive] (sha256)\n" in out
     assert "  product/interactive/llama-8b: 12\n" in out
+    # each class's worst-case share of each pool (system is the band, capped at 4)
+    assert (
+        "  worst-case shares of 24 slots (all classes backlogged, equal org weights):\n"
+        "    system: up to 16.7% (priority, max_in_flight=4)\n"
+        "    interactive: at least 71.4% (85.7% of the rest)\n"
+        "    batch: at least 11.9% (14.2% of the rest)\n"
+    ) in out
+    assert "  worst-case shares of 64 slots" in out
+    # the ceiling per request bounds c_max: max(input_weight, output_weight) × ceiling
+    assert (
+        "  per request: at most 131072 tokens in + out (c_max 524288), more is refused; "
+        "none asked: sent max_tokens=1024\n"
+    ) in out
     for secret in EXAMPLE_ENV.values():
         assert secret not in out
 
@@ -107,6 +122,19 @@ def test_check_config_of_a_bad_file_names_the_path_and_the_file(tmp_path: Path) 
     assert "pools.llama-8b.backends[0].slots: must be > 0" in result.stderr
     assert "bad.yaml" in result.stderr
     assert PLAIN_SECRET not in result.stderr
+
+
+def test_check_config_refuses_a_band_that_could_fill_a_pool(tmp_path: Path) -> None:
+    # the default system class (max_in_flight 4), granted to a key, on a pool of 4 slots
+    path = write_config(tmp_path, classes="[interactive, system]")
+    result = sfq_proxy("check-config", path)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert (
+        "classes.system.max_in_flight: the priority band's max_in_flight total 4 (system 4) "
+        "leaves no slot of pool 'llama-8b' (4 slots) to the fair queue"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_check_config_of_a_missing_file_says_so(tmp_path: Path) -> None:

@@ -57,6 +57,11 @@ PATHS = (CHAT, COMPLETION, EMBEDDING)
 INPUT_FIELD = {CHAT: "messages", COMPLETION: "prompt", EMBEDDING: "input"}
 MAX_TOKENS = 10_000_000
 MAX_CHOICES = 128  # n, best_of
+# the Rig's ceiling per request (its highest allowed value), and the most a well-formed
+# request asks per choice: 128 choices of it and a short input stay under the ceiling
+CEILING = 100_000_000
+WELL_FORMED_MAX_TOKENS = 700_000
+DEFAULT_MAX_TOKENS = 512  # what the proxy writes upstream for a request that sets none
 TOKEN_FIELDS = {
     "max_tokens": MAX_TOKENS,
     "max_completion_tokens": MAX_TOKENS,
@@ -67,7 +72,7 @@ KEY_CLASSES = {  # as tests/proxy_lab.py's config grants them
     KEYS["A"]: ("batch", "interactive"),
     KEYS["B"]: ("batch",),
     KEYS["C"]: ("interactive",),
-    KEYS["OPS"]: ("system", "interactive"),
+    KEYS["OPS"]: ("interactive",),  # not system: the Rig's 1-slot pool cannot have a band
 }
 AUTH_A = ((b"Authorization", f"Bearer {KEYS['A']}".encode()),)
 USAGE_ASKED = '"stream_options":{"include_usage":true}'
@@ -219,7 +224,12 @@ def _json_bytes(value: Any) -> bytes:
 
 
 HOLDER_BODY = _json_bytes(
-    {"model": MODEL, "messages": [{"role": "user", "content": "hold"}], "user": "sfq-fuzz-hold"}
+    {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hold"}],
+        "user": "sfq-fuzz-hold",
+        "max_tokens": 1,  # set, so that the proxy forwards these very bytes
+    }
 )
 PROBE_BODY = _json_bytes(
     {"model": MODEL, "messages": [{"role": "user", "content": "probe"}], "max_tokens": 1}
@@ -410,7 +420,8 @@ class Rig:
     async def start(self) -> Rig:
         """A fresh proxy: after a broken pool, so that later examples are not failed by
         an earlier one's leftovers (the old proxy runs on, unused, until the test ends)."""
-        self.served = await self.lab.proxy(proxy_config([self.backend_url], slots=1))
+        ceiling = {"cost": {"max_request_tokens": CEILING}}
+        self.served = await self.lab.proxy(proxy_config([self.backend_url], slots=1, pool=ceiling))
         return self
 
     def __repr__(self) -> str:  # in hypothesis's report of a failing example
@@ -686,8 +697,8 @@ prompts = st.one_of(
 INPUTS = {CHAT: messages, COMPLETION: prompts, EMBEDDING: prompts}
 GENERATION_OPTIONS = {
     "stream": st.booleans(),
-    "max_tokens": st.none() | st.integers(1, MAX_TOKENS),
-    "max_completion_tokens": st.none() | st.integers(1, MAX_TOKENS),
+    "max_tokens": st.none() | st.integers(1, WELL_FORMED_MAX_TOKENS),
+    "max_completion_tokens": st.none() | st.integers(1, WELL_FORMED_MAX_TOKENS),
     "n": st.integers(1, MAX_CHOICES),
     "temperature": st.floats(0, 2),
     "user": texts,
@@ -1065,16 +1076,22 @@ async def test_well_formed_requests_are_forwarded_as_sent(
     rig: Rig, request: tuple[str, dict[Any, Any]]
 ) -> None:
     """The other half of the contract: what it allows is served, and reaches the backend as
-    the client wrote it (the proxy may only add ``include_usage`` to a stream's options)."""
+    the client wrote it (the proxy may only add ``include_usage`` to a stream's options, and
+    the ``max_tokens`` it charged to a request that set none)."""
     path, body = request
     answer, forwarded = await exchange(rig, Case(path, encode(body)))
     assert answer.status == 200, f"a well-formed request got {answer.status}: {answer.body!r}"
     [(_, raw)] = forwarded
-    assert json.loads(raw) == _as_forwarded(body), f"forwarded as {raw!r}"
+    assert json.loads(raw) == _as_forwarded(path, body), f"forwarded as {raw!r}"
 
 
-def _as_forwarded(body: dict[str, Any]) -> dict[str, Any]:
-    """``body`` as the backend may see it: a stream asks for its usage chunk."""
+def _as_forwarded(path: str, body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` as the backend may see it: a stream asks for its usage chunk, and a request
+    that sets no token field is told the output it was charged for."""
+    if path != EMBEDDING and all(
+        body.get(f) is None for f in ("max_tokens", "max_completion_tokens")
+    ):
+        body = {**body, "max_tokens": DEFAULT_MAX_TOKENS}
     options = body.get("stream_options")
     if body.get("stream") is True and not (
         isinstance(options, dict) and options.get("include_usage")

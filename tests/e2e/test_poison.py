@@ -70,13 +70,14 @@ async def test_a_huge_max_tokens_is_400_and_the_pool_keeps_serving(lab: Lab) -> 
 
 async def test_one_request_larger_than_a_providers_bucket_cannot_lock_the_pool(lab: Lab) -> None:
     """Charged to the pool's tokens-per-minute bucket, ``max_tokens: 1e7`` used to leave every
-    org a 429 for about 930 s. It can never fit, so it is refused, and nothing is taken."""
+    org a 429 for about 930 s (it is now above the pool's ceiling per request too). One
+    within the ceiling that can never fit the bucket is refused, and nothing is taken."""
     sim = await lab.backend()
     rate = {"rate": {"tokens_per_minute": 60_000}}
     served = await lab.proxy(proxy_config([sim.url], slots=2, pool=rate))
     with pytest.raises(openai.BadRequestError) as refused:
         await lab.client(served).chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=10_000_000
+            model=MODEL, messages=CHAT, max_tokens=100_000
         )
     assert refused.value.body["code"] == "tokens_exceed_limit"
     assert "60000 tokens per minute of pool sim" in refused.value.body["message"]
@@ -228,7 +229,7 @@ BEFORE_THE_ANSWER = [
     ("sfq_proxy.core.flows.Authenticator.identify", 500),
     ("sfq_proxy.http.handler.parse", 500),
     ("sfq_proxy.http.handler.classify", 500),
-    ("sfq_proxy.core.cost.CostModel.estimate", 500),
+    ("sfq_proxy.core.cost.CostModel.price", 500),
     ("sfq_proxy.core.admission.Admission.admit", 500),
     ("sfq_proxy.http.metrics.Metrics.seen", 500),
     ("sfq_proxy.http.pool_runtime.Pool.acquire", 500),

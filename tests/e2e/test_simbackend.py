@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import aiohttp
 import openai
 import pytest
+from images import png_part
 
 from sfq_proxy.sim.api import estimate_prompt_tokens
 from sfq_proxy.sim.server import SimBackend, SimConfig, add_parser
@@ -119,7 +120,7 @@ async def http() -> AsyncIterator[aiohttp.ClientSession]:
                     }
                 ]
             },
-            3 + 4,
+            3 + 4 + 765,  # an image of unknown size: the default price of an image
         ),
         ({"messages": [{"role": "assistant", "content": None}]}, 4),
         ({"prompt": "abcdefghi"}, 3),
@@ -553,3 +554,222 @@ def test_cli_parser() -> None:
     assert (args.port, args.models, args.max_num_seqs) == (9000, ["a", "b"], 3)
     assert (args.time_scale, args.output_mode, args.seed) == (10.0, "random", 5)
     assert callable(args.func)
+
+
+# ------------------------------------------------------------------- what a real server does
+# (issue 16: the tricks a tenant may play on the proxy's estimate need a backend that does
+# what vLLM does with them: generate up to the context, n sequences, price images)
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        ([png_part(1024, 1024), {"type": "text", "text": "abcd"}], 765 + 1),
+        ([png_part(2048, 4096)], 1105),  # OpenAI's worked examples of the tile rule
+        ([png_part(4096, 8192, detail="low")], 85),
+        ([{"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}], 100),
+        ([{"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}], 200),
+        ([{"type": "file", "file": {"file_id": "f"}}], 300),
+        ([{"type": "video_url", "video_url": {"url": "https://example.com/v.mp4"}}], 400),
+        ([{"type": "x-unknown"}], 300),  # an unknown kind is priced as a file, never free
+        (["abcdefgh"], 2),  # a bare string part is text
+    ],
+)
+def test_prompt_tokens_count_media_parts_and_the_template(content: list, expected: int) -> None:
+    """Each message costs the template's tokens, its text and its media parts; an image whose
+    size is readable by OpenAI's tile rule, any other part at the configured price."""
+    media = {"image": 100, "audio": 200, "file": 300, "video": 400}
+    body = {"messages": [{"role": "user", "content": content}]}
+    assert estimate_prompt_tokens(body, 4.0, 7, media) == 7 + expected
+
+
+async def test_the_prompt_of_a_chat_with_images_as_the_server_reports_it() -> None:
+    async with (
+        SimBackend(make_config(max_model_len=8192, tokens_per_message=7)) as sim,
+        openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0) as client,
+    ):
+        content = [{"type": "text", "text": "what is this?"}, png_part(1024, 1024)]
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": content}]
+        resp = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert resp.usage is not None
+    assert resp.usage.prompt_tokens == (7 + 2) + (7 + 4 + 765)
+
+
+async def test_without_max_tokens_vllm_generates_up_to_the_context() -> None:
+    """default_max_tokens None: the rest of the context window, as vLLM does; a request's
+    own max_completion_tokens wins over its max_tokens (the first of them that is set)."""
+    async with (
+        SimBackend(make_config(default_max_tokens=None)) as sim,
+        openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0) as client,
+    ):
+        resp = await client.chat.completions.create(model=MODEL, messages=MESSAGES)
+        both = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=9, max_completion_tokens=3
+        )
+    assert resp.usage is not None
+    assert both.usage is not None
+    assert resp.usage.completion_tokens == 1024 - MESSAGES_TOKENS
+    assert resp.choices[0].finish_reason == "length"
+    assert both.usage.completion_tokens == 3
+    assert [r.asked for r in sim.stats.log] == [{}, {"max_tokens": 9, "max_completion_tokens": 3}]
+    assert [r.max_tokens for r in sim.stats.log] == [1024 - MESSAGES_TOKENS, 3]
+
+
+async def test_n_choices_each_generate_and_are_all_counted(
+    sim: SimBackend, client: openai.AsyncOpenAI
+) -> None:
+    resp = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, n=3)
+    assert [c.index for c in resp.choices] == [0, 1, 2]
+    assert all(len(c.message.content.split()) == 5 for c in resp.choices)
+    assert len({c.message.content for c in resp.choices}) > 1  # three sequences, not one copy
+    assert resp.usage is not None
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (MESSAGES_TOKENS, 15)
+    (rec,) = sim.stats.log
+    assert (rec.sequences, rec.completion_tokens, rec.asked) == (3, 15, {"max_tokens": 5, "n": 3})
+
+
+async def test_n_choices_stream_as_vllm_streams_them(client: openai.AsyncOpenAI) -> None:
+    """A role chunk per choice first, then one chunk per token carrying its choice's index."""
+    stream = await client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=4, n=2, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = [chunk async for chunk in stream]
+    assert all(len(c.choices) == 1 for c in chunks[:-1])
+    assert [(c.choices[0].index, c.choices[0].delta.role) for c in chunks[:2]] == [
+        (0, "assistant"),
+        (1, "assistant"),
+    ]
+    tokens = chunks[2:-1]
+    for index in (0, 1):
+        mine = [c.choices[0] for c in tokens if c.choices[0].index == index]
+        assert len(mine) == 4
+        assert [c.finish_reason for c in mine] == [None, None, None, "length"]
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 8
+
+
+async def test_best_of_generates_more_than_it_returns(
+    sim: SimBackend, client: openai.AsyncOpenAI, http: aiohttp.ClientSession
+) -> None:
+    """Completions' best_of: best_of sequences are generated, n returned; usage counts what
+    is returned (as vLLM did), the backend's own count everything. As vLLM and OpenAI do,
+    such a request is answered as one JSON body even when it asks for a stream."""
+    resp = await client.completions.create(model=MODEL, prompt="abcd", max_tokens=4, best_of=3)
+    assert [c.index for c in resp.choices] == [0]
+    assert resp.usage is not None
+    assert resp.usage.completion_tokens == 4
+    body = {"model": MODEL, "prompt": "abcd", "max_tokens": 4, "best_of": 3, "n": 2,
+            "stream": True}  # fmt: skip
+    async with http.post(sim.url + "/v1/completions", json=body) as r:
+        assert r.content_type == "application/json"
+        answer = await r.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert answer["usage"]["completion_tokens"] == 8
+    assert [(r.sequences, r.completion_tokens, r.stream) for r in sim.stats.log] == [
+        (3, 12, False),
+        (3, 12, False),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("path", "fields"),
+    [
+        ("/v1/chat/completions", {"n": 0}),
+        ("/v1/chat/completions", {"n": "2"}),
+        ("/v1/chat/completions", {"n": True}),
+        ("/v1/completions", {"n": 3, "best_of": 2}),
+        ("/v1/completions", {"best_of": 0}),
+    ],
+)
+async def test_bad_choice_counts_are_400(
+    sim: SimBackend, http: aiohttp.ClientSession, path: str, fields: dict[str, Any]
+) -> None:
+    body = chat_body(**fields) if "chat" in path else {"model": MODEL, "prompt": "x", **fields}
+    async with http.post(sim.url + path, json=body) as r:
+        assert r.status == 400
+    assert sim.stats.requests_seen == 0
+
+
+async def test_each_sequence_takes_a_batch_slot_and_none_waits_forever() -> None:
+    """n sequences hold n of max_num_seqs at once, granted whole and in arrival order, so
+    requests that each need most of the batch never hold parts of it and wait for the rest."""
+    async with (
+        SimBackend(make_config(max_num_seqs=4)) as sim,
+        openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0) as client,
+    ):
+
+        async def one(n: int) -> int:
+            resp = await client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=30, n=n
+            )
+            return len(resp.choices)
+
+        assert await asyncio.gather(*(one(3) for _ in range(6)), one(9)) == [3] * 6 + [9]
+    log = sim.stats.log
+    for rec in log:  # never more sequences running at once than the batch holds
+        overlapping = [o for o in log if o.started_at <= rec.started_at < o.ended_at]
+        assert sum(min(o.sequences, 4) for o in overlapping) <= 4
+    assert sim.stats.max_concurrent > 4  # they did wait for each other
+
+
+def test_sim_options_are_checked() -> None:
+    for bad in ({"default_max_tokens": 0}, {"tokens_per_message": -1}, {"image_tokens": -5}):
+        with pytest.raises(ValueError, match="must be"):
+            make_config(**bad)
+    assert make_config(default_max_tokens=None).default_max_tokens is None
+
+
+def test_cli_parser_reads_the_new_options() -> None:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["sim-backend", "--default-max-tokens", "context", "--tokens-per-message", "7",
+         "--image-tokens", "100", "--video-tokens", "5"]
+    )  # fmt: skip
+    assert (args.default_max_tokens, args.tokens_per_message) == (None, 7)
+    assert (args.image_tokens, args.audio_tokens, args.video_tokens) == (100, 1500, 5)
+    assert parser.parse_args(["sim-backend"]).default_max_tokens == 256
+    with pytest.raises(SystemExit):
+        parser.parse_args(["sim-backend", "--default-max-tokens", "lots"])
+
+
+async def test_a_request_leaving_the_head_of_the_queue_lets_the_next_one_in() -> None:
+    """Head-of-line: a 1-sequence request waits behind a 4-sequence one even with a slot
+    free; when the 4-sequence one is abandoned, the next is granted at once."""
+    async with SimBackend(slow_config(max_num_seqs=4)) as sim:
+        running = await raw_post(sim.port, "/v1/chat/completions", chat_body(1000, n=3))
+        await eventually(lambda: sim.stats.running == 3)
+        big = await raw_post(sim.port, "/v1/chat/completions", chat_body(5, n=4))
+        await eventually(lambda: sim.stats.waiting == 4)
+        small = await raw_post(sim.port, "/v1/chat/completions", chat_body(1000))
+        await eventually(lambda: sim.stats.waiting == 5)
+        big.close()
+        await eventually(lambda: sim.stats.running == 4 and sim.stats.waiting == 0)
+        assert [r.outcome for r in sim.stats.log] == [None, "aborted", None]
+        running.close()
+        small.close()
+        await eventually(lambda: sim.stats.running == 0)
+
+
+async def test_hold_stalls_the_engine_until_release() -> None:
+    """Held, the server accepts requests and serves none; released, it serves them in
+    arrival order."""
+    async with SimBackend(make_config()) as sim:
+        sim.hold()
+        async with openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0) as c:
+            asks = [
+                asyncio.create_task(
+                    c.chat.completions.create(
+                        model=MODEL, messages=MESSAGES, max_tokens=2, user=f"u{i}"
+                    )
+                )
+                for i in range(3)
+            ]
+            await eventually(lambda: sim.stats.waiting == 3)
+            assert (sim.stats.running, sim.stats.completed) == (0, 0)
+            sim.release()
+            await asyncio.gather(*asks)
+    starts = [rec.started_at for rec in sim.stats.log]
+    assert starts == sorted(starts)
+    assert sim.stats.completed == 3

@@ -30,7 +30,13 @@ def admission(
             for org in ("a", "b", "c")
         ],
         "classes": {
-            "system": {"priority": True, "max_in_flight": 2},
+            "system": {
+                "priority": True,
+                "max_in_flight": 2,
+                "max_queue_age_s": 5,
+                "max_queue_len": 2,
+            },
+            "bulk": {},  # no max_queue_len
             "interactive": {"weight": 6, "max_queue_len": 3},
             "batch": {"max_queue_len": 5},
         },
@@ -136,7 +142,9 @@ def test_queue_full_when_the_flow_queue_reaches_max_queue_len() -> None:
         assert (err.status, err.code, err.retry_after) == (429, "queue_full", 1.0)
     adm.admit(A_INTERACTIVE, 1, 2, None, 0.0)  # interactive: max_queue_len 3
     assert rejection(adm, A_INTERACTIVE, queued=3).code == "queue_full"
-    adm.admit(C_SYSTEM, 1, 10**6, None, 0.0)  # system has no max_queue_len
+    adm.admit(C_SYSTEM, 1, 1, None, 0.0)  # system: max_queue_len 2, counted in the band
+    assert rejection(adm, C_SYSTEM, queued=2).code == "queue_full"
+    adm.admit(Flow("c", "bulk", "prov"), 1, 10**6, None, 0.0)  # bulk has no max_queue_len
 
 
 def test_rejections_are_checked_in_order_409_queue_full_rate() -> None:

@@ -143,7 +143,7 @@ def test_defaults() -> None:
     assert config.limits.max_body_bytes == 10 * 1024 * 1024
     assert config.drain_timeout_s == 30
     assert config.classes == {
-        "system": ClassSpec(priority=True, max_in_flight=4, max_queue_age_s=5),
+        "system": ClassSpec(priority=True, max_in_flight=4, max_queue_age_s=5, max_queue_len=100),
         "interactive": ClassSpec(weight=6, max_queue_age_s=45, max_queue_len=1000),
         "batch": ClassSpec(weight=1, max_queue_age_s=7200, max_queue_len=100000),
     }
@@ -628,6 +628,129 @@ def test_error_list_is_structured() -> None:
         parse(data)
     assert info.value.errors == [("pools.llama-8b.backends[1].slots", "must be > 0")]
     assert info.value.source == "<string>"
+
+
+# --- the priority band must leave every pool a slot for the fair queue ----------------
+
+SYSTEM = {"priority": True, "max_in_flight": 4, "max_queue_age_s": 5, "max_queue_len": 100}
+
+
+def with_band(slots: int = 24, **classes: dict[str, Any]) -> dict[str, Any]:
+    """base() plus an ops key granting ``system`` and ``classes`` (their specs; the default
+    classes when none), with ``slots`` slots in pool provider-a (llama-8b has 64)."""
+    data = base()
+    if classes:
+        data["classes"] = {**classes, "interactive": {"weight": 6}, "batch": {}}
+    grants = [*classes, "interactive"] if classes else ["system", "interactive"]
+    data["keys"].append({"key": "sk-ops", "org": "ops", "classes": grants})
+    data["pools"]["provider-a"]["backends"][0]["slots"] = slots
+    return data
+
+
+@pytest.mark.parametrize(
+    ("field", "why"),
+    [
+        (
+            "max_in_flight",
+            "an uncapped band can take every slot of a pool and starve the fair queue",
+        ),
+        (
+            "max_queue_age_s",
+            "band requests that never expire, always served first, let the band hold the pool",
+        ),
+        (
+            "max_queue_len",
+            "an unbounded band queue, always served first, lets the band hold the pool",
+        ),
+    ],
+)
+def test_a_priority_class_needs_a_cap_an_age_and_a_length(field: str, why: str) -> None:
+    spec = {k: v for k, v in SYSTEM.items() if k != field}
+    assert error_lines(with_band(system=spec)) == [
+        f"classes.system.{field}: a priority class needs {field}: {why}"
+    ]
+
+
+def test_a_bare_priority_class_gets_all_three_errors() -> None:
+    assert [line.split(":")[0] for line in error_lines(with_band(system={"priority": True}))] == [
+        "classes.system.max_in_flight",
+        "classes.system.max_queue_age_s",
+        "classes.system.max_queue_len",
+    ]
+
+
+@pytest.mark.parametrize("slots", [4, 3, 1])
+def test_a_band_that_could_fill_the_smallest_pool_is_refused(slots: int) -> None:
+    # the issue's case: the default system class (max_in_flight 4) granted, a pool of 4 slots
+    assert error_lines(with_band(slots=slots)) == [
+        "classes.system.max_in_flight: the priority band's max_in_flight total 4 (system 4) "
+        f"leaves no slot of pool 'provider-a' ({slots} slots) to the fair queue; it must be "
+        "below every pool's slots"
+    ]
+
+
+def test_a_pool_slot_count_is_the_sum_of_its_backends() -> None:
+    data = with_band(slots=2)
+    data["pools"]["provider-a"]["backends"].append({"url": "http://10.0.0.9:8000", "slots": 3})
+    assert parse(data).pools["provider-a"].backends[1].slots == 3  # 2 + 3 > 4: accepted
+
+
+def test_two_priority_classes_whose_caps_sum_to_the_slots_are_refused() -> None:
+    alert = {**SYSTEM, "max_in_flight": 2}
+    system = {**SYSTEM, "max_in_flight": 2}
+    message = (
+        "the priority band's max_in_flight total 4 (alert 2 + system 2) leaves no slot of pool "
+        "'provider-a' (4 slots) to the fair queue; it must be below every pool's slots"
+    )
+    assert error_lines(with_band(slots=4, system=system, alert=alert)) == [
+        f"classes.alert.max_in_flight: {message}",  # in file order (safe_dump sorts them)
+        f"classes.system.max_in_flight: {message}",
+    ]
+    parse(with_band(slots=5, system=system, alert=alert))  # one slot left: accepted
+
+
+def test_the_default_classes_pass_when_system_is_granted() -> None:
+    config = parse(with_band(slots=5))
+    assert config.classes["system"] == ClassSpec(**SYSTEM)
+    assert default_config().classes["system"].max_queue_len == 100
+
+
+def test_a_priority_class_no_key_grants_is_not_checked() -> None:
+    data = base()  # no key grants system
+    data["classes"] = {"system": {"priority": True}, "interactive": {}, "batch": {}}
+    data["pools"]["provider-a"]["backends"][0]["slots"] = 1
+    summary = parse(data).summary()
+    assert "  system: priority (no key grants it)\n" in summary
+    assert "    system:" not in summary  # no share: it can never run
+    data["keys"][0]["classes"].append("system")
+    assert len(error_lines(data)) == 3
+
+
+def test_summary_shows_each_class_worst_case_share_of_each_pool() -> None:
+    data = with_band(slots=24, system=SYSTEM)
+    data["classes"]["batch"] = {"max_in_flight": 2}
+    lines = parse(data).summary().splitlines()
+    at = lines.index("  worst-case shares of 64 slots (all classes backlogged, equal org weights):")
+    assert lines[at + 1 : at + 4] == [
+        "    batch: at least 3.1% (held by its max_in_flight=2)",
+        "    interactive: at least 80.3% (85.7% of the rest)",
+        "    system: up to 6.3% (priority, max_in_flight=4)",
+    ]
+    at = lines.index("  worst-case shares of 24 slots (all classes backlogged, equal org weights):")
+    assert lines[at + 1 : at + 4] == [
+        "    batch: at least 8.3% (held by its max_in_flight=2)",
+        "    interactive: at least 71.4% (85.7% of the rest)",
+        "    system: up to 16.7% (priority, max_in_flight=4)",
+    ]
+
+
+def test_summary_shares_without_a_band_are_shares_of_the_whole_pool() -> None:
+    lines = parse(base()).summary().splitlines()  # default classes; no key grants system
+    at = lines.index("  worst-case shares of 24 slots (all classes backlogged, equal org weights):")
+    assert lines[at + 1 : at + 3] == [
+        "    interactive: at least 85.7%",
+        "    batch: at least 14.2%",
+    ]
 
 
 # --- YAML-level errors ----------------------------------------------------------------

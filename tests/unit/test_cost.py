@@ -7,12 +7,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from images import png_part
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from sfq_proxy.config import ConfigError, CostSpec
+from sfq_proxy.core.calibration import Calibration, InputModel
 from sfq_proxy.core.cost import CostModel, Estimate
+from sfq_proxy.core.errors import ApiError
 from sfq_proxy.core.inference_request import MAX_OUTPUT_TOKENS, InferenceRequest, Kind, parse
 from sfq_proxy.core.scheduler import Ticket
 
@@ -59,15 +62,17 @@ def test_chat_text_length_counts_every_message() -> None:
 
 def test_default_max_tokens_applies_when_request_sets_none() -> None:
     model = CostModel(CostSpec(default_max_tokens=300))
-    assert model.estimate(completion("x" * 8)) == Estimate(2, 300, 302.0, chars=8)
-    assert model.estimate(completion("x" * 8, max_tokens=10)) == Estimate(2, 10, 12.0, chars=8)
+    assert model.estimate(completion("x" * 8)) == Estimate(2, 300, 302.0, chars=8, messages=1)
+    assert model.estimate(completion("x" * 8, max_tokens=10)) == Estimate(
+        2, 10, 12.0, chars=8, messages=1
+    )
 
 
 def test_weights_and_output_ratio() -> None:
     spec = CostSpec(input_weight=0.5, output_weight=3.0, output_ratio=0.25, chars_per_token=2.0)
     estimate = CostModel(spec).estimate(completion("x" * 20, max_completion_tokens=100))
     # 0.5 * 10 + 3 * 100 * 0.25
-    assert estimate == Estimate(input_tokens=10, max_tokens=100, cost=80.0, chars=20)
+    assert estimate == Estimate(input_tokens=10, max_tokens=100, cost=80.0, chars=20, messages=1)
 
 
 def test_zero_input_weight_prices_output_only() -> None:
@@ -79,8 +84,60 @@ def test_embeddings_cost_input_only() -> None:
     spec = CostSpec(input_weight=2.0, output_weight=5.0, default_max_tokens=512)
     req = parse(Kind.EMBEDDING, body(input="x" * 40))
     assert CostModel(spec).estimate(req) == Estimate(
-        input_tokens=10, max_tokens=0, cost=20.0, chars=40
+        input_tokens=10, max_tokens=0, cost=20.0, chars=40, messages=1
     )
+
+
+# -- template tokens per message, and what calibration learned --------------------------------
+
+
+def test_tokens_per_message_adds_the_chat_templates_tokens() -> None:
+    model = CostModel(CostSpec(tokens_per_message=3.5))
+    req = chat({"content": "abcd"}, {"content": "efgh"}, {"content": "i"})
+    assert model.input_tokens(req) == 13  # ceil(3.5 · 3 + 9 / 4)
+    assert model.estimate(req, "acme") == Estimate(13, 512, 13 + 512, chars=9, messages=3)
+
+
+def test_a_prompt_of_token_ids_has_no_template_tokens() -> None:
+    model = CostModel(CostSpec(tokens_per_message=5.0))
+    assert model.input_tokens(completion([1, 2, 3])) == 3
+    assert model.estimate(completion([1, 2, 3], max_tokens=1)) == Estimate(3, 1, 4.0)
+
+
+def test_input_model_is_the_configured_one_without_calibration() -> None:
+    spec = CostSpec(tokens_per_message=2.0, chars_per_token=3.0)
+    assert CostModel(spec).input_model() == InputModel(2.0, 3.0)
+    calibration = Calibration(half_life_requests=10, min_pool_samples=5)
+    learning = CostModel(spec, pool="p", calibration=calibration)
+    assert learning.input_model() == InputModel(2.0, 3.0)  # nothing learned yet
+
+
+def test_calibration_learns_template_and_text_tokens_through_the_cost_model() -> None:
+    """Usage fed back by ``observe`` carries the messages the estimate counted: after a few
+    chats of varied shapes, both parameters are the backend's and the estimates exact."""
+    calibration = Calibration(half_life_requests=1000, min_pool_samples=3)
+    model = CostModel(CostSpec(), pool="p", calibration=calibration)
+    shapes = [(1, 40), (4, 8), (2, 400), (6, 100)]  # messages, chars per message
+    for messages, chars in shapes:
+        request = chat(*[{"content": "x" * chars}] * messages)
+        estimate = model.estimate(request, "acme")
+        assert (estimate.chars, estimate.messages) == (messages * chars, messages)
+        model.observe(estimate, "acme", 7 * messages + messages * chars // 4, None)
+    learned = model.input_model()
+    assert learned.tokens_per_message == pytest.approx(7.0, rel=1e-6)
+    assert learned.chars_per_token == pytest.approx(4.0, rel=1e-6)
+    assert model.input_tokens(chat({"content": "x" * 3996})) == 7 + 999  # not 1 more
+
+
+def test_tokenizer_counts_text_and_the_configured_template_tokens(tokenizer_path: Path) -> None:
+    """A tokenizer sees the text, not the template: the configured tokens per message are
+    added (calibration does not learn them: its input is counted, not estimated)."""
+    spec = CostSpec(tokenizer=str(tokenizer_path), tokens_per_message=2.5)
+    model = CostModel(spec, pool="p", calibration=Calibration(half_life_requests=10))
+    req = chat({"content": "the quick brown "}, {"content": "fox jumps"})
+    assert model.input_tokens(req) == 5 + 5  # 5 words, ceil(2.5 · 2)
+    estimate = model.estimate(req, "acme")
+    assert (estimate.chars, estimate.messages) == (0, 0)
 
 
 @pytest.mark.parametrize(
@@ -169,3 +226,110 @@ def test_n_and_best_of_multiply_the_output_a_request_may_generate() -> None:
     assert best_of.max_tokens == 600  # best_of sequences are generated, n returned
     # with no max_tokens, each choice may take the pool's default
     assert model.estimate(chat({"content": "x"}, n=3)).max_tokens == 3 * 512
+
+
+# -- CostModel.price: what one request may ask for, and what goes upstream ----------------------
+
+
+def sent(request: InferenceRequest) -> dict[str, Any]:
+    body = json.loads(request.raw)
+    assert isinstance(body, dict)
+    return body
+
+
+def test_a_request_without_max_tokens_is_sent_the_output_it_is_charged_for() -> None:
+    """Leaving max_tokens out used to be charged 512 while the backend generated up to the
+    model's context: now the backend is told the 512 it was charged for."""
+    model = CostModel(CostSpec(default_max_tokens=512))
+    request, estimate = model.price(chat({"content": "x" * 40}), "a")
+    assert sent(request)["max_tokens"] == 512 == request.max_tokens
+    assert estimate.max_tokens == 512
+    assert request.raw.startswith(chat({"content": "x" * 40}).raw.rstrip()[:-1])  # bytes kept
+
+
+def test_the_injected_field_is_the_pools_choice_and_completions_always_use_max_tokens() -> None:
+    model = CostModel(CostSpec(inject_max_tokens="max_completion_tokens"))
+    request, _ = model.price(chat({"content": "hi"}, n=2), "a")
+    assert sent(request)["max_completion_tokens"] == 512
+    assert "max_tokens" not in sent(request)
+    request, _ = model.price(completion("hi"), "a")
+    assert sent(request)["max_tokens"] == 512
+
+
+def test_injection_can_be_turned_off_and_the_charge_stays_the_default() -> None:
+    model = CostModel(CostSpec(inject_max_tokens=False, default_max_tokens=300))
+    original = chat({"content": "hi"})
+    request, estimate = model.price(original, "a")
+    assert request.raw == original.raw
+    assert estimate.max_tokens == 300
+
+
+def test_an_explicit_max_tokens_within_the_ceiling_goes_unchanged() -> None:
+    model = CostModel(CostSpec(max_request_tokens=1000, chars_per_token=4.0))
+    original = chat({"content": "x" * 400}, max_tokens=900)  # 100 in + 900 out = the ceiling
+    request, estimate = model.price(original, "a")
+    assert request.raw == original.raw
+    assert estimate.max_tokens == 900
+
+
+@pytest.mark.parametrize("fields", [{"max_tokens": 901}, {"max_tokens": 451, "n": 2}])
+def test_an_explicit_request_over_the_ceiling_is_refused_by_default(fields: dict[str, int]) -> None:
+    model = CostModel(CostSpec(max_request_tokens=1000, chars_per_token=4.0))
+    with pytest.raises(ApiError) as info:
+        model.price(chat({"content": "x" * 400}, **fields), "a")
+    assert (info.value.status, info.value.code) == (400, "tokens_exceed_limit")
+    assert "ceiling of 1000 tokens" in info.value.message
+
+
+def test_clamping_lowers_every_token_field_the_client_set() -> None:
+    model = CostModel(CostSpec(max_request_tokens=1000, chars_per_token=4.0, over_limit="clamp"))
+    asked = chat({"content": "x" * 400}, max_tokens=5000, max_completion_tokens=5000, n=3)
+    request, estimate = model.price(asked, "a")
+    assert sent(request)["max_tokens"] == sent(request)["max_completion_tokens"] == 300
+    assert estimate.max_tokens == 900
+    assert estimate.input_tokens == 100
+
+
+def test_a_class_ceiling_tighter_than_the_pools_applies() -> None:
+    model = CostModel(CostSpec(max_request_tokens=100_000, chars_per_token=4.0))
+    request, estimate = model.price(chat({"content": "x" * 400}), "a", ceiling=300)
+    assert sent(request)["max_tokens"] == 200
+    assert estimate.max_tokens == 200
+    with pytest.raises(ApiError):
+        model.price(chat({"content": "x" * 400}, max_tokens=201), "a", ceiling=300)
+
+
+@pytest.mark.parametrize("kind", [Kind.CHAT, Kind.EMBEDDING])
+def test_an_input_that_fills_the_ceiling_is_refused_even_when_clamping(kind: Kind) -> None:
+    model = CostModel(CostSpec(max_request_tokens=100, chars_per_token=4.0, over_limit="clamp"))
+    field = {Kind.CHAT: "messages", Kind.EMBEDDING: "input"}[kind]
+    value = [{"content": "x" * 400}] if kind is Kind.CHAT else "x" * 404
+    with pytest.raises(ApiError) as info:
+        model.price(parse(kind, body(**{field: value})), "a")
+    assert info.value.code == "tokens_exceed_limit"
+
+
+def test_the_charge_of_the_largest_admissible_request_is_bounded_by_the_ceiling() -> None:
+    """c_max = max(input_weight, output_weight) · max_request_tokens: the SFQ bound means
+    something only when c_max is bounded."""
+    spec = CostSpec(input_weight=2, output_weight=3, max_request_tokens=1000, over_limit="clamp")
+    model = CostModel(spec)
+    for chars in (0, 400, 3996):
+        _, estimate = model.price(chat({"content": "x" * chars}, max_tokens=10**6), "a")
+        assert estimate.cost <= 3 * 1000
+
+
+def test_media_parts_are_priced_by_their_own_rule_or_the_pools_price_per_kind() -> None:
+    """A 200 KB image used to cost what its caption cost."""
+    spec = CostSpec(chars_per_token=4.0, media_tokens={"image": 500, "audio": 70, "file": 9})
+    model = CostModel(spec)
+    parts = [
+        {"type": "text", "text": "x" * 40},
+        png_part(1024, 1024),  # 765 by OpenAI's rule
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},  # 500
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},  # 70
+        {"type": "unheard_of"},  # a file: 9
+    ]
+    estimate = model.estimate(chat({"content": parts}, max_tokens=1))
+    assert estimate.input_tokens == 10 + 765 + 500 + 70 + 9
+    assert estimate.chars == 0  # not all text: nothing for calibration's chars/token

@@ -19,13 +19,13 @@ keys:
   - {{key_sha256: "{hashlib.sha256(HASHED.encode()).hexdigest().upper()}",
       org: ops, classes: [system, interactive]}}
   - {{key_env: ANALYTICS_KEY, org: analytics, classes: [batch]}}
-pools:
+pools:  # each with more slots than the system class's max_in_flight (4)
   llama-8b:
     models: [meta-llama/Llama-3.1-8B-Instruct, llama-alias]
-    backends: [{{url: "http://127.0.0.1:8001", slots: 4}}]
+    backends: [{{url: "http://127.0.0.1:8001", slots: 8}}]
   provider-a:
     models: [gpt-4o-mini]
-    backends: [{{url: "https://provider.example/v1", slots: 2}}]
+    backends: [{{url: "https://provider.example/v1", slots: 8}}]
 """
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 

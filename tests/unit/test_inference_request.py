@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from sfq_proxy.core.errors import ApiError
-from sfq_proxy.core.inference_request import InferenceRequest, Kind, parse
+from sfq_proxy.core.inference_request import InferenceRequest, Kind, parse, with_output_limit
+from sfq_proxy.core.media import Media
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -48,6 +49,7 @@ def test_chat_with_string_contents_joins_their_text() -> None:
         token_ids=0,
         max_tokens=None,
         raw=raw,
+        messages=2,
     )
 
 
@@ -312,3 +314,74 @@ def test_a_lone_surrogate_nested_as_deep_as_json_allows_is_400_not_a_crash() -> 
 )
 def test_choices_are_the_larger_of_n_and_best_of(fields: dict[str, Any], choices: int) -> None:
     assert chat({"content": "x"}, **fields).choices == choices
+
+
+# -- tools: what the chat template renders into the prompt is priced ---------------------------
+
+
+def test_tool_definitions_and_earlier_tool_calls_are_counted_as_input() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+    ]
+    req = parse(Kind.CHAT, body(messages=messages, tools=tools))
+    compact = {"separators": (",", ":"), "ensure_ascii": False}
+    assert req.text == "Hi" + "" + "42" + json.dumps(tools, **compact) + json.dumps(
+        calls, **compact
+    )
+    assert req.messages == 3
+
+
+def test_a_schema_of_any_size_is_not_free() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "description": "d" * 20_000}}]
+    with_tools = parse(Kind.CHAT, body(messages=[{"content": "x"}], tools=tools))
+    assert len(with_tools.text or "") > 20_000
+
+
+def test_the_output_limit_is_appended_and_usage_is_still_asked_for() -> None:
+    req = chat({"content": "x"}, stream=True)
+    limited = with_output_limit(req, 64, "max_completion_tokens")
+    sent = json.loads(limited.raw)
+    assert sent["max_completion_tokens"] == 64
+    assert sent["stream_options"] == {"include_usage": True}
+    assert limited.max_tokens == 64
+    assert limited.strip_usage
+
+
+def test_image_audio_and_file_parts_are_kept_for_pricing_not_read_as_text() -> None:
+    parts = [
+        {"type": "text", "text": "Compare "},
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png", "detail": "low"}},
+        {"type": "image_url", "image_url": {"url": "https://example.com/b.png"}},
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}},
+        {"type": "file", "file": {"file_id": "f1"}},
+        {"type": "something_new", "payload": "x" * 100},
+    ]
+    req = chat({"role": "user", "content": parts})
+    assert req.text == "Compare "
+    assert req.media == (
+        Media("image", 85), Media("image", None), Media("audio", None),
+        Media("file", None), Media("file", None),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+def test_a_token_field_sent_as_null_is_written_in_place_never_twice(field: str) -> None:
+    """Appending a second ``max_tokens`` after a null one would leave it to each backend's
+    parser which one wins: one that keeps the first would generate without a limit."""
+    req = parse(Kind.CHAT, b'{"model":"m","messages":[{"content":"x"}],"\\u006dax_tokens":null}')
+    raw = with_output_limit(req, 64, field).raw
+    names = [name for name, _ in json.loads(raw, object_pairs_hook=lambda pairs: pairs)]
+    assert sorted(names) == sorted({"model", "messages", "max_tokens", field})
+    assert json.loads(raw)[field] == 64
+
+
+def test_a_body_that_cannot_be_written_back_is_a_400_not_invalid_json_upstream() -> None:
+    req = parse(Kind.CHAT, b'{"model":"m","messages":[],"max_tokens":null,"temperature":1e400}'
+                .replace(b"[]", b'[{"content":"x"}]'))  # fmt: skip
+    with pytest.raises(ApiError) as info:
+        with_output_limit(req, 64, "max_tokens")
+    assert info.value.status == 400
