@@ -229,13 +229,70 @@ class CostSpec(WeightedCost):
     inject_max_tokens: Literal["max_tokens", "max_completion_tokens", False] = "max_tokens"
 
 
-class HealthSpec(StrictModel):
-    """Active health probe of each backend, and the cooldown after a failure."""
+HealthMode = Literal["active", "passive"]
+# failures in a row that take a backend out, by mode: an active pool's probe is the judge
+# (one failure, as before), while a passive pool's backend is often a provider's only one,
+# so a lone 5xx must not take it out (Envoy's outlier detection also waits for 5)
+_DEFAULT_FAILURES: dict[str, int] = {"active": 1, "passive": 5}
+# the fields that describe the probe request: set on a passive pool, they are a mistake
+_PROBE_FIELDS = ("path", "method", "send_key")
 
+
+class HealthSpec(StrictModel):
+    """How a pool judges its backends' health (docs/design.md §5).
+
+    ``active``: a probe of every backend each ``interval_s``; a backend taken out comes back
+    at its first good probe after ``cooldown_s``. ``passive``: no probe; a backend taken out
+    is trusted again once ``cooldown_s`` is over. In both, ``consecutive_failures`` failures
+    in a row (failed probes, connect errors, 5xx answers) take a backend out; a success
+    resets the count. A pool with ``upstream_key_env`` is passive unless it says otherwise
+    (see :class:`PoolSpec`); ``consecutive_failures`` defaults to 1 when active, 5 when
+    passive.
+    """
+
+    mode: HealthMode = "active"
     path: str = "/health"
+    method: Literal["GET", "HEAD"] = "GET"
+    send_key: bool = True  # send the pool's upstream key (if any) with the probe
     interval_s: Seconds = 5.0
     cooldown_s: NonNegativeSeconds = 10.0
     timeout_s: Seconds = 2.0
+    consecutive_failures: PositiveInt = 1
+
+    @model_validator(mode="before")
+    @classmethod
+    def _failures_by_mode(cls, data: Any) -> Any:
+        """The default streak depends on the mode; an explicit one is kept."""
+        if isinstance(data, dict) and "consecutive_failures" not in data:
+            mode = data.get("mode", "active")
+            default = _DEFAULT_FAILURES.get(mode) if isinstance(mode, str) else None
+            if default is not None:
+                return {**data, "consecutive_failures": default}
+        return data
+
+    @model_validator(mode="after")
+    def _no_probe_when_passive(self) -> Self:
+        if self.mode == "passive":
+            for field in _PROBE_FIELDS:
+                if field in self.model_fields_set:
+                    raise ValueError(
+                        f"{field} is for active probes; set mode: active to probe (a pool "
+                        "with upstream_key_env is passive by default)"
+                    )
+        return self
+
+    def summary(self, keyed: bool) -> str:
+        """One line for ``check-config``; ``keyed`` when the pool has an upstream key."""
+        streak = self.consecutive_failures
+        failures = "1 failure" if streak == 1 else f"{streak} failures in a row"
+        out = f"out for {_num(self.cooldown_s)} s after {failures}"
+        if self.mode == "passive":
+            return f"health: passive, no probe; {out} (connect errors, 5xx), then trusted again"
+        key = ", with the upstream key" if keyed and self.send_key else ""
+        return (
+            f"health: active, {self.method} {self.path} every {_num(self.interval_s)} s "
+            f"(timeout {_num(self.timeout_s)} s{key}); {out}, back at the next good probe"
+        )
 
     @field_validator("path")
     @classmethod
@@ -294,6 +351,14 @@ class BackendSpec(StrictModel):
         return f"{host}:{port}"
 
 
+def api_base(url: str) -> str:
+    """Where a backend's API paths (``/v1/chat/completions``…) and its health path go: its
+    URL without a trailing ``/v1``, so that ``https://api.openai.com/v1`` (as providers
+    write it) and ``http://10.0.0.11:8000`` (as vLLM is) both get ``/v1/...`` once. Any
+    other path prefix is kept (``https://gw.example/openai/v1`` → ``/openai``)."""
+    return url[: -len("/v1")] if urlsplit(url).path.endswith("/v1") else url
+
+
 class RateSpec(StrictModel):
     """Rate limits of a provider pool, shared by every flow of the pool."""
 
@@ -311,6 +376,17 @@ class PoolSpec(StrictModel):
     backends: list[BackendSpec] = Field(min_length=1)
     upstream_key_env: NonEmptyStr | None = None
     rate: RateSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _providers_are_passive(cls, data: Any) -> Any:
+        """A pool with ``upstream_key_env`` (a hosted provider, which rarely has an open
+        ``/health``) is passive unless its ``health`` sets a ``mode``."""
+        if isinstance(data, dict) and data.get("upstream_key_env") is not None:
+            health = data.get("health", {})
+            if isinstance(health, dict) and "mode" not in health:
+                return {**data, "health": {**health, "mode": "passive"}}
+        return data
 
 
 class RetrySpec(StrictModel):
@@ -509,7 +585,7 @@ def _check_backends(pools: Mapping[str, PoolSpec]) -> _Errors:
         names: dict[str | None, int] = {}
         for i, backend in enumerate(pool.backends):
             path = f"pools.{pool_name}.backends[{i}]"
-            if (first := urls.setdefault(backend.url, i)) != i:
+            if (first := urls.setdefault(api_base(backend.url), i)) != i:  # /v1 or not
                 errors.append((f"{path}.url", f"same url as backends[{first}]"))
             elif (first := names.setdefault(backend.name, i)) != i:
                 errors.append((f"{path}.name", f"same name as backends[{first}]"))
@@ -698,6 +774,7 @@ def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
         f"more is {cost.over_limit.replace('refuse', 'refus')}ed; {_injection(cost)}",
     ]
     lines += [f"  backend {b.name}: {b.url}, {b.slots} slots" for b in pool.backends]
+    lines.append("  " + pool.health.summary(keyed=pool.upstream_key_env is not None))
     if pool.rate is not None:
         lines.append(f"  rate: {', '.join(_fmt_caps(pool.rate, RateSpec.model_fields))}")
     if pool.upstream_key_env is not None:

@@ -6,9 +6,9 @@ which is the fair queue's job. Times are plain numbers the caller reads from its
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from ..config import BackendSpec
+from ..config import BackendSpec, api_base
 
 
 @dataclass(slots=True, eq=False)
@@ -19,6 +19,11 @@ class Backend:
     in_flight: int = 0
     healthy: bool = True  # trusted until a probe or a failed request says otherwise
     down_until: float = 0.0  # end of the cooldown after the last failure
+    failures: int = 0  # failures in a row (probes, connect errors, 5xx); a success resets it
+    base: str = field(init=False)  # the URL without a trailing /v1: API and health paths go here
+
+    def __post_init__(self) -> None:
+        self.base = api_base(self.url)
 
     @property
     def load(self) -> float:
@@ -26,10 +31,15 @@ class Backend:
 
 
 class Placement:
-    """The backends of one pool and the rule for picking among them."""
+    """The backends of one pool and the rule for picking among them.
 
-    def __init__(self, specs: list[BackendSpec]) -> None:
+    ``failures_to_down`` is how many failures in a row take a backend out (the pool's
+    ``health.consecutive_failures``); the pool sets it again on a reload.
+    """
+
+    def __init__(self, specs: list[BackendSpec], *, failures_to_down: int = 1) -> None:
         self.backends = [Backend(name=s.name or s.url, url=s.url, slots=s.slots) for s in specs]
+        self.failures_to_down = failures_to_down
 
     def update(self, specs: list[BackendSpec]) -> None:
         """A config reload: keep the backends still listed (their in-flight requests and
@@ -64,16 +74,33 @@ class Placement:
             raise RuntimeError(f"backend {backend.name} released more slots than it had")
         backend.in_flight -= 1
 
+    def record_failure(self, backend: Backend, until: float) -> bool:
+        """A failed probe or request: once ``failures_to_down`` of them come in a row, the
+        backend is out until ``until`` (each further failure pushes that back). True when
+        this one took a healthy backend out."""
+        backend.failures += 1
+        if backend.failures < self.failures_to_down:
+            return False
+        was_healthy = backend.healthy
+        self.mark_down(backend, until)
+        return was_healthy
+
+    def record_success(self, backend: Backend) -> None:
+        """A good probe or answer ends the streak; a backend that is out stays out."""
+        backend.failures = 0
+
     def mark_down(self, backend: Backend, until: float) -> None:
         """A failure: no new requests go to ``backend`` before ``until`` and a good probe."""
         backend.healthy = False
         backend.down_until = max(backend.down_until, until)
 
     def mark_up(self, backend: Backend, now: float) -> bool:
-        """A good probe; True when it brought ``backend`` back (its cooldown is over)."""
+        """A good probe, or for a passive pool the end of the cooldown; True when it brought
+        ``backend`` back (its cooldown is over), with a fresh streak."""
         if backend.healthy or now < backend.down_until:
             return False
         backend.healthy = True
+        backend.failures = 0
         return True
 
     def any_healthy(self) -> bool:

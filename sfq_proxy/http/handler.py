@@ -180,6 +180,8 @@ async def _serve(
             generated = not _refused(relayed)
             if backend_failed(relayed):
                 pool.report_failure(backend)
+            else:
+                pool.report_success(backend)
         except UpstreamFailed as failure:
             generated = False
             pool.report_failure(backend)

@@ -47,7 +47,7 @@ class Pool:
         self.name = name
         self.spec = spec = config.pools[name]
         self.clock = clock
-        self.placement = Placement(spec.backends)
+        self.placement = Placement(spec.backends, failures_to_down=spec.health.consecutive_failures)
         org_caps, class_caps, rate = _limits(config, spec)
         self.scheduler = Scheduler(
             self.placement, org_caps=org_caps, class_caps=class_caps, rate=rate
@@ -57,6 +57,7 @@ class Pool:
         self.upstream_key = config.upstream_key(name)
         self.recent: deque[tuple[str, str]] = deque(maxlen=RECENT_DISPATCHES)  # (flow, backend)
         self._timer: asyncio.TimerHandle | None = None
+        self._revivals: dict[Backend, asyncio.TimerHandle] = {}  # passive: end of cooldowns
 
     def reconfigure(self, config: Config, cost: CostModel) -> None:
         """A config reload; ``cost`` was built beforehand, so a bad tokenizer changes nothing.
@@ -66,6 +67,7 @@ class Pool:
         """
         self.spec = config.pools[self.name]
         self.placement.update(self.spec.backends)
+        self.placement.failures_to_down = self.spec.health.consecutive_failures
         self.scheduler.set_limits(*_limits(config, self.spec))
         for view in self.scheduler.queue.flows():
             org, cls = org_and_class(view.flow)
@@ -73,6 +75,10 @@ class Pool:
                 self.scheduler.queue.set_weight(view.flow, config.flow_weight(org, cls))
         self.cost = cost
         self.upstream_key = config.upstream_key(self.name)
+        if self.spec.health.mode == "passive":  # no probe will bring these back
+            for backend in self.placement.backends:
+                if not backend.healthy:
+                    self._revive_later(backend)
         self._run(self.scheduler.pump(self.clock()))
 
     async def acquire(
@@ -118,28 +124,69 @@ class Pool:
         self._run(self.scheduler.finish(ticket, now))
 
     def report_failure(self, backend: Backend) -> None:
-        """Passive health: a connection failure or 5xx takes the backend out for a cooldown."""
-        if backend.healthy:
-            log.warning("pool %s: backend %s marked down", self.name, backend.name)
-        self.placement.mark_down(backend, self.clock() + self.spec.health.cooldown_s)
+        """A failed probe, connection failure or 5xx: ``health.consecutive_failures`` in a row
+        take the backend out for a cooldown."""
+        health = self.spec.health
+        if self.placement.record_failure(backend, self.clock() + health.cooldown_s):
+            log.warning(
+                "pool %s: backend %s marked down after %d failure(s) in a row",
+                self.name, backend.name, backend.failures,
+            )  # fmt: skip
+        if not backend.healthy and health.mode == "passive":
+            self._revive_later(backend)
+
+    def report_success(self, backend: Backend) -> None:
+        """A good probe or an answer that is not a failure: the failure streak ends."""
+        self.placement.record_success(backend)
+
+    def _revive_later(self, backend: Backend) -> None:
+        """Passive health: bring ``backend`` back when its cooldown is over (at once if it is
+        over already, as for a backend new in a reloaded file)."""
+        if backend in self._revivals:
+            return
+        delay = backend.down_until - self.clock()
+        if delay <= 0:
+            self._revive(backend)
+        else:
+            loop = asyncio.get_running_loop()
+            self._revivals[backend] = loop.call_later(delay, self._revive, backend)
+
+    def _revive(self, backend: Backend) -> None:
+        self._revivals.pop(backend, None)
+        if self.spec.health.mode != "passive":  # a reload made the pool active: probes decide
+            return
+        if self.placement.mark_up(backend, self.clock()):
+            log.warning("pool %s: backend %s is back (cooldown over)", self.name, backend.name)
+            self._run(self.scheduler.pump(self.clock()))
+        elif not backend.healthy:  # failed again meanwhile: the cooldown was pushed back
+            self._revive_later(backend)
 
     async def probe_forever(self, session: aiohttp.ClientSession) -> None:
-        """Active health: GET the health path of every backend each interval."""
+        """Active health: probe every backend each interval. A passive pool sends nothing,
+        but keeps the loop, so that a reload may make it active."""
         while True:
-            await asyncio.gather(*(self._probe(session, b) for b in self.placement.backends))
-            await asyncio.sleep(self.spec.health.interval_s)
+            health = self.spec.health
+            if health.mode == "active":
+                await asyncio.gather(*(self._probe(session, b) for b in self.placement.backends))
+            await asyncio.sleep(health.interval_s)
 
     async def _probe(self, session: aiohttp.ClientSession, backend: Backend) -> None:
-        url = backend.url + self.spec.health.path
-        limit = aiohttp.ClientTimeout(total=self.spec.health.timeout_s)
+        health = self.spec.health
+        url = backend.base + health.path  # the server's root (or prefix), not its /v1
+        limit = aiohttp.ClientTimeout(total=health.timeout_s)
+        headers = {}
+        if health.send_key and self.upstream_key:
+            headers["Authorization"] = f"Bearer {self.upstream_key}"
         try:
-            async with session.get(url, timeout=limit) as resp:
-                ok = resp.status == 200
+            async with session.request(health.method, url, headers=headers, timeout=limit) as r:
+                ok = r.status == 200
         except (aiohttp.ClientError, TimeoutError):
             ok = False
         if not ok:
             self.report_failure(backend)
-        elif self.placement.mark_up(backend, self.clock()):
+            return
+        self.report_success(backend)
+        if self.placement.mark_up(backend, self.clock()):
             log.warning("pool %s: backend %s is back", self.name, backend.name)
             self._run(self.scheduler.pump(self.clock()))
 
@@ -167,6 +214,7 @@ class Pool:
                     "slots": b.slots,
                     "in_flight": b.in_flight,
                     "healthy": b.healthy,
+                    "failures": b.failures,
                 }
                 for b in self.placement.backends
             ],

@@ -15,35 +15,46 @@ import asyncio
 import json
 import logging
 import math
-import re
+import zlib
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from ..core.errors import ApiError
 from ..core.inference_request import InferenceRequest
 from ..core.placement import Backend
 from .pool_runtime import Pool
+from .sse import UsageStripper as _UsageStripper
+from .sse import continued_data, ends_event
 
 log = logging.getLogger(__name__)
-# Upstream response headers worth passing on; hop-by-hop and length headers are not.
-_PASS_HEADERS = ("Content-Type", "Retry-After")
+# Upstream response headers not passed on (every other one is): hop-by-hop ones (RFC 9110
+# §7.6.1, and any the upstream's Connection header names), what aiohttp sets for the body
+# it sends (Content-Length; Content-Encoding, as the body is always sent decoded), the
+# proxy's own Date and Server, and the provider origin's state and policy, which would
+# land on the proxy's origin and so on every tenant (cookies, Alt-Svc, HSTS).
+_DROPPED_HEADERS = frozenset(
+    (
+        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
+        "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade",
+        "content-length", "content-encoding", "date", "server",
+        "set-cookie", "set-cookie2", "alt-svc", "strict-transport-security",
+    )
+)  # fmt: skip
+_ACCEPT_ENCODING = "identity"  # the proxy reads usage from the bytes: asked for plain
 QUEUE_WAIT_HEADER = "X-Queue-Wait"
 COST_HEADER = "X-Cost-Charged"
 _TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
-# Marks found by a byte search, never by parsing. A compiled pattern, not bytes.find: one
-# pass for both spellings, and no per-call setup, which dominates on a one-token event.
-_NO_CHOICES = re.compile(rb'"choices": ?\[\]')  # the mark of the usage-only chunk
-_FINISHING = re.compile(rb'"finish_reason": ?"')  # null while tokens flow
-_MARKS = re.compile(rb'"finish_reason": ?"|"choices": ?\[\]')
 _USAGE = b'"usage"'
 _USAGE_BYTES = 4096  # more than any usage object: the part of the tail that is parsed
 _DECODER = json.JSONDecoder()
-_FINGERPRINT = re.compile(rb'("system_fingerprint":\s*(?:"[^"]*"|null))')
 MAX_USAGE_TOKENS = 1_000_000_000  # a usage count above this is a lying backend, not usage
+# one compressed answer decoded: far beyond any real answer (a 100k-token stream is ~20 MB)
+MAX_INFLATED_BYTES = 256 * 1024 * 1024
 _ERROR_STATUSES = frozenset({429, 503})  # what must say when to come back
 
 
@@ -58,6 +69,100 @@ class UpstreamFailed(Exception):
 
 class UpstreamStalled(aiohttp.ClientPayloadError):
     """The backend sent nothing for ``timeouts.idle_s`` after its headers."""
+
+
+class UpstreamGarbled(aiohttp.ClientPayloadError):
+    """The backend's compressed body does not decompress, or breaks off mid-way."""
+
+
+class _Inflater:
+    """Undoes a ``gzip`` or ``deflate`` Content-Encoding chunk by chunk.
+
+    ``deflate`` is zlib data by the RFC and raw deflate from some servers; they are told
+    apart by the first byte, as aiohttp does. Each gzip member is inflated in turn. An
+    answer that inflates beyond ``limit`` bytes is a bomb, not an answer: it is cut there.
+    """
+
+    def __init__(self, coding: str, limit: int = MAX_INFLATED_BYTES) -> None:
+        self._coding = coding
+        self._left = limit
+        self._wbits = 0  # chosen at the first byte; an empty body is then no error
+        self._zlib: zlib._Decompress | None = None
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not chunk:
+            return b""
+        if self._zlib is None:
+            if self._coding != "deflate":
+                self._wbits = 16 + zlib.MAX_WBITS
+            elif chunk[0] & 0x0F == 8 and chunk[0] >> 4 <= 7:  # a zlib header
+                self._wbits = zlib.MAX_WBITS
+            else:
+                self._wbits = -zlib.MAX_WBITS
+            self._zlib = zlib.decompressobj(self._wbits)
+        try:
+            out = self._zlib.decompress(chunk, self._left + 1)  # all, unless over the limit
+            self._left -= len(out)
+            # the next gzip member (a limit of 0 would be none: stop once over it)
+            while self._left >= 0 and self._zlib.eof and self._zlib.unused_data:
+                rest = self._zlib.unused_data
+                self._zlib = zlib.decompressobj(self._wbits)
+                more = self._zlib.decompress(rest, self._left + 1)
+                self._left -= len(more)
+                out += more
+        except zlib.error as exc:
+            raise UpstreamGarbled(f"bad {self._coding} data: {exc}") from None
+        if self._left < 0:
+            raise UpstreamGarbled(f"the {self._coding} data inflates beyond the limit")
+        return out
+
+    def close(self) -> bytes:
+        """What is left; raises if the compressed data ended before its end."""
+        if self._zlib is None:
+            return b""
+        out = self._zlib.flush()
+        if not self._zlib.eof:
+            raise UpstreamGarbled(f"the {self._coding} data breaks off")
+        return out
+
+
+def _inflater(upstream: aiohttp.ClientResponse) -> _Inflater | None:
+    """How to decode the answer's body, or None when it is plain. The proxy asks for
+    ``identity``; an upstream that compresses anyway with gzip or deflate is decoded, so
+    the client gets a body it can read and the proxy its usage. Any other coding (br,
+    zstd, several at once) is an answer the proxy cannot read: ``UpstreamFailed``."""
+    if "Content-Encoding" not in upstream.headers:
+        return None
+    codings = [
+        coding
+        for value in upstream.headers.getall("Content-Encoding")
+        for part in value.split(",")
+        if (coding := part.strip().lower()) and coding != "identity"
+    ]
+    if not codings:
+        return None
+    if len(codings) == 1 and codings[0] in ("gzip", "x-gzip", "deflate"):
+        return _Inflater(codings[0])
+    raise UpstreamFailed(f"Content-Encoding {', '.join(codings)} cannot be decoded")
+
+
+def _response_headers(
+    upstream: aiohttp.ClientResponse, own_headers: Mapping[str, str]
+) -> CIMultiDict[str]:
+    """The upstream's end-to-end headers, repeated ones kept, then the proxy's own, which
+    replace any of the same name."""
+    named = {
+        token.strip().lower()
+        for value in upstream.headers.getall("Connection", ())
+        for token in value.split(",")
+    }
+    headers: CIMultiDict[str] = CIMultiDict()
+    for name, value in upstream.headers.items():
+        lower = name.lower()
+        if lower not in _DROPPED_HEADERS and lower not in named:
+            headers.add(name, value)
+    headers.update(own_headers)
+    return headers
 
 
 class _Watchdog:
@@ -122,9 +227,11 @@ async def forward(
 ) -> Relayed:
     """Send ``inference`` to ``backend`` and relay its answer to ``client``.
 
-    The answer carries ``own_headers`` beside the upstream's: the proxy's ``X-Request-Id``,
+    The answer carries the upstream's end-to-end headers (see ``_DROPPED_HEADERS``) and,
+    replacing any of the same name, ``own_headers``: the proxy's ``X-Request-Id``,
     ``X-Queue-Wait`` (seconds spent queued in the proxy, retries included, so a client can
     tell waiting from generating) and ``X-Cost-Charged`` (what its flow's meter was charged).
+    A body the upstream compressed anyway is passed on decoded (see ``_inflater``).
 
     ``on_headers`` learns the time to the response headers as soon as they arrive, even if
     the relay is cancelled later.
@@ -137,14 +244,20 @@ async def forward(
     upstream = await _open(session, pool, backend, inference, request_id)
     on_headers(pool.clock() - sent)
     try:
-        headers = {h: upstream.headers[h] for h in _PASS_HEADERS if h in upstream.headers}
-        headers.update(own_headers)
+        try:
+            inflater = _inflater(upstream)
+        except UpstreamFailed as exc:
+            log.warning("pool %s: backend %s: %s", pool.name, backend.name, exc)
+            raise
+        headers = _response_headers(upstream, own_headers)
         if upstream.status in _ERROR_STATUSES:
             headers.setdefault("Retry-After", "1")
         if not (inference.stream and upstream.status == 200):
             watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s)
             try:
                 body = await upstream.read()
+                if inflater is not None:
+                    body = inflater.feed(body) + inflater.close()
             except UpstreamStalled as exc:
                 raise UpstreamFailed(str(exc), _stalled(pool)) from None
             except aiohttp.ClientError as exc:  # died before answering: the client saw nothing
@@ -157,11 +270,11 @@ async def forward(
             return Relayed(
                 response, pool.clock() - sent, tail=body if upstream.status == 200 else b""
             )
+        headers.setdefault("Cache-Control", "no-cache")
         response = web.StreamResponse(status=200, headers=headers)
-        response.headers["Cache-Control"] = "no-cache"
         await response.prepare(client)
         relayed = Relayed(response, 0.0)
-        await _relay_stream(upstream, relayed, inference.strip_usage, pool, sent)
+        await _relay_stream(upstream, relayed, inference.strip_usage, pool, sent, inflater)
         relayed.upstream_s = pool.clock() - sent
         return relayed
     except BaseException:
@@ -177,16 +290,20 @@ async def _relay_stream(
     strip_usage: bool,
     pool: Pool,
     sent: float,
+    inflater: _Inflater | None = None,
 ) -> None:
-    """Write the stream's bytes as they come, then end it; keep only its tail, where the
-    usage is. A stream that breaks off ends with an error event: its client is told, and
-    every later request finds the pool whole."""
+    """Write the stream's bytes as they come (decoded by ``inflater`` when the upstream
+    compressed them), then end it; keep only its tail, where the usage is. A stream that
+    breaks off ends with an error event: its client is told, and every later request finds
+    the pool whole."""
     tail: deque[bytes] = deque()  # the last chunks, about _TAIL_BYTES of them
     kept = 0
+    written = b""  # the last bytes the client was sent
     stripper = _UsageStripper() if strip_usage else None
     watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s)
     try:
-        async for chunk in upstream.content.iter_any():
+        chunks = upstream.content.iter_any()
+        async for chunk in chunks if inflater is None else _decoded(chunks, inflater):
             watchdog.busy()
             if relayed.first_chunk_s is None:
                 relayed.first_chunk_s = pool.clock() - sent
@@ -196,6 +313,7 @@ async def _relay_stream(
                 kept -= len(tail.popleft())
             out = chunk if stripper is None else stripper.feed(chunk)
             if out:
+                written = out
                 await relayed.response.write(out)
             watchdog.progressed()
     except ConnectionResetError:  # the client left as we wrote (aiohttp's is a ClientError)
@@ -209,13 +327,22 @@ async def _relay_stream(
     finally:
         watchdog.cancel()
     rest = b""
+    if stripper is not None and relayed.fault != "proxy":  # a stripper that failed: not again
+        rest = stripper.close()  # an event held back, one that no empty line ended
     if relayed.fault is not None:
-        at_boundary = not tail or tail[-1].endswith(b"\n\n")
-        rest = (b"" if at_boundary else b"\n\n") + _error_event(relayed.fault)
-    elif stripper is not None:
-        rest = stripper.close()
+        at_boundary = ends_event(rest or written)  # whatever its line endings
+        rest += (b"" if at_boundary else b"\n\n") + _error_event(relayed.fault)
     await relayed.response.write_eof(rest)  # one write
     relayed.tail = b"".join(tail)
+
+
+async def _decoded(chunks: AsyncIterator[bytes], inflater: _Inflater) -> AsyncIterator[bytes]:
+    """The stream's chunks as they come, decoded by ``inflater`` (none empty)."""
+    async for chunk in chunks:
+        if data := inflater.feed(chunk):
+            yield data
+    if data := inflater.close():
+        yield data
 
 
 def backend_failed(relayed: Relayed) -> bool:
@@ -239,67 +366,6 @@ def _error_event(fault: str) -> bytes:
     return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
 
 
-class _UsageStripper:
-    """Drops the usage-only event that the proxy asked for and the client did not.
-
-    Chunks pass at once unless they hold a finishing or a usage-only event (found by a
-    byte search, not by parsing): a finishing event waits for the next one, because vLLM
-    moves its ``system_fingerprint`` from the finishing chunk to the usage chunk when usage
-    is asked for; it is moved back, so the client gets exactly the events it asked for.
-    The usage chunk comes after the last choice has finished, so until one has, each chunk
-    is searched for the finishing mark only.
-    """
-
-    def __init__(self) -> None:
-        self._partial = b""  # an event not complete yet
-        self._held = b""  # a finishing event, until we know whether usage follows it
-        self._finished = False  # a choice has finished: the usage chunk may come from now on
-
-    def feed(self, chunk: bytes) -> bytes:
-        data = self._partial + chunk  # no copy while no event is cut in two
-        cut = data.rfind(b"\n\n") + 2
-        if cut < 2:
-            self._partial = data
-            return b""
-        if cut == len(data):  # whole events, as servers send them: passed on uncopied
-            complete, self._partial = data, b""
-        else:
-            complete, self._partial = data[:cut], data[cut:]
-        # until a choice finishes, one mark is searched for, not all of them
-        found = (_MARKS if self._finished else _FINISHING).search(complete)
-        if found is None and not self._held:
-            return complete
-        self._finished = True
-        # the events before the first marked one go as they came; the rest one by one
-        boundary = -1 if self._held or found is None else complete.rfind(b"\n\n", 0, found.start())
-        start = boundary + 2 if boundary >= 0 else 0
-        out = [complete[:start]]
-        for event in complete[start:].split(b"\n\n")[:-1]:
-            if _USAGE in event and _NO_CHOICES.search(event):
-                self._held = _with_fingerprint_of(self._held, event)
-                continue
-            if self._held:
-                out.append(self._held + b"\n\n")
-                self._held = b""
-            if _FINISHING.search(event):
-                self._held = event
-            else:
-                out.append(event + b"\n\n")
-        return b"".join(out)
-
-    def close(self) -> bytes:
-        held = self._held + b"\n\n" if self._held else b""
-        return held + self._partial
-
-
-def _with_fingerprint_of(finishing: bytes, usage_event: bytes) -> bytes:
-    """Put the usage event's ``system_fingerprint`` back on the finishing event (vLLM)."""
-    found = _FINGERPRINT.search(usage_event)
-    if not finishing or found is None or b'"system_fingerprint"' in finishing:
-        return finishing
-    return finishing[:-1] + b"," + found.group(1) + b"}"
-
-
 def read_usage(relayed: Relayed) -> None:
     """Take the last ``"usage": {...}`` of the answer's tail (a body, or a stream's last
     chunks), parsing that object alone: an answer's usage is at its end, so the answer is
@@ -308,17 +374,26 @@ def read_usage(relayed: Relayed) -> None:
     end = len(data)
     while (at := data.rfind(_USAGE, 0, end)) >= 0:
         end = at
-        text = data[at + len(_USAGE) : at + _USAGE_BYTES].decode(errors="replace").lstrip()
-        if not text.startswith(":"):
-            continue  # the word in a text, not the key
-        try:
-            usage, _ = _DECODER.raw_decode(text, len(text) - len(text[1:].lstrip()))
-        except (ValueError, RecursionError):  # not JSON, or nested beyond reason
-            continue
-        if isinstance(usage, dict):
+        after = data[at + len(_USAGE) : at + _USAGE_BYTES]
+        usage = _object_after_colon(after)
+        if usage is None and (b"\n" in after or b"\r" in after):
+            usage = _object_after_colon(continued_data(after))  # an event's data on many lines
+        if usage is not None:
             relayed.prompt_tokens = _token_count(usage.get("prompt_tokens"))
             relayed.completion_tokens = _token_count(usage.get("completion_tokens"))
             return
+
+
+def _object_after_colon(after: bytes) -> dict[str, object] | None:
+    """The JSON object after ``: `` at the start of ``after``, if there is one there."""
+    text = after.decode(errors="replace").lstrip()
+    if not text.startswith(":"):
+        return None  # the word in a text, not the key
+    try:
+        found, _ = _DECODER.raw_decode(text, len(text) - len(text[1:].lstrip()))
+    except (ValueError, RecursionError):  # not JSON, or nested beyond reason
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _token_count(value: object) -> int | None:
@@ -336,14 +411,18 @@ async def _open(
     request_id: str,
 ) -> aiohttp.ClientResponse:
     """POST the client's bytes; return once the response headers are in."""
-    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    headers = {
+        "Content-Type": "application/json",
+        "X-Request-Id": request_id,
+        "Accept-Encoding": _ACCEPT_ENCODING,
+    }
     if pool.upstream_key:
         headers["Authorization"] = f"Bearer {pool.upstream_key}"
     timeouts = pool.spec.timeouts
     try:
         async with asyncio.timeout(timeouts.first_byte_s):
             upstream = await session.post(
-                backend.url + inference.kind.value,
+                backend.base + inference.kind.value,
                 data=inference.raw,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s),

@@ -103,6 +103,9 @@ async def test_org_tpm_counts_estimated_tokens(lab: Lab) -> None:
     assert sim.stats.requests_seen == 3
 
 
+JITTER_S = 0.5
+
+
 async def test_provider_pool_rate_caps_intake_and_paces_the_backend(lab: Lab) -> None:
     sim = await lab.backend(max_num_seqs=64)
     config = proxy_config(
@@ -115,10 +118,13 @@ async def test_provider_pool_rate_caps_intake_and_paces_the_backend(lab: Lab) ->
     await asyncio.gather(*(_ask(lab, served, "A", max_tokens=1) for _ in range(60)))
     arrivals = sorted(r.arrived_at for r in sim.stats.log)
     # a token bucket of 20/s with a 20-request burst: any span of T seconds holds at most
-    # 20 + 20·T dispatches (one extra for scheduling jitter at the edges)
+    # 20 + 20·T dispatches. Measured where they arrive, so give the delivery JITTER_S of a
+    # loaded shared machine (requests dispatched apart may arrive together); unpaced, all
+    # 60 would arrive at once. The exact schedule is tested on a controlled clock
+    # (test_pool_clock.py).
     for i, first in enumerate(arrivals):
         for j in range(i, len(arrivals)):
-            assert j - i + 1 <= 20 + 20 * (arrivals[j] - first) + 1
+            assert j - i + 1 <= 20 + 20 * (arrivals[j] - first + JITTER_S) + 1
     assert time.monotonic() - start >= (60 - 20) / 20 * 0.9  # it really waited for tokens
 
 

@@ -19,6 +19,7 @@ from sfq_proxy.config import (
     Config,
     ConfigError,
     OrgSpec,
+    api_base,
     default_config,
     load_config,
     parse_config,
@@ -113,6 +114,8 @@ def test_example_config_loads() -> None:
     assert provider.rate is not None
     assert provider.rate.requests_per_minute == 900
     assert config.pool_for_model("gpt-4o-mini") == "provider-a"
+    assert (provider.health.mode, provider.health.consecutive_failures) == ("passive", 5)
+    assert config.pools["llama-8b"].health.mode == "active"
     assert {k.source for k in config.keys} == {
         "from env ANALYTICS_KEY",
         "from env PRODUCT_KEY",
@@ -184,6 +187,22 @@ def test_org_flow_weight_and_pool_lookup() -> None:
     assert config.pool_for_model("meta-llama/Llama-3.1-8B-Instruct") == "llama-8b"
     assert config.pool_for_model("gpt-4o-mini") == "provider-a"
     assert config.pool_for_model("unknown") is None
+
+
+@pytest.mark.parametrize(
+    ("url", "base"),
+    [
+        ("http://10.0.0.11:8000", "http://10.0.0.11:8000"),
+        ("https://api.openai.com/v1", "https://api.openai.com"),
+        ("https://gw.example/openai/v1", "https://gw.example/openai"),
+        ("https://gw.example/openai", "https://gw.example/openai"),
+        ("https://gw.example/v1beta", "https://gw.example/v1beta"),
+        ("http://v1", "http://v1"),  # a host named v1 is not a path
+        ("http://v1:8000", "http://v1:8000"),
+    ],
+)
+def test_api_base_is_the_url_without_a_trailing_v1(url: str, base: str) -> None:
+    assert api_base(url) == base
 
 
 def test_backend_url_normalised_and_named() -> None:
@@ -530,6 +549,14 @@ ERROR_CASES: list[tuple[str, Mutation, str]] = [
         "pools.llama-8b.backends[1].url: same url as backends[0]",
     ),
     (
+        "same server with and without /v1",
+        _set(
+            "pools.llama-8b.backends.1",
+            {"url": "http://127.0.0.1:8001/v1", "slots": 1, "name": "other"},
+        ),
+        "pools.llama-8b.backends[1].url: same url as backends[0]",
+    ),
+    (
         "same name twice",
         _set("pools.llama-8b.backends.1.name", "127.0.0.1:8001"),
         "pools.llama-8b.backends[1].name: same name as backends[0]",
@@ -824,3 +851,87 @@ def test_non_positive_values_fail(field: str, int_value: int, float_value: float
     with pytest.raises(ConfigError) as info:
         parse(data)
     assert str(info.value).splitlines() == [expected]
+
+
+# --- health per pool: active probes or passive only -------------------------------------
+
+
+def _keyed(data: dict[str, Any], health: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``base()``'s provider pool with an upstream key, and ``health`` if given."""
+    data["pools"]["provider-a"]["upstream_key_env"] = "PROVIDER_KEY"
+    if health is not None:
+        data["pools"]["provider-a"]["health"] = health
+    return data
+
+
+KEYED_ENV = {**ENV, "PROVIDER_KEY": "sk-provider"}
+
+
+def test_health_is_active_without_an_upstream_key_and_passive_with_one() -> None:
+    config = parse(_keyed(base()), KEYED_ENV)
+    local, provider = config.pools["llama-8b"].health, config.pools["provider-a"].health
+    assert (local.mode, local.consecutive_failures, local.method, local.send_key) == (
+        "active", 1, "GET", True,
+    )  # fmt: skip
+    assert (provider.mode, provider.consecutive_failures) == ("passive", 5)
+    assert provider.cooldown_s == 10
+
+
+def test_health_mode_and_streak_can_be_set() -> None:
+    probe = {"mode": "active", "path": "/v1/models", "method": "HEAD", "send_key": False}
+    data = _keyed(base(), probe)
+    data["pools"]["llama-8b"]["health"] = {"mode": "passive", "consecutive_failures": 2}
+    config = parse(data, KEYED_ENV)
+    provider = config.pools["provider-a"].health
+    assert (provider.mode, provider.path, provider.method, provider.send_key) == (
+        "active", "/v1/models", "HEAD", False,
+    )  # fmt: skip
+    assert provider.consecutive_failures == 1
+    local = config.pools["llama-8b"].health
+    assert (local.mode, local.consecutive_failures) == ("passive", 2)
+
+
+@pytest.mark.parametrize("field", ["path", "method", "send_key"])
+def test_a_probe_setting_on_a_passive_pool_is_an_error(field: str) -> None:
+    value = {"path": "/health", "method": "GET", "send_key": True}[field]
+    assert error_lines(_keyed(base(), {field: value}), KEYED_ENV) == [
+        f"pools.provider-a.health: {field} is for active probes; set mode: active to probe "
+        "(a pool with upstream_key_env is passive by default)"
+    ]
+    data = base()
+    data["pools"]["llama-8b"]["health"] = {"mode": "passive", field: value}
+    assert len(error_lines(data)) == 1
+
+
+@pytest.mark.parametrize(
+    ("health", "error"),
+    [
+        ({"mode": "auto"}, "pools.llama-8b.health.mode: Input should be 'active' or 'passive'"),
+        ({"method": "POST"}, "pools.llama-8b.health.method: Input should be 'GET' or 'HEAD'"),
+        ({"consecutive_failures": 0}, "pools.llama-8b.health.consecutive_failures: must be > 0"),
+        ({"send_key": "yes"}, "pools.llama-8b.health.send_key: expected true or false"),
+    ],
+)
+def test_bad_health_settings(health: dict[str, Any], error: str) -> None:
+    data = base()
+    data["pools"]["llama-8b"]["health"] = health
+    assert error_lines(data) == [error]
+
+
+def test_summary_shows_each_pool_health() -> None:
+    data = _keyed(base())
+    data["pools"]["llama-8b"]["health"] = {"method": "HEAD", "consecutive_failures": 3}
+    summary = parse(data, KEYED_ENV).summary()
+    assert (
+        "  health: active, HEAD /health every 5 s (timeout 2 s); out for 10 s after 3 failures "
+        "in a row, back at the next good probe\n"
+    ) in summary
+    assert (
+        "  health: passive, no probe; out for 10 s after 5 failures in a row (connect errors, "
+        "5xx), then trusted again\n"
+    ) in summary
+    probed = _keyed(base(), {"mode": "active", "path": "/v1/models"})
+    assert (
+        "  health: active, GET /v1/models every 5 s (timeout 2 s, with the upstream key); "
+        "out for 10 s after 1 failure, back at the next good probe\n"
+    ) in parse(probed, KEYED_ENV).summary()

@@ -129,3 +129,77 @@ def test_update_keeps_known_backends_and_adds_new_ones_unhealthy() -> None:
     assert p.choose() is a
     p.release(b)  # a removed backend's request still finishes and frees its slot
     assert b.in_flight == 0
+
+
+# --- failure streaks (health.consecutive_failures) --------------------------------------
+
+
+def test_a_streak_below_the_threshold_keeps_the_backend_in() -> None:
+    p = Placement([BackendSpec(url="http://a:1", slots=1)], failures_to_down=3)
+    (a,) = p.backends
+    assert p.record_failure(a, until=10.0) is False
+    assert p.record_failure(a, until=11.0) is False
+    assert (a.healthy, a.failures, a.down_until) == (True, 2, 0.0)
+    assert p.choose() is a
+    assert p.record_failure(a, until=12.0) is True  # the third in a row takes it out
+    assert (a.healthy, a.down_until) == (False, 12.0)
+    assert p.choose() is None
+
+
+def test_a_success_ends_the_streak() -> None:
+    p = Placement([BackendSpec(url="http://a:1", slots=1)], failures_to_down=2)
+    (a,) = p.backends
+    for _ in range(5):  # failure, success, failure, ...: never two in a row
+        assert p.record_failure(a, until=10.0) is False
+        p.record_success(a)
+    assert (a.healthy, a.failures) == (True, 0)
+
+
+def test_one_failure_is_enough_by_default() -> None:
+    p = placement(1)
+    (a,) = p.backends
+    assert p.record_failure(a, until=5.0) is True
+    assert p.record_failure(a, until=7.0) is False  # already out: not taken out again
+    assert (a.healthy, a.down_until) == (False, 7.0)  # but its cooldown runs from the last
+
+
+def test_failures_while_out_push_the_cooldown_back() -> None:
+    p = Placement([BackendSpec(url="http://a:1", slots=1)], failures_to_down=2)
+    (a,) = p.backends
+    p.record_failure(a, until=1.0)
+    p.record_failure(a, until=2.0)
+    assert a.down_until == 2.0
+    p.record_failure(a, until=9.0)  # a request still running on it failed too
+    assert a.down_until == 9.0
+    assert p.mark_up(a, now=8.0) is False
+
+
+def test_a_success_while_out_does_not_bring_it_back_early() -> None:
+    p = Placement([BackendSpec(url="http://a:1", slots=1)], failures_to_down=2)
+    (a,) = p.backends
+    p.record_failure(a, until=1.0)
+    p.record_failure(a, until=10.0)
+    p.record_success(a)  # an answer from a request that was still running on it
+    assert (a.healthy, a.failures) == (False, 0)
+    assert p.record_failure(a, until=20.0) is False  # the new streak is too short to
+    assert a.down_until == 10.0  # push the cooldown back
+    assert p.mark_up(a, now=10.0) is True
+
+
+def test_back_after_the_cooldown_with_a_fresh_streak() -> None:
+    p = Placement([BackendSpec(url="http://a:1", slots=1)], failures_to_down=2)
+    (a,) = p.backends
+    p.record_failure(a, until=1.0)
+    p.record_failure(a, until=5.0)
+    assert p.mark_up(a, now=5.0) is True
+    assert (a.healthy, a.failures) == (True, 0)
+    assert p.record_failure(a, until=6.0) is False  # one failure is not a streak of two
+    assert p.record_failure(a, until=7.0) is True
+
+
+def test_the_threshold_can_change_on_a_reload() -> None:
+    p = Placement([BackendSpec(url="http://a:1", slots=1)], failures_to_down=5)
+    (a,) = p.backends
+    assert p.record_failure(a, until=1.0) is False
+    p.failures_to_down = 2
+    assert p.record_failure(a, until=1.0) is True  # the streak so far counts

@@ -1,0 +1,230 @@
+"""Health per pool (docs/design.md §5): active probes with a configurable path, method and
+upstream key, or passive only, through the real proxy in front of a provider-like double.
+
+The double is what a hosted provider looks like from the proxy: every path needs its key
+(401 without), and it has no ``/health``. Cooldown timing is checked exactly on a pool of
+its own, on looptime's loop clock (as in test_pool_clock.py), where 30 s take no time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
+
+from sfq_proxy.core.scheduler import Ticket
+from sfq_proxy.http.pool_runtime import Pool
+
+PROVIDER_KEY = "sk-provider-secret"
+ENV = {"PROVIDER_KEY": PROVIDER_KEY}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+CHAT_PATH = "/v1/chat/completions"
+
+
+class Provider:
+    """A hosted provider's double: its key or 401, no ``/health``, ``GET``/``HEAD
+    /v1/models`` for probes, and chat answers with ``status`` (200, or a 5xx to fail)."""
+
+    def __init__(self) -> None:
+        self.status = 200
+        self.seen: list[tuple[str, str, bool]] = []  # (method, path, had the key)
+
+    def probes(self) -> list[tuple[str, str, bool]]:
+        """Everything but chat requests: what the proxy's probes sent."""
+        return [s for s in self.seen if s[1] != CHAT_PATH]
+
+    def app(self) -> web.Application:
+        @web.middleware
+        async def needs_key(request: web.Request, handler: Any) -> web.StreamResponse:
+            keyed = request.headers.get("Authorization") == f"Bearer {PROVIDER_KEY}"
+            self.seen.append((request.method, request.path, keyed))
+            if not keyed:
+                return web.json_response({"error": {"message": "bad key"}}, status=401)
+            return await handler(request)
+
+        async def chat(_: web.Request) -> web.Response:
+            if self.status != 200:
+                return web.json_response({"error": {"message": "boom"}}, status=self.status)
+            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+            message = {"role": "assistant", "content": "ok"}
+            choice = {"index": 0, "message": message, "finish_reason": "stop"}
+            return web.json_response(
+                {"id": "c", "object": "chat.completion", "model": MODEL, "created": 0,
+                 "choices": [choice], "usage": usage}
+            )  # fmt: skip
+
+        async def models(_: web.Request) -> web.Response:
+            return web.json_response({"object": "list", "data": [{"id": MODEL}]})
+
+        app = web.Application(middlewares=[needs_key])
+        app.router.add_post(CHAT_PATH, chat)
+        app.router.add_get("/v1/models", models)  # HEAD too
+        return app
+
+
+async def provider_proxy(lab: Lab, health: dict[str, Any] | None = None) -> tuple[Provider, Served]:
+    """A proxy whose pool ``sim`` is the provider double, with its upstream key."""
+    provider = Provider()
+    url = f"http://127.0.0.1:{await lab.serve(provider.app())}"
+    pool: dict[str, Any] = {"upstream_key_env": "PROVIDER_KEY"}
+    if health is not None:
+        pool["health"] = health
+    served = await lab.proxy(proxy_config([url], pool=pool, environ=ENV))
+    return provider, served
+
+
+async def post(lab: Lab, served: Served) -> tuple[int, dict[str, Any], str | None]:
+    """One chat request; (status, body, Retry-After)."""
+    http = await lab.http()
+    headers = {"Authorization": f"Bearer {KEYS['A']}"}
+    async with http.post(f"{served.url}{CHAT_PATH}", data=json.dumps(CHAT), headers=headers) as r:
+        return r.status, await r.json(), r.headers.get("Retry-After")
+
+
+# --- passive: no probe; failures in a row take a backend out ----------------------------
+
+
+async def test_a_provider_pool_is_passive_and_serves_without_a_health_endpoint(lab: Lab) -> None:
+    provider, served = await provider_proxy(lab, {"interval_s": 0.05, "cooldown_s": 0.2})
+    pool = served.state.pools["sim"]
+    assert pool.spec.health.mode == "passive"
+    for _ in range(3):
+        status, body, _ = await post(lab, served)
+        assert status == 200, body
+    await asyncio.sleep(0.3)  # several probe intervals: a probe would have been sent by now
+    assert provider.probes() == []
+    assert [s for s in provider.seen if not s[2]] == []  # every request carried the key
+    assert pool.placement.backends[0].healthy
+
+
+async def test_probing_a_provider_without_a_health_endpoint_takes_it_out(lab: Lab) -> None:
+    """What every provider pool got before health modes: ``mode: active`` still does it."""
+    provider, served = await provider_proxy(lab, {"mode": "active", "interval_s": 0.05})
+    backend = served.state.pools["sim"].placement.backends[0]
+    await eventually(lambda: not backend.healthy)
+    assert ("GET", "/health", True) in provider.probes()  # with the key, to a missing path
+    status, body, _ = await post(lab, served)
+    assert (status, body["error"]["code"]) == (503, "no_healthy_backend")
+
+
+async def test_consecutive_5xx_take_a_passive_backend_out(lab: Lab) -> None:
+    health = {"consecutive_failures": 3, "cooldown_s": 60}
+    provider, served = await provider_proxy(lab, health)
+    backend = served.state.pools["sim"].placement.backends[0]
+    provider.status = 500
+    for _ in range(2):
+        assert (await post(lab, served))[0] == 500  # passed through; the streak grows
+    provider.status = 200
+    assert (await post(lab, served))[0] == 200  # a success ends the streak
+    provider.status = 500
+    for _ in range(2):
+        assert (await post(lab, served))[0] == 500
+    assert backend.healthy  # two in a row: not yet
+    assert (await post(lab, served))[0] == 500
+    assert not backend.healthy  # the third in a row took it out, for 60 s
+    status, body, retry_after = await post(lab, served)
+    assert (status, body["error"]["code"], retry_after) == (503, "no_healthy_backend", "60")
+    assert provider.probes() == []
+
+
+async def test_a_passive_backend_comes_back_after_its_cooldown_without_a_probe(lab: Lab) -> None:
+    health = {"consecutive_failures": 2, "cooldown_s": 0.2}
+    provider, served = await provider_proxy(lab, health)
+    backend = served.state.pools["sim"].placement.backends[0]
+    provider.status = 502  # retried, so one request may fail more than once
+    for _ in range(2):
+        await post(lab, served)
+    assert backend.down_until > 0  # it was taken out
+    provider.status = 200
+    await eventually(lambda: backend.healthy)
+    assert backend.failures == 0  # trusted again, with a fresh streak
+    assert (await post(lab, served))[0] == 200
+    assert provider.probes() == []
+
+
+# --- active: a probe with a configurable path, method and key ---------------------------
+
+
+async def test_an_active_probe_sends_the_upstream_key_to_its_path(lab: Lab) -> None:
+    health = {"mode": "active", "path": "/v1/models", "method": "HEAD", "interval_s": 0.05}
+    provider, served = await provider_proxy(lab, health)
+    await eventually(lambda: len(provider.probes()) >= 2)
+    assert set(provider.probes()) == {("HEAD", "/v1/models", True)}
+    assert served.state.pools["sim"].placement.backends[0].healthy
+    assert (await post(lab, served))[0] == 200
+
+
+async def test_an_active_probe_without_the_key_fails_on_a_provider(lab: Lab) -> None:
+    health = {"mode": "active", "path": "/v1/models", "send_key": False, "interval_s": 0.05}
+    provider, served = await provider_proxy(lab, health)
+    backend = served.state.pools["sim"].placement.backends[0]
+    await eventually(lambda: not backend.healthy)
+    assert set(provider.probes()) == {("GET", "/v1/models", False)}  # refused with 401
+
+
+# --- cooldowns on the loop clock ----------------------------------------------------------
+
+
+def passive_pool(**health: Any) -> Pool:
+    config = proxy_config(
+        ["http://127.0.0.1:9"], slots=1, pool={"health": {"mode": "passive", **health}}
+    )
+    return Pool("sim", config, asyncio.get_running_loop().time)
+
+
+def ticket(org: str) -> Ticket:
+    return Ticket(org=org, cls="batch", cost=1.0)
+
+
+@pytest.mark.looptime
+async def test_a_passive_backend_is_back_exactly_when_its_cooldown_ends() -> None:
+    loop = asyncio.get_running_loop()
+    pool = passive_pool(cooldown_s=30, consecutive_failures=3)
+    (backend,) = pool.placement.backends
+    for _ in range(3):
+        pool.report_failure(backend)
+    assert not backend.healthy
+    start = loop.time()
+    got = await pool.acquire(ticket("A"))  # waits in line for the backend's return
+    assert got is backend
+    assert loop.time() - start == pytest.approx(30.0, abs=0.01)
+    assert (backend.healthy, backend.failures) == (True, 0)
+
+
+@pytest.mark.looptime
+async def test_a_failure_while_out_pushes_a_passive_backends_return_back() -> None:
+    loop = asyncio.get_running_loop()
+    pool = passive_pool(cooldown_s=30, consecutive_failures=1)
+    (backend,) = pool.placement.backends
+    start = loop.time()
+    pool.report_failure(backend)
+    await asyncio.sleep(10)
+    pool.report_failure(backend)  # a request still running on it failed too
+    await asyncio.sleep(25)  # past the first cooldown, not the second
+    assert not backend.healthy
+    await pool.acquire(ticket("A"))
+    assert loop.time() - start == pytest.approx(40.0, abs=0.01)
+
+
+@pytest.mark.looptime
+async def test_a_reload_to_passive_lets_down_backends_come_back_on_their_own() -> None:
+    """No probe will run, so a backend that waited for one comes back after its cooldown,
+    and a backend new in the file is trusted at once, as at start."""
+    loop = asyncio.get_running_loop()
+    urls = ["http://127.0.0.1:9", "http://127.0.0.1:10"]
+    active = proxy_config(urls[:1], slots=1, pool={"health": {"cooldown_s": 30}})
+    pool = Pool("sim", active, loop.time)
+    (old,) = pool.placement.backends
+    pool.report_failure(old)  # active: one failure, out until a good probe after 30 s
+    passive = proxy_config(urls, slots=1, pool={"health": {"mode": "passive", "cooldown_s": 30}})
+    pool.reconfigure(passive, pool.cost)
+    new = pool.placement.backends[1]
+    assert new.healthy
+    assert not old.healthy
+    await asyncio.sleep(30)
+    assert old.healthy
+    assert pool.placement.failures_to_down == 5  # the passive default
