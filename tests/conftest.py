@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Iterator
 import pytest
 from hypothesis import settings
 from proxy_lab import AccessLines, Lab
+from server_process import running
 from vllm_backend import VllmServer
 
 from sfq_proxy.http import access_log as access_log_sink
@@ -44,13 +45,5 @@ def access_log() -> Iterator[AccessLines]:
 @pytest.fixture(scope="session")
 def vllm_servers() -> Iterator[list[VllmServer]]:
     """Two real vLLM servers for the whole session (installed and built on first use)."""
-    servers = [VllmServer(), VllmServer()]
-    try:
-        for server in servers:
-            server.start()
-        for server in servers:
-            server.wait_ready()
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
+    with running([VllmServer(), VllmServer()]) as servers:
+        yield list(servers)

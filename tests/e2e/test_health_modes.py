@@ -1,9 +1,10 @@
 """Health per pool (docs/design.md §5): active probes with a configurable path, method and
 upstream key, or passive only, through the real proxy in front of a provider-like double.
 
-The double is what a hosted provider looks like from the proxy: every path needs its key
-(401 without), and it has no ``/health``. Cooldown timing is checked exactly on a pool of
-its own, on looptime's loop clock (as in test_pool_clock.py), where 30 s take no time.
+The double is tests/provider_double.py, what a hosted provider looks like from the proxy:
+every path needs its key (401 without), and it has no ``/health``. Cooldown timing is
+checked exactly on a pool of its own, on looptime's loop clock (as in test_pool_clock.py),
+where 30 s take no time.
 """
 
 from __future__ import annotations
@@ -13,63 +14,22 @@ import json
 from typing import Any
 
 import pytest
-from aiohttp import web
+from provider_double import CHAT_PATH, PROVIDER_KEY, ProviderDouble
 from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
 
 from sfq_proxy.core.scheduler import Ticket
 from sfq_proxy.http.pool_runtime import Pool
 
-PROVIDER_KEY = "sk-provider-secret"
 ENV = {"PROVIDER_KEY": PROVIDER_KEY}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-CHAT_PATH = "/v1/chat/completions"
 
 
-class Provider:
-    """A hosted provider's double: its key or 401, no ``/health``, ``GET``/``HEAD
-    /v1/models`` for probes, and chat answers with ``status`` (200, or a 5xx to fail)."""
-
-    def __init__(self) -> None:
-        self.status = 200
-        self.seen: list[tuple[str, str, bool]] = []  # (method, path, had the key)
-
-    def probes(self) -> list[tuple[str, str, bool]]:
-        """Everything but chat requests: what the proxy's probes sent."""
-        return [s for s in self.seen if s[1] != CHAT_PATH]
-
-    def app(self) -> web.Application:
-        @web.middleware
-        async def needs_key(request: web.Request, handler: Any) -> web.StreamResponse:
-            keyed = request.headers.get("Authorization") == f"Bearer {PROVIDER_KEY}"
-            self.seen.append((request.method, request.path, keyed))
-            if not keyed:
-                return web.json_response({"error": {"message": "bad key"}}, status=401)
-            return await handler(request)
-
-        async def chat(_: web.Request) -> web.Response:
-            if self.status != 200:
-                return web.json_response({"error": {"message": "boom"}}, status=self.status)
-            usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
-            message = {"role": "assistant", "content": "ok"}
-            choice = {"index": 0, "message": message, "finish_reason": "stop"}
-            return web.json_response(
-                {"id": "c", "object": "chat.completion", "model": MODEL, "created": 0,
-                 "choices": [choice], "usage": usage}
-            )  # fmt: skip
-
-        async def models(_: web.Request) -> web.Response:
-            return web.json_response({"object": "list", "data": [{"id": MODEL}]})
-
-        app = web.Application(middlewares=[needs_key])
-        app.router.add_post(CHAT_PATH, chat)
-        app.router.add_get("/v1/models", models)  # HEAD too
-        return app
-
-
-async def provider_proxy(lab: Lab, health: dict[str, Any] | None = None) -> tuple[Provider, Served]:
+async def provider_proxy(
+    lab: Lab, health: dict[str, Any] | None = None
+) -> tuple[ProviderDouble, Served]:
     """A proxy whose pool ``sim`` is the provider double, with its upstream key."""
-    provider = Provider()
-    url = f"http://127.0.0.1:{await lab.serve(provider.app())}"
+    provider = ProviderDouble()
+    url = f"http://127.0.0.1:{await lab.serve(provider.app())}/v1"  # as providers write it
     pool: dict[str, Any] = {"upstream_key_env": "PROVIDER_KEY"}
     if health is not None:
         pool["health"] = health
@@ -97,7 +57,7 @@ async def test_a_provider_pool_is_passive_and_serves_without_a_health_endpoint(l
         assert status == 200, body
     await asyncio.sleep(0.3)  # several probe intervals: a probe would have been sent by now
     assert provider.probes() == []
-    assert [s for s in provider.seen if not s[2]] == []  # every request carried the key
+    assert [r for r in provider.received if not r.keyed] == []  # every request had the key
     assert pool.placement.backends[0].healthy
 
 

@@ -5,20 +5,16 @@ the proxy, and a base URL written with or without ``/v1`` (docs/design.md §5, R
 from __future__ import annotations
 
 import asyncio
-import gzip
-import json
 import zlib
-from dataclasses import dataclass, field
 from typing import Any
 
 import openai
 import pytest
 from aiohttp import web
+from provider_double import WORDS, Coding, ProviderDouble
 from proxy_lab import MODEL, AccessLines, Lab, proxy_config
 
 CHAT = [{"role": "user", "content": "Say something fair."}]
-WORDS = ["Fair", " queues", " for", " all", "."]
-USAGE = {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
 # what a provider sends beside its answer, and the client wants (names as OpenAI sends them)
 PROVIDER_HEADERS = {
     "x-ratelimit-limit-requests": "500",
@@ -40,106 +36,30 @@ STOPPED_HEADERS = {
 }
 
 
-@dataclass
-class Upstream:
-    """A provider-like double: it compresses every answer with ``coding`` whatever it is
-    asked, sends provider and hop-by-hop headers, and records what reached it."""
-
-    coding: str | None = "gzip"
-    raw_deflate: bool = False  # "deflate" as some servers send it: without the zlib header
-    paths: list[str] = field(default_factory=list)
-    accept_encodings: list[str | None] = field(default_factory=list)
-
-    def app(self, prefix: str = "/v1") -> web.Application:
-        app = web.Application()
-        app.router.add_post(f"{prefix}/chat/completions", self.chat)
-        app.router.add_route("*", "/{tail:.*}", self.anything_else)
-        return app
-
-    async def anything_else(self, request: web.Request) -> web.Response:
-        self.paths.append(request.path)
-        if request.method == "GET" and request.path.endswith("/health"):
-            return web.Response(text="ok")
-        return web.json_response({"error": {"message": "no such path"}}, status=404)
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        self.paths.append(request.path)
-        self.accept_encodings.append(request.headers.get("Accept-Encoding"))
-        body = await request.json()
-        headers = {**PROVIDER_HEADERS, **STOPPED_HEADERS}
-        if self.coding:
-            headers["Content-Encoding"] = self.coding
-        if not body.get("stream"):
-            answer = json.dumps(
-                {
-                    "id": "chatcmpl-1",
-                    "object": "chat.completion",
-                    "created": 1,
-                    "model": MODEL,
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": "".join(WORDS)},
-                            "finish_reason": "stop",
-                        }
-                    ],
-                    "usage": USAGE,
-                }
-            ).encode()
-            headers["Content-Type"] = "application/json"
-            return web.Response(body=self._compress_all(answer), headers=headers)
-        headers["Content-Type"] = "text/event-stream"
-        response = web.StreamResponse(headers=headers)
-        await response.prepare(request)
-        compressor = self._compressor()
-        for event in self._events(bool(body.get("stream_options", {}).get("include_usage"))):
-            data = b"data: " + event + b"\n\n"
-            if compressor is not None:  # one flushed block per event, as a gzip middleware
-                data = compressor.compress(data) + compressor.flush(zlib.Z_SYNC_FLUSH)
-            await response.write(data)
-        await response.write_eof(compressor.flush() if compressor is not None else b"")
-        return response
-
-    def _compressor(self) -> Any:
-        if self.coding == "gzip":
-            return zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
-        if self.coding == "deflate":
-            return zlib.compressobj(wbits=zlib.MAX_WBITS)
-        return None
-
-    def _compress_all(self, data: bytes) -> bytes:
-        if self.coding == "gzip":
-            return gzip.compress(data)
-        if self.coding == "deflate":
-            compressor = zlib.compressobj(wbits=-zlib.MAX_WBITS if self.raw_deflate else 15)
-            return compressor.compress(data) + compressor.flush()
-        return data  # "br" and the like: bytes the proxy cannot read
-
-    def _events(self, include_usage: bool) -> list[bytes]:
-        def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-            choice = {"index": 0, "delta": delta, "finish_reason": finish}
-            return json.dumps(
-                {
-                    "id": "chatcmpl-1",
-                    "object": "chat.completion.chunk",
-                    "created": 1,
-                    "model": MODEL,
-                    "choices": [choice],
-                }
-            ).encode()
-
-        events = [chunk({"role": "assistant", "content": ""})]
-        events += [chunk({"content": word}) for word in WORDS]
-        events.append(chunk({}, "stop"))
-        if include_usage:
-            usage = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1,
-                     "model": MODEL, "choices": [], "usage": USAGE}  # fmt: skip
-            events.append(json.dumps(usage).encode())
-        return [*events, b"[DONE]"]
+def upstream_double(coding: Coding, prefix: str = "/v1") -> ProviderDouble:
+    """A provider-like double (tests/provider_double.py) that needs no key, compresses every
+    answer with ``coding`` whatever it is asked ("raw-deflate": "deflate" as some servers
+    send it, without the zlib header), sends provider and hop-by-hop headers, answers its
+    ``/health`` and records what reached it."""
+    return ProviderDouble(
+        key=None,
+        coding=coding,
+        prefix=prefix,
+        health=True,
+        extra_headers={**PROVIDER_HEADERS, **STOPPED_HEADERS},
+    )
 
 
-async def _proxied(lab: Lab, upstream: Upstream, prefix: str, url_path: str) -> Any:
-    port = await lab.serve(upstream.app(prefix))
+def accept_encodings(upstream: ProviderDouble) -> list[str | None]:
+    return [r.headers.get("Accept-Encoding") for r in upstream.chats()]
+
+
+def paths(upstream: ProviderDouble) -> list[str]:
+    return [r.path for r in upstream.received]
+
+
+async def _proxied(lab: Lab, upstream: ProviderDouble, url_path: str) -> Any:
+    port = await lab.serve(upstream.app())
     return await lab.proxy(proxy_config([f"http://127.0.0.1:{port}{url_path}"]))
 
 
@@ -162,8 +82,8 @@ async def test_a_gzipping_provider_under_v1_is_relayed_decoded_with_its_headers(
     answers it can parse (it used to fail on the gzip bytes, sent without their
     Content-Encoding), the provider's headers but not the hop-by-hop ones or the cookie, and
     the proxy reads the usage of both answers."""
-    upstream = Upstream("gzip")
-    served = await _proxied(lab, upstream, "/v1", "/v1")
+    upstream = upstream_double("gzip")
+    served = await _proxied(lab, upstream, "/v1")
     client = lab.client(served)
 
     raw = await client.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT)
@@ -189,9 +109,9 @@ async def test_a_gzipping_provider_under_v1_is_relayed_decoded_with_its_headers(
         "sfq_completion_tokens_total", labels
     )
     assert completion == 10
-    assert upstream.accept_encodings == ["identity", "identity"]
-    assert "/v1/chat/completions" in upstream.paths
-    assert not [p for p in upstream.paths if p.startswith("/v1/v1")]
+    assert accept_encodings(upstream) == ["identity", "identity"]
+    assert "/v1/chat/completions" in paths(upstream)
+    assert not [p for p in paths(upstream) if p.startswith("/v1/v1")]
 
 
 @pytest.mark.parametrize(
@@ -208,13 +128,13 @@ async def test_base_urls_with_or_without_v1_reach_v1_once(
 ) -> None:
     """Requests go to ``<base>/v1/chat/completions`` and probes to ``<base>/health``, where
     the base is the URL without a trailing ``/v1``; the proxy asks for ``identity``."""
-    upstream = Upstream(coding=None)
-    served = await _proxied(lab, upstream, prefix, url_path)
+    upstream = upstream_double(None, prefix)
+    served = await _proxied(lab, upstream, url_path)
     chat = await lab.client(served).chat.completions.create(model=MODEL, messages=CHAT)
     assert chat.choices[0].message.content == "".join(WORDS)
-    assert f"{prefix}/chat/completions" in upstream.paths
-    assert set(upstream.paths) <= {f"{prefix}/chat/completions", health}
-    assert upstream.accept_encodings == ["identity"]
+    assert f"{prefix}/chat/completions" in paths(upstream)
+    assert set(paths(upstream)) <= {f"{prefix}/chat/completions", health}
+    assert accept_encodings(upstream) == ["identity"]
 
 
 @pytest.mark.parametrize("raw_deflate", [False, True])
@@ -222,8 +142,8 @@ async def test_a_deflated_answer_is_decoded_in_either_flavour(
     lab: Lab, access_log: AccessLines, raw_deflate: bool
 ) -> None:
     """``deflate`` is zlib data by the RFC and raw deflate from some servers: both decode."""
-    upstream = Upstream("deflate", raw_deflate=raw_deflate)
-    served = await _proxied(lab, upstream, "/v1", "/v1")
+    upstream = upstream_double("raw-deflate" if raw_deflate else "deflate")
+    served = await _proxied(lab, upstream, "/v1")
     chat = await lab.client(served).chat.completions.create(model=MODEL, messages=CHAT)
     assert chat.choices[0].message.content == "".join(WORDS)
     assert [line["completion_tokens"] for line in await access_log()] == [5]
@@ -234,7 +154,7 @@ async def test_a_coding_the_proxy_cannot_read_is_a_502_not_undecodable_bytes(
 ) -> None:
     """A body in brotli (or zstd) would reach a client that never asked for it, and its
     usage could not be read: it is a bad answer, retried elsewhere, else a 502."""
-    served = await _proxied(lab, Upstream("br"), "/v1", "/v1")
+    served = await _proxied(lab, upstream_double("br"), "/v1")
     with pytest.raises(openai.InternalServerError) as failed:
         await lab.client(served).chat.completions.create(model=MODEL, messages=CHAT)
     assert failed.value.status_code == 502
