@@ -61,12 +61,11 @@ def _ask_for_usage(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
     options = body.get("stream_options")
     if not body.get("stream") or (isinstance(options, dict) and options.get("include_usage")):
         return raw, False
-    if options is None:  # the common case: add the member, leave the client's bytes be
+    if "stream_options" not in body:  # the common case: add the member, leave the bytes be
         return raw.rstrip()[:-1] + b',"stream_options":{"include_usage":true}}', True
-    if not isinstance(options, dict):
+    if options is not None and not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object.")
-    body = {**body, "stream_options": {**options, "include_usage": True}}
-    return json.dumps(body, separators=(",", ":")).encode(), True
+    return _dumps({**body, "stream_options": {**(options or {}), "include_usage": True}}), True
 
 
 def parse(kind: Kind, raw: bytes) -> InferenceRequest:
@@ -112,7 +111,7 @@ def with_output_limit(request: InferenceRequest, per_choice: int, field: str) ->
     A body that names no token field gets ``field`` appended to its bytes (the common case,
     cheap, and the client's bytes stay as they were); one whose value was lowered gets every
     token field it set rewritten, since a backend may read either of them, and one that
-    names them only as null gets ``field`` written in place.
+    names them only as null gets ``field`` instead.
     """
     if request.names_output:  # never a second member of that name: parsers differ on which wins
         raw = _rewritten(request.raw, per_choice, field)
@@ -122,10 +121,19 @@ def with_output_limit(request: InferenceRequest, per_choice: int, field: str) ->
 
 
 def _rewritten(raw: bytes, per_choice: int, field: str) -> bytes:
-    """``raw`` with every token field it sets (else ``field``) at ``per_choice``."""
+    """``raw`` with every token field it sets (else ``field``) at ``per_choice``, and those
+    it sends as null left out: null means unset, and a server that reads both names as one
+    field (TGI) refuses a body naming it twice."""
     body = json.loads(raw)
-    for name in [name for name in _OUTPUT_FIELDS if body.get(name) is not None] or [field]:
-        body[name] = per_choice
+    names = [name for name in _OUTPUT_FIELDS if body.get(name) is not None] or [field]
+    for name in _OUTPUT_FIELDS:
+        if name in body and body[name] is None:
+            del body[name]
+    return _dumps({**body, **dict.fromkeys(names, per_choice)})
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    """A body the proxy had to change, as compact JSON text."""
     try:  # 1e400 was read as infinity, which JSON cannot write back
         text = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except ValueError:
