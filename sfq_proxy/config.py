@@ -167,6 +167,10 @@ class ClassSpec(StrictModel):
     max_queue_age_s: Seconds | None = None
     max_queue_len: PositiveInt | None = None
     max_request_tokens: RequestTokens | None = None  # tighter than the pool's, when set
+    # a request's whole life, from admission: queued, then served (504 ``deadline`` before
+    # the answer starts, a ``deadline`` error event in a stream); X-Request-Timeout may
+    # only shorten it
+    max_request_s: Seconds | None = None
 
 
 def default_classes() -> dict[str, ClassSpec]:

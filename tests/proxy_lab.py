@@ -14,6 +14,7 @@ import aiohttp
 import openai
 import yaml
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from sfq_proxy.config import Config, default_classes, parse_config
 from sfq_proxy.core.fair_queue import FairQueue
@@ -205,3 +206,22 @@ async def eventually(predicate: Callable[[], bool | Awaitable[bool]], within: fl
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"still false after {within} s: {predicate}")
+
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+async def scrape(lab: Lab, served: Served) -> Samples:
+    """The proxy's ``/metrics``: each sample by (name, labels)."""
+    http = await lab.http()
+    async with http.get(f"{served.url}/metrics") as r:
+        text = await r.text()
+    return {
+        (s.name, frozenset(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def sample(samples: Samples, name: str, **labels: str) -> float | None:
+    return samples.get((name, frozenset(labels.items())))

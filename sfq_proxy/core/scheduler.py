@@ -7,7 +7,8 @@ and passes the time in. The scenario lab's simulator drives this same class in v
 
 Three limits act here and are never mixed up: the fair queue sets each flow's *share*,
 ``max_in_flight`` caps an org's or a class's *concurrency* (a capped flow is made
-ineligible and keeps its place), and a provider pool's token buckets pace the *rate*.
+ineligible and keeps its place), and a provider pool's token buckets pace the *rate*, which
+the provider's own feedback (``throttle.py``) may pause or slow.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from .flows import flow_id, org_and_class
 from .limits import Rate
 from .placement import Backend, Placement
 from .queues import DispatchQueue
+from .throttle import Throttle
 
 NO_CAP = 1 << 62
 
@@ -71,15 +73,18 @@ class Scheduler:
         class_caps: Mapping[str, int] | None = None,
         rate: Rate | None = None,
         queue: DispatchQueue[Ticket] | None = None,
+        throttle: Throttle | None = None,
     ) -> None:
         """``queue`` orders the flows: the proxy's ``FairQueue`` (SFQ) unless another
-        implementation of ``DispatchQueue`` is given (the lab's baselines)."""
+        implementation of ``DispatchQueue`` is given (the lab's baselines). ``throttle``
+        (a provider's own 429s and rate-limit headers) may hold every dispatch back."""
         self.placement = placement
         self.queue: DispatchQueue[Ticket] = FairQueue() if queue is None else queue
         self.band: deque[Ticket] = deque()
         self.running = 0
         self.wake_at: float | None = None  # when the rate allows the next dispatch
         self._rate = rate
+        self.throttle = throttle
         self._org_caps = dict(org_caps or {})
         self._class_caps = dict(class_caps or {})
         self.flow_running: Counter[str] = Counter()  # dispatched and not finished, per flow
@@ -100,6 +105,11 @@ class Scheduler:
             for cap in self._caps_of(Ticket(org=org, cls=cls, cost=1.0)):
                 self._capped_flows.setdefault(cap, set()).add(view.flow)
             self.queue.set_eligible(view.flow, self._under_caps(org, cls))
+
+    @property
+    def rate(self) -> Rate | None:
+        """The provider pool's pacing buckets, if its rate is set."""
+        return self._rate
 
     def submit(self, ticket: Ticket, now: float, *, front: bool = False) -> list[Ticket]:
         """Queue ``ticket`` (at its flow's head if ``front``); returns what got dispatched."""
@@ -163,14 +173,17 @@ class Scheduler:
             backend = self.placement.choose()
             if backend is None:
                 break
-            if self._rate is not None:
-                wait = self._rate.wait(ticket.tokens, now)
-                if wait > 0:
-                    self.wake_at = now + wait
-                    break
+            wait = self._rate.wait(ticket.tokens, now) if self._rate is not None else 0.0
+            if self.throttle is not None:
+                wait = max(wait, self.throttle.wait(now))
+            if wait > 0:
+                self.wake_at = now + wait
+                break
             self.placement.acquire(backend)  # the one step that checks: it goes first
             if self._rate is not None:
                 self._rate.take(ticket.tokens, now)
+            if self.throttle is not None:
+                self.throttle.dispatched(ticket.tokens, now, self._rate)
             if ticket.priority:
                 self.band.remove(ticket)
             else:

@@ -27,6 +27,9 @@ class AccessRecord:
     backend: str | None = None
     status: int | None = None
     outcome: str | None = None
+    # why it was not completed: a rejection's reason (rate, deadline, …), or the code of a
+    # failure's error (upstream_timeout, upstream_cut, deadline, bad_gateway, internal_error)
+    reason: str | None = None
     cost: float | None = None  # charged (the estimate)
     cost_actual: float | None = None  # the same formula on the usage reported
     prompt_tokens: int | None = None

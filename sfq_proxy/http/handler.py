@@ -17,12 +17,11 @@ backend reached, or a 4xx), so a request the backend refused at once costs its o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 from aiohttp import web
@@ -31,15 +30,19 @@ from ..core.cost import Estimate
 from ..core.errors import ApiError
 from ..core.flows import CLASS_HEADER, Flow, classify
 from ..core.inference_request import InferenceRequest, Kind, parse
+from ..core.placement import Backend
 from ..core.scheduler import Ticket
+from ..core.throttle import MAX_PAUSE_S, retry_after
 from .access_log import REQUEST_ID_HEADER, AccessRecord
 from .error_response import error_response
+from .pool_runtime import Pool
 from .relay import (
     COST_HEADER,
     QUEUE_WAIT_HEADER,
     Relayed,
     UpstreamFailed,
     backend_failed,
+    fault_code,
     forward,
     read_usage,
 )
@@ -59,12 +62,12 @@ def handler(kind: Kind) -> Handler:
         """Serve one request; whatever becomes of it, it is counted once and logged once."""
         proxy = request.app[PROXY]
         record = AccessRecord.for_request(request.headers)
-        reason = None
         try:
             return await _admit_and_serve(proxy, request, kind, record)
-        except ApiError as err:
-            record.status, reason = err.status, err.reason
-            record.outcome = "rejected" if reason else "failed"
+        except ApiError as err:  # a rejection; or a failure, the error's code its reason
+            record.status = err.status
+            record.outcome = record.outcome or ("rejected" if err.reason else "failed")
+            record.reason = err.reason if record.outcome == "rejected" else err.code
             response = error_response(err)
             response.headers[REQUEST_ID_HEADER] = record.request_id
             return response
@@ -73,25 +76,26 @@ def handler(kind: Kind) -> Handler:
             raise
         except Exception:  # a bug: the answer has not started (the relay ends its own)
             log.exception("request %s failed", record.request_id)
-            record.status, record.outcome = 500, "failed"
             error = ApiError(500, "The proxy failed to serve this request.")
+            record.status, record.outcome, record.reason = 500, "failed", error.code
             response = error_response(error)
             response.headers[REQUEST_ID_HEADER] = record.request_id
             return response
         finally:
-            _count(proxy, record, reason)
+            _count(proxy, record)
             record.emit()
 
     return handle
 
 
-def _count(proxy: Proxy, record: AccessRecord, reason: str | None) -> None:
+def _count(proxy: Proxy, record: AccessRecord) -> None:
     if record.outcome is None:
         return
     key = (record.org or "", record.cls or "", record.pool or "")
     proxy.metrics.count(key, "requests", record.outcome)
-    if reason:
-        proxy.metrics.count(key, "rejections", reason)
+    if record.reason and record.outcome in ("rejected", "failed"):
+        counter = "rejections" if record.outcome == "rejected" else "failures"
+        proxy.metrics.count(key, counter, record.reason)
 
 
 async def _admit_and_serve(
@@ -126,10 +130,8 @@ async def _admit_and_serve(
     proxy.admission.admit(flow, ticket.tokens, queued, idempotency_key, now)
     try:
         proxy.metrics.seen(flow.key)
-        expires_at, expiry = _deadline(now, cls.max_queue_age_s, timeout)
-        return await _serve(
-            proxy, request, flow, record, ticket, inference, estimate, expires_at, expiry
-        )
+        bounds = _bounds(now, cls.max_queue_age_s, cls.max_request_s, timeout)
+        return await _serve(proxy, request, flow, record, ticket, inference, estimate, bounds)
     finally:
         proxy.admission.done(flow, idempotency_key)
 
@@ -142,10 +144,10 @@ async def _serve(
     ticket: Ticket,
     inference: InferenceRequest,
     estimate: Estimate,
-    expires_at: float | None,
-    expiry: ApiError | None,
+    bounds: _Bounds,
 ) -> web.StreamResponse:
     pool = proxy.pools[flow.pool]
+    expires_at, expiry = bounds.queue
     key = flow.key
     metrics = proxy.metrics
     retry = proxy.config.retry
@@ -167,6 +169,7 @@ async def _serve(
         if not ticket.priority:
             metrics.count(key, "cost_charged", amount=ticket.cost)  # the cost, not cost/weight
         relayed, generated = None, True
+        slot = _Slot(pool, ticket, backend)
         try:
             relayed = await forward(
                 proxy.session, pool, backend, request, inference, record.request_id,
@@ -176,17 +179,18 @@ async def _serve(
                     COST_HEADER: "0" if ticket.priority else f"{ticket.cost:.6g}",
                 },
                 on_headers=partial(metrics.first_byte, flow.pool, backend.name),
+                expires_at=bounds.life[0], expiry=bounds.life[1], on_upstream_end=slot.settle,
             )  # fmt: skip
             generated = not _refused(relayed)
-            if backend_failed(relayed):
-                pool.report_failure(backend)
-            else:
-                pool.report_success(backend)
+            slot.settle(relayed)
         except UpstreamFailed as failure:
-            generated = False
+            generated = failure.answer is not None  # a body gone silent: the backend had it
             pool.report_failure(backend)
             if failure.answer is not None:
                 raise failure.answer from None
+        except ApiError:  # dispatched: no headers in time, or the request's bound passed
+            record.outcome = "failed"
+            raise
         except asyncio.CancelledError:
             record.outcome = "cancelled_running"
             raise
@@ -194,7 +198,7 @@ async def _serve(
             record.outcome = "cancelled_running"
             raise asyncio.CancelledError from None
         finally:
-            pool.release(ticket, refund=not generated)
+            slot.release(refund=not generated)
         status = None if relayed is None else relayed.response.status
         if status is not None and status not in RETRYABLE:
             break
@@ -233,6 +237,32 @@ def _count_answer(
         log.exception("request %s: its answer could not be counted", record.request_id)
 
 
+class _Slot:
+    """A dispatched attempt's slot, given back once: as soon as its backend is done with
+    (judged first, so that the next dispatch knows its health), else when the attempt ends."""
+
+    def __init__(self, pool: Pool, ticket: Ticket, backend: Backend) -> None:
+        self._pool, self._ticket, self._backend = pool, ticket, backend
+        self._held = True
+
+    def settle(self, relayed: Relayed) -> None:
+        if not self._held:
+            return
+        self._held = False
+        try:
+            if backend_failed(relayed):
+                self._pool.report_failure(self._backend)
+            else:
+                self._pool.report_success(self._backend)
+        finally:
+            self._pool.release(self._ticket, refund=_refused(relayed))
+
+    def release(self, *, refund: bool) -> None:
+        if self._held:
+            self._held = False
+            self._pool.release(self._ticket, refund=refund)
+
+
 def _refused(relayed: Relayed | None) -> bool:
     """Whether the upstream answered without generating anything: a 4xx, or no answer."""
     return relayed is None or 400 <= relayed.response.status < 500
@@ -248,7 +278,7 @@ def _account(proxy: Proxy, flow: Flow, record: AccessRecord, relayed: Relayed) -
     )
     key, metrics = flow.key, proxy.metrics
     if relayed.fault is not None:
-        record.outcome = "failed"
+        record.outcome, record.reason = "failed", fault_code(relayed.fault)
     elif status < 400:
         record.outcome = "completed"
     else:
@@ -268,12 +298,13 @@ def _account(proxy: Proxy, flow: Flow, record: AccessRecord, relayed: Relayed) -
 
 
 def _backoff(attempt: int, base: float, cap: float, relayed: Relayed | None) -> float:
-    """Full jitter (uniform in [0, min(cap, base·2^(attempt−1))]), at least the Retry-After."""
+    """Full jitter (uniform in [0, min(cap, base·2^(attempt−1))]), at least the upstream's
+    retry-after (``retry-after-ms`` first; an HTTP date is not read), at most
+    ``MAX_PAUSE_S``: a huge or garbled one cannot park the request (core/throttle.py)."""
     delay = random.uniform(0.0, min(cap, base * 2 ** (attempt - 1)))
-    retry_after = relayed.response.headers.get("Retry-After") if relayed is not None else None
-    if retry_after is not None:
-        with contextlib.suppress(ValueError):  # an HTTP date: not worth parsing here
-            delay = max(delay, float(retry_after))
+    after = retry_after(relayed.response.headers) if relayed is not None else None
+    if after is not None:
+        delay = max(delay, min(MAX_PAUSE_S, after))
     return delay
 
 
@@ -290,20 +321,42 @@ def _client_timeout(request: web.Request) -> float | None:
     return timeout
 
 
-def _deadline(
-    now: float, max_queue_age_s: float | None, timeout: float | None
-) -> tuple[float | None, ApiError | None]:
-    """The earlier of the class's queue-age limit (429) and the client's deadline (504)."""
-    candidates = []
-    if max_queue_age_s is not None:
+Bound = tuple[float | None, ApiError | None]  # when (on the proxy's clock), and the answer
+
+
+@dataclass(frozen=True, slots=True)
+class _Bounds:
+    queue: Bound  # while queued (retries included): the earliest bound of all
+    life: Bound  # once dispatched: the request's whole-life bound, from admission
+
+
+def _bounds(
+    now: float, max_queue_age_s: float | None, max_request_s: float | None, timeout: float | None
+) -> _Bounds:
+    """A request's bounds from its admission ``now``. Its life is bounded by the smaller of its
+    class's ``max_request_s`` and its client's ``X-Request-Timeout`` (504 ``deadline``: the
+    client can shorten the operator's bound, never lengthen it); its wait in the queue also
+    by the class's ``max_queue_age_s`` (429 ``queue_age``), the earlier applying."""
+    bounds = [
+        (seconds, f"{what} of {seconds:g} s")
+        for seconds, what in (
+            (max_request_s, "This class's max_request_s"),
+            (timeout, f"The request's {TIMEOUT_HEADER}"),
+        )
+        if seconds is not None
+    ]
+    if not bounds:
+        life: Bound = (None, None)
+        queue: Bound = (None, None)
+    else:
+        seconds, what = min(bounds)
+        at = now + seconds
+        life = (at, ApiError(504, f"{what} passed before the answer's end.", code="deadline"))
+        queue = (at, ApiError(504, f"{what} passed before it was served.", code="deadline"))
+    if max_queue_age_s is not None and (queue[0] is None or now + max_queue_age_s < queue[0]):
         message = f"Waited longer than this class's {max_queue_age_s:g} s queue limit."
-        candidates.append((now + max_queue_age_s, ApiError(429, message, code="queue_age")))
-    if timeout is not None:
-        message = f"The request's {TIMEOUT_HEADER} of {timeout:g} s passed before it was served."
-        candidates.append((now + timeout, ApiError(504, message, code="deadline")))
-    if not candidates:
-        return None, None
-    return min(candidates, key=lambda c: c[0])
+        queue = (now + max_queue_age_s, ApiError(429, message, code="queue_age"))
+    return _Bounds(queue=queue, life=life)
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:

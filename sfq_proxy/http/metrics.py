@@ -39,6 +39,9 @@ COUNTERS = {
     "requests": ("Finished requests by outcome: completed, rejected, cancelled_queued, "
                  "cancelled_running, upstream_error, failed", "outcome"),
     "rejections": ("Requests refused before being queued or while queued, by reason", "reason"),
+    "failures": ("Requests that failed once dispatched (or by a fault of the proxy), by the "
+                 "code of their error: upstream_timeout, upstream_cut, deadline, bad_gateway, "
+                 "internal_error", "reason"),
     "upstream_errors": ("Error answers of backends passed to clients, by status", "status"),
     "cost_charged": ("Estimated cost charged at dispatch (share: its rate per flow)", None),
     "cost_actual": ("The cost formula on the tokens backends reported using (compare with "
@@ -181,6 +184,7 @@ class Metrics(Collector):
         yield from self._flow_histograms()
         yield from self._flow_gauges()
         yield from self._backend_metrics()
+        yield from self._provider_metrics()
         yield from self._calibration_metrics()
 
     def _flow_counters(self) -> Iterable[Metric]:
@@ -259,6 +263,32 @@ class Metrics(Collector):
                     value.add_metric([pool, org, quantity], entry["value"])
                 samples.add_metric([pool, org, quantity], entry["samples"])
         yield from (value, samples)
+
+    def _provider_metrics(self) -> Iterable[Metric]:
+        """A provider's feedback (its 429s and rate-limit headers) on each pool's dispatch."""
+        throttled = CounterMetricFamily(
+            "sfq_upstream_throttled",
+            "Times the upstream held the pool's dispatch: 429, remaining_requests, "
+            "remaining_tokens",
+            labels=["pool", "reason"],
+        )
+        factor = GaugeMetricFamily(
+            "sfq_upstream_rate_factor",
+            "Effective dispatch rate over the configured rate (halved per 429, grows back)",
+            labels=["pool"],
+        )
+        paused = GaugeMetricFamily(
+            "sfq_upstream_paused_seconds",
+            "Seconds until the upstream's 429 or exhausted limit lets the pool dispatch again",
+            labels=["pool"],
+        )
+        for pool_name, pool in self._pools.items():
+            now = pool.clock()
+            for reason, n in sorted(pool.throttle.throttled.items()):
+                throttled.add_metric([pool_name, reason], n)
+            factor.add_metric([pool_name], pool.throttle.factor(now))
+            paused.add_metric([pool_name], max(0.0, pool.throttle.paused_until - now))
+        yield from (throttled, factor, paused)
 
     def _backend_metrics(self) -> Iterable[Metric]:
         labels = ["pool", "backend"]

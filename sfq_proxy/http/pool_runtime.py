@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -22,6 +22,7 @@ from ..core.flows import org_and_class
 from ..core.limits import Rate
 from ..core.placement import Backend, Placement
 from ..core.scheduler import Scheduler, Ticket
+from ..core.throttle import Throttle
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,13 @@ class Pool:
         self.clock = clock
         self.placement = Placement(spec.backends, failures_to_down=spec.health.consecutive_failures)
         org_caps, class_caps, rate = _limits(config, spec)
+        self.throttle = Throttle()  # the provider's own 429s and rate-limit headers
         self.scheduler = Scheduler(
-            self.placement, org_caps=org_caps, class_caps=class_caps, rate=rate
+            self.placement,
+            org_caps=org_caps,
+            class_caps=class_caps,
+            rate=rate,
+            throttle=self.throttle,
         )
         self.calibration = calibration
         self.cost = CostModel(spec.cost, f"pools.{name}.cost", pool=name, calibration=calibration)
@@ -134,6 +140,22 @@ class Pool:
             )  # fmt: skip
         if not backend.healthy and health.mode == "passive":
             self._revive_later(backend)
+
+    def observe_answer(self, status: int, headers: Mapping[str, str], sent_at: float) -> None:
+        """An upstream answer's status and headers, as soon as they arrive: a 429 or a
+        provider's exhausted rate limit holds the pool's dispatch (see ``core/throttle.py``);
+        the pool's next dispatch attempt arms the timer that ends the hold."""
+        now = self.clock()
+        try:
+            reason = self.throttle.observe(status, headers, sent_at, now)
+        except Exception:  # a bug must not cost the answer (its connection is still open)
+            log.exception("pool %s: the upstream's rate-limit headers were not read", self.name)
+            return
+        if reason is not None:
+            log.info(
+                "pool %s: provider rate limit (%s): dispatch held for %.3f s, rate factor %.3g",
+                self.name, reason, self.throttle.wait(now), self.throttle.factor(now),
+            )  # fmt: skip
 
     def report_success(self, backend: Backend) -> None:
         """A good probe or an answer that is not a failure: the failure streak ends."""
@@ -219,6 +241,7 @@ class Pool:
                 for b in self.placement.backends
             ],
             "recent_dispatches": [{"flow": f, "backend": b} for f, b in self.recent],
+            "provider_feedback": self.throttle.state(self.clock(), self.scheduler.rate),
             "calibration": self._calibration_state(),
         }
 

@@ -19,6 +19,7 @@ import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 import aiohttp
 from aiohttp import web
@@ -69,6 +70,11 @@ class UpstreamFailed(Exception):
 
 class UpstreamStalled(aiohttp.ClientPayloadError):
     """The backend sent nothing for ``timeouts.idle_s`` after its headers."""
+
+
+class UpstreamDeadline(aiohttp.ClientPayloadError):
+    """The request's bound (its class's ``max_request_s`` or the client's
+    ``X-Request-Timeout``) passed while its answer was being read."""
 
 
 class UpstreamGarbled(aiohttp.ClientPayloadError):
@@ -166,7 +172,9 @@ def _response_headers(
 
 
 class _Watchdog:
-    """Ends a read from ``reader`` once the backend has been silent for ``idle_s``.
+    """Ends a read from ``reader`` once the backend has been silent for ``idle_s``
+    (``UpstreamStalled``), or at ``until`` (on the loop's clock), the end of the request's
+    bound (``UpstreamDeadline``), whichever comes first.
 
     One timer per answer, re-armed when it fires rather than per chunk: the loop only notes
     the time of each chunk. The read is ended by putting an error into the reader, which
@@ -174,17 +182,30 @@ class _Watchdog:
     waiting forever after a malformed chunk).
     """
 
-    def __init__(self, reader: aiohttp.StreamReader, idle_s: float) -> None:
+    def __init__(
+        self,
+        reader: aiohttp.StreamReader,
+        idle_s: float,
+        until: float = math.inf,
+        on_deadline: Callable[[], None] | None = None,
+    ) -> None:
         self._loop = asyncio.get_running_loop()
         self._reader = reader
         self._idle_s = idle_s
+        self._until = until
+        self._on_deadline = on_deadline  # at ``until``, even while the proxy writes
         self.progress = self._loop.time()
-        self._timer = self._loop.call_at(self.progress + idle_s, self._check)
+        self._timer = self._loop.call_at(min(self.progress + idle_s, until), self._check)
 
     def _check(self) -> None:
         now, deadline = self._loop.time(), self.progress + self._idle_s
-        if now < deadline:  # inf while the proxy itself is busy: look again later
-            self._timer = self._loop.call_at(min(deadline, now + self._idle_s), self._check)
+        if now >= self._until:
+            self._reader.set_exception(UpstreamDeadline("the request's bound passed"))
+            if self._on_deadline is not None:
+                self._on_deadline()
+        elif now < deadline:  # inf while the proxy itself is busy: look again later
+            wake = min(deadline, now + self._idle_s, self._until)
+            self._timer = self._loop.call_at(wake, self._check)
         else:
             self._reader.set_exception(UpstreamStalled(f"silent for {self._idle_s:g} s"))
 
@@ -210,7 +231,8 @@ class Relayed:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     # why the stream broke off after it started (and ended with an error event): the
-    # backend's "upstream_cut" or "upstream_timeout", or "proxy" for a fault of our own
+    # backend's "upstream_cut" or "upstream_timeout", the request's bound ("deadline"), or
+    # "proxy" for a fault of our own
     fault: str | None = None
     tail: bytes = b""  # the end of a 200 answer, where its usage is (see ``read_usage``)
 
@@ -224,6 +246,10 @@ async def forward(
     request_id: str,
     own_headers: Mapping[str, str],
     on_headers: Callable[[float], None],
+    *,
+    expires_at: float | None = None,
+    expiry: ApiError | None = None,
+    on_upstream_end: Callable[[Relayed], None] | None = None,
 ) -> Relayed:
     """Send ``inference`` to ``backend`` and relay its answer to ``client``.
 
@@ -239,10 +265,19 @@ async def forward(
     Streams are relayed chunk by chunk; anything else is passed through unchanged with
     its status. The upstream connection is closed at once when the client goes away
     (the handler is cancelled), which makes vLLM abort the generation.
+
+    At ``expires_at`` (on the pool's clock: the end of the request's bound) the exchange
+    ends: ``expiry`` (a 504 ``deadline``) is raised while nothing reached the client, and a
+    stream ends with a ``deadline`` error event. ``on_upstream_end`` learns of a stream
+    as soon as its backend is done with (ended, broken off, stalled or out of time),
+    before the client is sent its last bytes, so that the slot is free at once.
     """
     sent = pool.clock()
-    upstream = await _open(session, pool, backend, inference, request_id)
+    remaining = math.inf if expires_at is None else max(0.0, expires_at - sent)
+    until = asyncio.get_running_loop().time() + remaining
+    upstream = await _open(session, pool, backend, inference, request_id, remaining, expiry)
     on_headers(pool.clock() - sent)
+    pool.observe_answer(upstream.status, upstream.headers, sent)  # a 429 holds the pool
     try:
         try:
             inflater = _inflater(upstream)
@@ -253,12 +288,14 @@ async def forward(
         if upstream.status in _ERROR_STATUSES:
             headers.setdefault("Retry-After", "1")
         if not (inference.stream and upstream.status == 200):
-            watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s)
+            watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s, until)
             try:
                 body = await upstream.read()
                 if inflater is not None:
                     body = inflater.feed(body) + inflater.close()
-            except UpstreamStalled as exc:
+            except UpstreamDeadline:
+                raise expiry or _out_of_time() from None
+            except UpstreamStalled as exc:  # not retried: the backend got the request
                 raise UpstreamFailed(str(exc), _stalled(pool)) from None
             except aiohttp.ClientError as exc:  # died before answering: the client saw nothing
                 raise UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc
@@ -274,8 +311,31 @@ async def forward(
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(client)
         relayed = Relayed(response, 0.0)
-        await _relay_stream(upstream, relayed, inference.strip_usage, pool, sent, inflater)
-        relayed.upstream_s = pool.clock() - sent
+        ended = False
+
+        def upstream_end(*, out_of_time: bool = False) -> None:
+            """The backend is done with: once, when the stream ends, or at the request's
+            bound even while the proxy is still writing to a client slow to read."""
+            nonlocal ended
+            if ended:
+                return
+            ended = True
+            relayed.upstream_s = pool.clock() - sent
+            if relayed.fault is not None or out_of_time:
+                upstream.close()  # stop the backend's work at once (vLLM aborts)
+            if on_upstream_end is not None:
+                try:
+                    on_upstream_end(relayed)
+                except Exception:  # counting must not keep the stream from its end
+                    log.exception("pool %s: ending a stream's upstream failed", pool.name)
+
+        out_of_time = partial(upstream_end, out_of_time=True)
+        watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s, until, out_of_time)
+
+        await _relay_stream(
+            upstream, relayed, inference.strip_usage, pool, sent, inflater,
+            watchdog=watchdog, expiry=expiry, upstream_end=upstream_end,
+        )  # fmt: skip
         return relayed
     except BaseException:
         upstream.close()
@@ -291,16 +351,23 @@ async def _relay_stream(
     pool: Pool,
     sent: float,
     inflater: _Inflater | None = None,
+    *,
+    watchdog: _Watchdog | None = None,
+    expiry: ApiError | None = None,
+    upstream_end: Callable[[], None] | None = None,
 ) -> None:
     """Write the stream's bytes as they come (decoded by ``inflater`` when the upstream
     compressed them), then end it; keep only its tail, where the usage is. A stream that
-    breaks off ends with an error event: its client is told, and every later request finds
-    the pool whole."""
+    breaks off, stalls (``watchdog``) or outlives its request's bound ends with an error
+    event: its client is told, and every later request finds the pool whole.
+    ``upstream_end`` is called once the backend is done with, before the last write."""
     tail: deque[bytes] = deque()  # the last chunks, about _TAIL_BYTES of them
     kept = 0
     written = b""  # the last bytes the client was sent
     stripper = _UsageStripper() if strip_usage else None
-    watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s)
+    if watchdog is None:
+        watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s)
+    message = _CUT
     try:
         chunks = upstream.content.iter_any()
         async for chunk in chunks if inflater is None else _decoded(chunks, inflater):
@@ -318,20 +385,29 @@ async def _relay_stream(
             watchdog.progressed()
     except ConnectionResetError:  # the client left as we wrote (aiohttp's is a ClientError)
         raise
+    except UpstreamDeadline:  # the request's bound: nobody's fault
+        relayed.fault = "deadline"
+        message = (expiry or _out_of_time()).message
     except aiohttp.ClientError as exc:  # bad chunking, early close, silence: the backend's
         log.warning("pool %s: a backend broke off a stream: %s", pool.name, exc)
-        relayed.fault = "upstream_timeout" if isinstance(exc, UpstreamStalled) else "upstream_cut"
+        if isinstance(exc, UpstreamStalled):
+            relayed.fault = "upstream_timeout"
+            message = f"{_CUT[:-1]}: the backend was {exc.args[0]}."
+        else:
+            relayed.fault = "upstream_cut"
     except Exception:  # a fault of ours: the answer has started, so it must end here
         log.exception("pool %s: relaying a stream failed", pool.name)
         relayed.fault = "proxy"
     finally:
         watchdog.cancel()
+    if upstream_end is not None:
+        upstream_end()
     rest = b""
     if stripper is not None and relayed.fault != "proxy":  # a stripper that failed: not again
         rest = stripper.close()  # an event held back, one that no empty line ended
     if relayed.fault is not None:
         at_boundary = ends_event(rest or written)  # whatever its line endings
-        rest += (b"" if at_boundary else b"\n\n") + _error_event(relayed.fault)
+        rest += (b"" if at_boundary else b"\n\n") + _error_event(relayed.fault, message)
     await relayed.response.write_eof(rest)  # one write
     relayed.tail = b"".join(tail)
 
@@ -347,7 +423,8 @@ async def _decoded(chunks: AsyncIterator[bytes], inflater: _Inflater) -> AsyncIt
 
 def backend_failed(relayed: Relayed) -> bool:
     """Whether an answer counts against its backend's health: a 5xx, or a stream that the
-    backend broke off (not one that a fault of the proxy's own ended)."""
+    backend broke off or stalled (not one that a fault of the proxy's own, or the request's
+    bound, ended)."""
     return relayed.response.status >= 500 or relayed.fault in ("upstream_cut", "upstream_timeout")
 
 
@@ -356,12 +433,22 @@ def _stalled(pool: Pool) -> ApiError:
     return ApiError(504, f"The backend went silent for {idle_s:g} s.", code="upstream_timeout")
 
 
-def _error_event(fault: str) -> bytes:
+def _out_of_time() -> ApiError:
+    return ApiError(504, "The request's time bound passed.", code="deadline")
+
+
+def fault_code(fault: str) -> str:
+    """The ``code`` of the error event a stream broken off by ``fault`` ends with."""
+    return "internal_error" if fault == "proxy" else fault
+
+
+_FAULT_TYPES = {"proxy": "server_error", "deadline": "timeout_error"}
+_CUT = "The stream broke off before its end."
+
+
+def _error_event(fault: str, message: str = _CUT) -> bytes:
     """An OpenAI-style error as a stream's last event (the SDK raises it), then ``[DONE]``."""
-    kind, code = (
-        ("server_error", "internal_error") if fault == "proxy" else ("upstream_error", fault)
-    )
-    message = "The stream broke off before its end."
+    kind, code = _FAULT_TYPES.get(fault, "upstream_error"), fault_code(fault)
     error = {"error": {"message": message, "type": kind, "code": code}}
     return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
 
@@ -409,8 +496,11 @@ async def _open(
     backend: Backend,
     inference: InferenceRequest,
     request_id: str,
+    remaining: float = math.inf,
+    expiry: ApiError | None = None,
 ) -> aiohttp.ClientResponse:
-    """POST the client's bytes; return once the response headers are in."""
+    """POST the client's bytes; return once the response headers are in. ``expiry`` is
+    raised when the request's bound (``remaining`` seconds away) passes first."""
     headers = {
         "Content-Type": "application/json",
         "X-Request-Id": request_id,
@@ -420,7 +510,7 @@ async def _open(
         headers["Authorization"] = f"Bearer {pool.upstream_key}"
     timeouts = pool.spec.timeouts
     try:
-        async with asyncio.timeout(timeouts.first_byte_s):
+        async with asyncio.timeout(min(timeouts.first_byte_s, remaining)):
             upstream = await session.post(
                 backend.base + inference.kind.value,
                 data=inference.raw,
@@ -430,6 +520,8 @@ async def _open(
     except aiohttp.ClientError as exc:  # refused, reset, connect timeout, not HTTP at all
         raise UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc
     except TimeoutError:
+        if remaining < timeouts.first_byte_s:
+            raise expiry or _out_of_time() from None
         raise ApiError(
             504,
             f"The backend sent nothing within {timeouts.first_byte_s:g} s.",

@@ -517,7 +517,8 @@ def assert_answer(case: Case, answer: Answer, forwarded: int) -> None:
     assert not deadline or case.sends("X-Request-Timeout"), f"a deadline nobody set: {said}"
     problem = _error_problem(answer)
     assert problem is None, f"not an OpenAI-style error ({problem}): {said}"
-    assert forwarded == 0, f"a {answer.status}, yet the body reached the backend"
+    # the client's bound covers the upstream exchange too: a deadline may pass after dispatch
+    assert forwarded <= (1 if deadline else 0), f"a {answer.status} after {forwarded} bodies"
 
 
 def _error_problem(answer: Answer) -> str | None:
@@ -1088,10 +1089,10 @@ async def test_well_formed_requests_are_forwarded_as_sent(
 def _as_forwarded(path: str, body: dict[str, Any]) -> dict[str, Any]:
     """``body`` as the backend may see it: a stream asks for its usage chunk, and a request
     that sets no token field is told the output it was charged for."""
-    if path != EMBEDDING and all(
-        body.get(f) is None for f in ("max_tokens", "max_completion_tokens")
-    ):
-        body = {**body, "max_tokens": DEFAULT_MAX_TOKENS}
+    fields = ("max_tokens", "max_completion_tokens")
+    if path != EMBEDDING and all(body.get(f) is None for f in fields):  # null ones left out
+        body = {k: v for k, v in body.items() if k not in fields}
+        body["max_tokens"] = DEFAULT_MAX_TOKENS
     options = body.get("stream_options")
     if body.get("stream") is True and not (
         isinstance(options, dict) and options.get("include_usage")

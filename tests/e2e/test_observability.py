@@ -7,28 +7,21 @@ import json
 
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-from proxy_lab import KEYS, MODEL, AccessLines, Lab, Served, eventually, proxy_config
+from proxy_lab import (
+    KEYS,
+    MODEL,
+    AccessLines,
+    Lab,
+    eventually,
+    proxy_config,
+    sample,
+    scrape,
+)
 
 from sfq_proxy.http.metrics import OTHER, Metrics
 
 SECRET_PROMPT = "my-secret-prompt-text"
 CHAT = [{"role": "user", "content": "hi"}]  # 1 input token by chars/4
-
-
-async def scrape(lab: Lab, served: Served) -> dict[tuple[str, frozenset], float]:
-    http = await lab.http()
-    async with http.get(f"{served.url}/metrics") as r:
-        text = await r.text()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-def sample(samples: dict, name: str, **labels: str) -> float | None:
-    return samples.get((name, frozenset(labels.items())))
 
 
 async def test_counters_and_histograms_after_a_known_workload(lab: Lab) -> None:
