@@ -7,7 +7,7 @@ answer's bytes, and on a LAN compression saves no time worth having. This measur
 alternative per response, on the answers of ``bench/overhead.py`` (a chat completion, a
 200-event SSE stream) and on a long chat completion: the backend's gzip (one call for a
 body; for a stream, one sync-flushed block per event, as a gzip middleware sends them), the
-proxy's decoding of it (the relay's own ``_Inflater``, fed as the answer arrives) and the
+proxy's decoding of it (``answer.Inflater``, fed as the answer arrives) and the
 bytes on the wire, with the time they take on a 1 Gbit/s link. Asking for identity costs
 none of the CPU. CPU µs per response, median of ``--rounds`` runs of about 0.2 s each.
 """
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from overhead import completion, stream
 
-from sfq_proxy.http.relay import _Inflater
+from sfq_proxy.http.answer import Inflater
 
 
 def long_completion(words: int = 2000) -> str:
@@ -52,7 +52,7 @@ def gzip_chunks(chunks: list[bytes], level: int) -> list[bytes]:
 
 
 def inflate(chunks: list[bytes]) -> bytes:
-    inflater = _Inflater("gzip")
+    inflater = Inflater("gzip")
     return b"".join([inflater.feed(c) for c in chunks]) + inflater.close()
 
 

@@ -15,38 +15,30 @@ import asyncio
 import json
 import logging
 import math
-import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
 from ..core.errors import ApiError
 from ..core.inference_request import InferenceRequest
 from ..core.placement import Backend
+from .answer import (
+    ACCEPT_ENCODING,
+    Inflater,
+    UndecodableAnswer,
+    decoded,
+    inflater_for,
+    response_headers,
+)
 from .pool_runtime import Pool
 from .sse import UsageStripper as _UsageStripper
 from .sse import continued_data, ends_event
 
 log = logging.getLogger(__name__)
-# Upstream response headers not passed on (every other one is): hop-by-hop ones (RFC 9110
-# §7.6.1, and any the upstream's Connection header names), what aiohttp sets for the body
-# it sends (Content-Length; Content-Encoding, as the body is always sent decoded), the
-# proxy's own Date and Server, and the provider origin's state and policy, which would
-# land on the proxy's origin and so on every tenant (cookies, Alt-Svc, HSTS).
-_DROPPED_HEADERS = frozenset(
-    (
-        "connection", "keep-alive", "proxy-authenticate", "proxy-authorization",
-        "proxy-connection", "te", "trailer", "trailers", "transfer-encoding", "upgrade",
-        "content-length", "content-encoding", "date", "server",
-        "set-cookie", "set-cookie2", "alt-svc", "strict-transport-security",
-    )
-)  # fmt: skip
-_ACCEPT_ENCODING = "identity"  # the proxy reads usage from the bytes: asked for plain
 QUEUE_WAIT_HEADER = "X-Queue-Wait"
 COST_HEADER = "X-Cost-Charged"
 _TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
@@ -54,8 +46,6 @@ _USAGE = b'"usage"'
 _USAGE_BYTES = 4096  # more than any usage object: the part of the tail that is parsed
 _DECODER = json.JSONDecoder()
 MAX_USAGE_TOKENS = 1_000_000_000  # a usage count above this is a lying backend, not usage
-# one compressed answer decoded: far beyond any real answer (a 100k-token stream is ~20 MB)
-MAX_INFLATED_BYTES = 256 * 1024 * 1024
 _ERROR_STATUSES = frozenset({429, 503})  # what must say when to come back
 
 
@@ -75,100 +65,6 @@ class UpstreamStalled(aiohttp.ClientPayloadError):
 class UpstreamDeadline(aiohttp.ClientPayloadError):
     """The request's bound (its class's ``max_request_s`` or the client's
     ``X-Request-Timeout``) passed while its answer was being read."""
-
-
-class UpstreamGarbled(aiohttp.ClientPayloadError):
-    """The backend's compressed body does not decompress, or breaks off mid-way."""
-
-
-class _Inflater:
-    """Undoes a ``gzip`` or ``deflate`` Content-Encoding chunk by chunk.
-
-    ``deflate`` is zlib data by the RFC and raw deflate from some servers; they are told
-    apart by the first byte, as aiohttp does. Each gzip member is inflated in turn. An
-    answer that inflates beyond ``limit`` bytes is a bomb, not an answer: it is cut there.
-    """
-
-    def __init__(self, coding: str, limit: int = MAX_INFLATED_BYTES) -> None:
-        self._coding = coding
-        self._left = limit
-        self._wbits = 0  # chosen at the first byte; an empty body is then no error
-        self._zlib: zlib._Decompress | None = None
-
-    def feed(self, chunk: bytes) -> bytes:
-        if not chunk:
-            return b""
-        if self._zlib is None:
-            if self._coding != "deflate":
-                self._wbits = 16 + zlib.MAX_WBITS
-            elif chunk[0] & 0x0F == 8 and chunk[0] >> 4 <= 7:  # a zlib header
-                self._wbits = zlib.MAX_WBITS
-            else:
-                self._wbits = -zlib.MAX_WBITS
-            self._zlib = zlib.decompressobj(self._wbits)
-        try:
-            out = self._zlib.decompress(chunk, self._left + 1)  # all, unless over the limit
-            self._left -= len(out)
-            # the next gzip member (a limit of 0 would be none: stop once over it)
-            while self._left >= 0 and self._zlib.eof and self._zlib.unused_data:
-                rest = self._zlib.unused_data
-                self._zlib = zlib.decompressobj(self._wbits)
-                more = self._zlib.decompress(rest, self._left + 1)
-                self._left -= len(more)
-                out += more
-        except zlib.error as exc:
-            raise UpstreamGarbled(f"bad {self._coding} data: {exc}") from None
-        if self._left < 0:
-            raise UpstreamGarbled(f"the {self._coding} data inflates beyond the limit")
-        return out
-
-    def close(self) -> bytes:
-        """What is left; raises if the compressed data ended before its end."""
-        if self._zlib is None:
-            return b""
-        out = self._zlib.flush()
-        if not self._zlib.eof:
-            raise UpstreamGarbled(f"the {self._coding} data breaks off")
-        return out
-
-
-def _inflater(upstream: aiohttp.ClientResponse) -> _Inflater | None:
-    """How to decode the answer's body, or None when it is plain. The proxy asks for
-    ``identity``; an upstream that compresses anyway with gzip or deflate is decoded, so
-    the client gets a body it can read and the proxy its usage. Any other coding (br,
-    zstd, several at once) is an answer the proxy cannot read: ``UpstreamFailed``."""
-    if "Content-Encoding" not in upstream.headers:
-        return None
-    codings = [
-        coding
-        for value in upstream.headers.getall("Content-Encoding")
-        for part in value.split(",")
-        if (coding := part.strip().lower()) and coding != "identity"
-    ]
-    if not codings:
-        return None
-    if len(codings) == 1 and codings[0] in ("gzip", "x-gzip", "deflate"):
-        return _Inflater(codings[0])
-    raise UpstreamFailed(f"Content-Encoding {', '.join(codings)} cannot be decoded")
-
-
-def _response_headers(
-    upstream: aiohttp.ClientResponse, own_headers: Mapping[str, str]
-) -> CIMultiDict[str]:
-    """The upstream's end-to-end headers, repeated ones kept, then the proxy's own, which
-    replace any of the same name."""
-    named = {
-        token.strip().lower()
-        for value in upstream.headers.getall("Connection", ())
-        for token in value.split(",")
-    }
-    headers: CIMultiDict[str] = CIMultiDict()
-    for name, value in upstream.headers.items():
-        lower = name.lower()
-        if lower not in _DROPPED_HEADERS and lower not in named:
-            headers.add(name, value)
-    headers.update(own_headers)
-    return headers
 
 
 class _Watchdog:
@@ -253,11 +149,11 @@ async def forward(
 ) -> Relayed:
     """Send ``inference`` to ``backend`` and relay its answer to ``client``.
 
-    The answer carries the upstream's end-to-end headers (see ``_DROPPED_HEADERS``) and,
+    The answer carries the upstream's end-to-end headers (see ``answer.DROPPED_HEADERS``) and,
     replacing any of the same name, ``own_headers``: the proxy's ``X-Request-Id``,
     ``X-Queue-Wait`` (seconds spent queued in the proxy, retries included, so a client can
     tell waiting from generating) and ``X-Cost-Charged`` (what its flow's meter was charged).
-    A body the upstream compressed anyway is passed on decoded (see ``_inflater``).
+    A body the upstream compressed anyway is passed on decoded (see ``answer.inflater_for``).
 
     ``on_headers`` learns the time to the response headers as soon as they arrive, even if
     the relay is cancelled later.
@@ -280,11 +176,11 @@ async def forward(
     pool.observe_answer(upstream.status, upstream.headers, sent)  # a 429 holds the pool
     try:
         try:
-            inflater = _inflater(upstream)
-        except UpstreamFailed as exc:
+            inflater = inflater_for(upstream)
+        except UndecodableAnswer as exc:
             log.warning("pool %s: backend %s: %s", pool.name, backend.name, exc)
-            raise
-        headers = _response_headers(upstream, own_headers)
+            raise UpstreamFailed(str(exc)) from None
+        headers = response_headers(upstream, own_headers)
         if upstream.status in _ERROR_STATUSES:
             headers.setdefault("Retry-After", "1")
         if not (inference.stream and upstream.status == 200):
@@ -350,7 +246,7 @@ async def _relay_stream(
     strip_usage: bool,
     pool: Pool,
     sent: float,
-    inflater: _Inflater | None = None,
+    inflater: Inflater | None = None,
     *,
     watchdog: _Watchdog | None = None,
     expiry: ApiError | None = None,
@@ -370,7 +266,7 @@ async def _relay_stream(
     message = _CUT
     try:
         chunks = upstream.content.iter_any()
-        async for chunk in chunks if inflater is None else _decoded(chunks, inflater):
+        async for chunk in chunks if inflater is None else decoded(chunks, inflater):
             watchdog.busy()
             if relayed.first_chunk_s is None:
                 relayed.first_chunk_s = pool.clock() - sent
@@ -410,15 +306,6 @@ async def _relay_stream(
         rest += (b"" if at_boundary else b"\n\n") + _error_event(relayed.fault, message)
     await relayed.response.write_eof(rest)  # one write
     relayed.tail = b"".join(tail)
-
-
-async def _decoded(chunks: AsyncIterator[bytes], inflater: _Inflater) -> AsyncIterator[bytes]:
-    """The stream's chunks as they come, decoded by ``inflater`` (none empty)."""
-    async for chunk in chunks:
-        if data := inflater.feed(chunk):
-            yield data
-    if data := inflater.close():
-        yield data
 
 
 def backend_failed(relayed: Relayed) -> bool:
@@ -504,7 +391,7 @@ async def _open(
     headers = {
         "Content-Type": "application/json",
         "X-Request-Id": request_id,
-        "Accept-Encoding": _ACCEPT_ENCODING,
+        "Accept-Encoding": ACCEPT_ENCODING,
     }
     if pool.upstream_key:
         headers["Authorization"] = f"Bearer {pool.upstream_key}"

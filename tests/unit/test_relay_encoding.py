@@ -1,4 +1,4 @@
-"""The relay's decoding of a compressed upstream body and its choice of headers to pass on
+"""The decoding of a compressed upstream body and its choice of headers to pass on
 (docs/design.md §5, Relay); end to end in tests/e2e/test_relay_upstreams.py."""
 
 from __future__ import annotations
@@ -11,8 +11,13 @@ from typing import Any
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from sfq_proxy.http.relay import UpstreamFailed, UpstreamGarbled, _Inflater, _inflater
-from sfq_proxy.http.relay import _response_headers as response_headers
+from sfq_proxy.http.answer import (
+    Inflater,
+    UndecodableAnswer,
+    UpstreamGarbled,
+    inflater_for,
+    response_headers,
+)
 
 BODY = b'data: {"choices":[]}\n\n' * 50
 
@@ -25,7 +30,7 @@ def pieces(data: bytes, size: int) -> list[bytes]:
     return [data[i : i + size] for i in range(0, len(data), size)]
 
 
-def inflate(inflater: _Inflater, chunks: list[bytes]) -> bytes:
+def inflate(inflater: Inflater, chunks: list[bytes]) -> bytes:
     return b"".join(inflater.feed(c) for c in chunks) + inflater.close()
 
 
@@ -40,27 +45,27 @@ def test_gzip_and_both_deflates_decode_however_the_bytes_are_cut(
 ) -> None:
     compressor = zlib.compressobj(wbits=wbits)
     packed = compressor.compress(BODY) + compressor.flush()
-    assert inflate(_Inflater(coding), pieces(packed, size)) == BODY
+    assert inflate(Inflater(coding), pieces(packed, size)) == BODY
 
 
 def test_several_gzip_members_decode_in_turn() -> None:
     packed = gzip.compress(BODY) + gzip.compress(b"more")
-    assert inflate(_Inflater("gzip"), pieces(packed, 5)) == BODY + b"more"
+    assert inflate(Inflater("gzip"), pieces(packed, 5)) == BODY + b"more"
 
 
 def test_an_empty_body_is_no_error_but_a_cut_or_corrupt_one_is() -> None:
-    assert inflate(_Inflater("gzip"), [b""]) == b""
+    assert inflate(Inflater("gzip"), [b""]) == b""
     with pytest.raises(UpstreamGarbled, match="breaks off"):
-        inflate(_Inflater("gzip"), [gzip.compress(BODY)[:-10]])
+        inflate(Inflater("gzip"), [gzip.compress(BODY)[:-10]])
     with pytest.raises(UpstreamGarbled, match="bad gzip"):
-        inflate(_Inflater("gzip"), [b"\x1f\x8b\x08\x00 not gzip at all"])
+        inflate(Inflater("gzip"), [b"\x1f\x8b\x08\x00 not gzip at all"])
 
 
 @pytest.mark.parametrize("size", [1000, 100_000])
 def test_a_body_that_inflates_beyond_the_limit_is_cut_there(size: int) -> None:
     packed = gzip.compress(b" " * 100_000)
-    assert inflate(_Inflater("gzip", limit=100_000), pieces(packed, size)) == b" " * 100_000
-    inflater = _Inflater("gzip", limit=99_999)
+    assert inflate(Inflater("gzip", limit=100_000), pieces(packed, size)) == b" " * 100_000
+    inflater = Inflater("gzip", limit=99_999)
     with pytest.raises(UpstreamGarbled, match="beyond the limit"):
         inflate(inflater, pieces(packed, size))
 
@@ -68,9 +73,9 @@ def test_a_body_that_inflates_beyond_the_limit_is_cut_there(size: int) -> None:
 def test_the_limit_holds_across_gzip_members() -> None:
     packed = gzip.compress(b"a" * 10) + gzip.compress(b"b" * 1000)
     with pytest.raises(UpstreamGarbled, match="beyond the limit"):
-        _Inflater("gzip", limit=9).feed(packed)
+        Inflater("gzip", limit=9).feed(packed)
     with pytest.raises(UpstreamGarbled, match="beyond the limit"):
-        _Inflater("gzip", limit=10).feed(packed)
+        Inflater("gzip", limit=10).feed(packed)
 
 
 @pytest.mark.parametrize(
@@ -79,14 +84,14 @@ def test_the_limit_holds_across_gzip_members() -> None:
 )
 def test_what_is_decoded(value: str | None, decoded: str | None) -> None:
     headers = () if value is None else (("Content-Encoding", value),)
-    found = _inflater(upstream(*headers))
+    found = inflater_for(upstream(*headers))
     assert (found and found._coding) == decoded
 
 
 @pytest.mark.parametrize("value", ["br", "zstd", "gzip, br", "gzip, gzip", "compress"])
 def test_a_coding_the_proxy_cannot_read_fails_the_answer(value: str) -> None:
-    with pytest.raises(UpstreamFailed, match="cannot be decoded"):
-        _inflater(upstream(("Content-Encoding", value)))
+    with pytest.raises(UndecodableAnswer, match="cannot be decoded"):
+        inflater_for(upstream(("Content-Encoding", value)))
 
 
 def test_end_to_end_headers_pass_repeated_and_the_proxys_own_win() -> None:
