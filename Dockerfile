@@ -22,7 +22,7 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     WHEELS=/wheels
 WORKDIR /src
 # exactly what the wheel is made of; .dockerignore keeps everything else out of the context
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY sfq_proxy ./sfq_proxy
 # The image carries the proxy alone: the scenario lab and the simulated server stay out
 # (their commands then say how to get them).

@@ -214,7 +214,7 @@ def dockerignored(path: str) -> bool:
 def test_dockerignore_keeps_the_build_inputs_only() -> None:
     build = stages()[0]
     sources = [src for copy in build.all("COPY") for src in copy_args(copy)[1]]
-    assert sorted(sources) == ["README.md", "pyproject.toml", "sfq_proxy"]
+    assert sorted(sources) == ["LICENSE", "README.md", "pyproject.toml", "sfq_proxy"]
     for source in sources:
         assert not dockerignored(source), source
     for path in ROOT.joinpath("sfq_proxy").rglob("*"):
