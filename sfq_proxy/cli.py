@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .config import Config, ConfigError, default_config, load_config
+from .config_summary import summary
 from .http.server import run, serve
 
 LAB_COMMANDS = ("simulate", "loadgen", "sim-backend")
@@ -110,7 +111,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    print(_load(args.config).summary())
+    print(summary(_load(args.config)))
     return 0
 
 

@@ -15,7 +15,6 @@ an input value, because the value might be a secret.
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import re
 from collections.abc import Iterable, Mapping
@@ -285,19 +284,6 @@ class HealthSpec(StrictModel):
                     )
         return self
 
-    def summary(self, keyed: bool) -> str:
-        """One line for ``check-config``; ``keyed`` when the pool has an upstream key."""
-        streak = self.consecutive_failures
-        failures = "1 failure" if streak == 1 else f"{streak} failures in a row"
-        out = f"out for {_num(self.cooldown_s)} s after {failures}"
-        if self.mode == "passive":
-            return f"health: passive, no probe; {out} (connect errors, 5xx), then trusted again"
-        key = ", with the upstream key" if keyed and self.send_key else ""
-        return (
-            f"health: active, {self.method} {self.path} every {_num(self.interval_s)} s "
-            f"(timeout {_num(self.timeout_s)} s{key}); {out}, back at the next good probe"
-        )
-
     @field_validator("path")
     @classmethod
     def _absolute_path(cls, value: str) -> str:
@@ -520,50 +506,6 @@ class Config(StrictModel):
         """The keys in file order, each with the SHA-256 digest of its secret."""
         return list(self._resolved)
 
-    def summary(self) -> str:
-        """Human summary for ``sfq-proxy check-config``; shows no secret."""
-        lines = [
-            f"listen {self.listen.host}:{self.listen.port} "
-            f"(max body {self.limits.max_body_bytes} B, drain {_num(self.drain_timeout_s)} s)"
-        ]
-        granted = _granted(self.keys, self.classes)
-        for name, pool in self.pools.items():
-            lines += _pool_summary(name, pool)
-            lines += _share_summary(_pool_slots(pool), granted)
-        lines.append("classes:")
-        lines += [
-            f"  {name}: {_class_summary(spec)}" + ("" if name in granted else " (no key grants it)")
-            for name, spec in self.classes.items()
-        ]
-        lines.append("keys:")
-        lines += [
-            f"  keys[{i}]: org={k.org}, classes=[{', '.join(k.classes)}] ({k.source})"
-            for i, k in enumerate(self.keys)
-        ]
-        if self.orgs:
-            lines.append("orgs:")
-            lines += [f"  {name}: {_org_summary(spec)}" for name, spec in self.orgs.items()]
-        lines.append("flows (org/class/pool: weight):")
-        lines += [f"  {flow}" for flow in self._flow_summary()]
-        cal = self.calibration
-        lines.append(
-            f"calibration: learns chars/token and output_ratio from usage, starting from each "
-            f"pool's cost settings; half-life {cal.half_life_requests} requests, an org's own "
-            f"ratio after {cal.min_org_samples} requests; state "
-            f"{cal.state_file or 'in memory only'}"
-        )
-        return "\n".join(lines)
-
-    def _flow_summary(self) -> list[str]:
-        """Effective weight of every flow the keys can create (priority flows have none)."""
-        pairs = dict.fromkeys((k.org, c) for k in self.keys for c in k.classes)
-        return [
-            f"{org}/{cls}/{pool}: "
-            + ("priority" if self.classes[cls].priority else _num(self.flow_weight(org, cls)))
-            for org, cls in pairs
-            for pool in self.pools
-        ]
-
 
 _DEFAULT_ORG = OrgSpec()
 
@@ -606,18 +548,20 @@ def _check_key_classes(keys: Iterable[KeySpec], classes: Mapping[str, ClassSpec]
     ]
 
 
-def _granted(keys: Iterable[KeySpec], classes: Mapping[str, ClassSpec]) -> dict[str, ClassSpec]:
+def granted_classes(
+    keys: Iterable[KeySpec], classes: Mapping[str, ClassSpec]
+) -> dict[str, ClassSpec]:
     """The classes some key grants, in the order of ``classes``: the only ones that can run."""
     names = {cls for key in keys for cls in key.classes}
     return {name: spec for name, spec in classes.items() if name in names}
 
 
-def _pool_slots(pool: PoolSpec) -> int:
+def pool_slots(pool: PoolSpec) -> int:
     """A pool's total slots as configured: the sum of its backends' slots."""
     return sum(backend.slots for backend in pool.backends)
 
 
-def _band_cap(classes: Mapping[str, ClassSpec]) -> int:
+def band_cap(classes: Mapping[str, ClassSpec]) -> int:
     """The most band requests running at once in one pool: the priority classes' caps."""
     return sum(spec.max_in_flight or 0 for spec in classes.values() if spec.priority)
 
@@ -644,7 +588,7 @@ def _check_priority_band(
     defined even where no key uses it). The slots are the configured ones: a backend out of
     rotation lowers them for a while.
     """
-    band = {name: spec for name, spec in _granted(keys, classes).items() if spec.priority}
+    band = {name: spec for name, spec in granted_classes(keys, classes).items() if spec.priority}
     errors = [
         (f"classes.{name}.{field}", f"a priority class needs {field}: {why}")
         for name, spec in band.items()
@@ -653,8 +597,8 @@ def _check_priority_band(
     ]
     capped = {name: spec.max_in_flight for name, spec in band.items() if spec.max_in_flight}
     total = sum(capped.values())
-    smallest = min(pools, key=lambda name: _pool_slots(pools[name]), default=None)
-    if smallest is None or total < (slots := _pool_slots(pools[smallest])):
+    smallest = min(pools, key=lambda name: pool_slots(pools[name]), default=None)
+    if smallest is None or total < (slots := pool_slots(pools[smallest])):
         return errors
     parts = " + ".join(f"{name} {cap}" for name, cap in capped.items())
     message = (
@@ -701,89 +645,9 @@ def _env_secret(environ: Mapping[str, str], name: str, path: str, errors: _Error
     return secret
 
 
-def _num(value: float) -> str:
+def format_number(value: float) -> str:
     """A number for humans: ``6`` rather than ``6.0``, ``200000`` rather than ``2e+05``."""
     return str(int(value)) if float(value).is_integer() else str(value)
-
-
-def _fmt_caps(spec: BaseModel, names: Iterable[str]) -> list[str]:
-    """``name=value`` for the optional settings of ``spec`` that are set."""
-    return [f"{n}={_num(getattr(spec, n))}" for n in names if getattr(spec, n) is not None]
-
-
-def _class_summary(spec: ClassSpec) -> str:
-    head = ["priority"] if spec.priority else [f"weight={_num(spec.weight)}"]
-    caps = ("max_in_flight", "max_queue_age_s", "max_queue_len", "max_request_tokens")
-    return ", ".join(head + _fmt_caps(spec, caps))
-
-
-def _pct(share: float, *, up: bool) -> str:
-    """``share`` as a percentage to 0.1, rounded up for an upper bound, down for a lower one."""
-    tenths = round(share * 1000, 6)  # so that 0.5 stays 500, not 500.0000001
-    return f"{(math.ceil(tenths) if up else math.floor(tenths)) / 10:g}%"
-
-
-def _share_summary(slots: int, classes: Mapping[str, ClassSpec]) -> list[str]:
-    """Each granted class's worst-case share of a pool's ``slots``, every class backlogged.
-
-    A priority class runs at most its ``max_in_flight``; the fair queue gets at least the
-    rest, divided by class weight — assuming the same orgs, of equal weight, behind every
-    class (a class with more orgs backlogged gets more). An SFQ class's own
-    ``max_in_flight`` can hold it lower.
-    """
-    band = _band_cap(classes)
-    rest = 1 - band / slots
-    sfq_weight = sum(spec.weight for spec in classes.values() if not spec.priority)
-    lines = [f"  worst-case shares of {slots} slots (all classes backlogged, equal org weights):"]
-    for name, spec in classes.items():
-        cap = spec.max_in_flight
-        if spec.priority:
-            share = _pct((cap or slots) / slots, up=True)
-            lines.append(f"    {name}: up to {share} (priority, max_in_flight={cap})")
-            continue
-        of_rest = spec.weight / sfq_weight
-        share_f, note = rest * of_rest, f" ({_pct(of_rest, up=False)} of the rest)" if band else ""
-        if cap is not None and cap / slots < share_f:
-            share_f, note = cap / slots, f" (held by its max_in_flight={cap})"
-        lines.append(f"    {name}: at least {_pct(share_f, up=False)}{note}")
-    return lines
-
-
-def _org_summary(spec: OrgSpec) -> str:
-    caps = _fmt_caps(spec, ("max_in_flight", "rpm", "tpm"))
-    return ", ".join([f"weight={_num(spec.weight)}", *caps])
-
-
-def _injection(cost: CostSpec) -> str:
-    field = cost.inject_max_tokens
-    if field is False:
-        return "none asked: sent unchanged"
-    return f"none asked: sent {field}={cost.default_max_tokens}"
-
-
-def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
-    cost = pool.cost
-    tokens = (
-        f"tokenizer {cost.tokenizer}"
-        if cost.tokenizer
-        else f"{_num(cost.chars_per_token)} chars/token"
-    )
-    lines = [
-        f"pool {name}: models [{', '.join(pool.models)}]",
-        f"  cost: {_num(cost.input_weight)}·in + {_num(cost.output_weight)}·out "
-        f"(default_max_tokens={cost.default_max_tokens}, output_ratio={_num(cost.output_ratio)}, "
-        f"{tokens})",
-        f"  per request: at most {cost.max_request_tokens} tokens in + out (c_max "
-        f"{_num(max(cost.input_weight, cost.output_weight) * cost.max_request_tokens)}), "
-        f"more is {cost.over_limit.replace('refuse', 'refus')}ed; {_injection(cost)}",
-    ]
-    lines += [f"  backend {b.name}: {b.url}, {b.slots} slots" for b in pool.backends]
-    lines.append("  " + pool.health.summary(keyed=pool.upstream_key_env is not None))
-    if pool.rate is not None:
-        lines.append(f"  rate: {', '.join(_fmt_caps(pool.rate, RateSpec.model_fields))}")
-    if pool.upstream_key_env is not None:
-        lines.append(f"  upstream key from env {pool.upstream_key_env}")
-    return lines
 
 
 class ConfigError(Exception):
@@ -838,7 +702,7 @@ def _error_message(err: Mapping[str, Any]) -> str:
         message = f"expected {_TYPE_NAMES[kind]}"
     elif kind in _BOUNDS:
         op, bound = _BOUNDS[kind]
-        message = f"must be {op} {_num(ctx[bound])}"
+        message = f"must be {op} {format_number(ctx[bound])}"
     elif kind == "missing":
         message = "required"
     elif kind == "extra_forbidden":

@@ -24,6 +24,7 @@ from sfq_proxy.config import (
     load_config,
     parse_config,
 )
+from sfq_proxy.config_summary import summary
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "sk-SECRET-123"
@@ -122,7 +123,7 @@ def test_example_config_loads() -> None:
         "sha256",
     }
     assert config.admin_key_env == "SFQ_ADMIN_KEY"
-    assert "sk-analytics-prod" not in config.summary()
+    assert "sk-analytics-prod" not in summary(config)
 
 
 def test_example_config_needs_its_environment() -> None:
@@ -273,12 +274,12 @@ def test_secrets_never_shown() -> None:
     data["keys"][0]["key"] = SECRET
     data["keys"][1]["key_env"] = "SECRET_ENV"
     config = parse(data, environ={"SECRET_ENV": SECRET + "-env"})
-    shown = [repr(config), str(config), config.summary(), config.model_dump_json()]
+    shown = [repr(config), str(config), summary(config), config.model_dump_json()]
     shown += [repr(config.model_dump()), repr(config.resolved_keys())]
     for text in shown:
         assert SECRET not in text
-    assert "keys[0]: org=product, classes=[interactive, batch] (plain)" in config.summary()
-    assert "keys[1]: org=analytics, classes=[batch] (from env SECRET_ENV)" in config.summary()
+    assert "keys[0]: org=product, classes=[interactive, batch] (plain)" in summary(config)
+    assert "keys[1]: org=analytics, classes=[batch] (from env SECRET_ENV)" in summary(config)
 
 
 @pytest.mark.parametrize(
@@ -746,9 +747,9 @@ def test_a_priority_class_no_key_grants_is_not_checked() -> None:
     data = base()  # no key grants system
     data["classes"] = {"system": {"priority": True}, "interactive": {}, "batch": {}}
     data["pools"]["provider-a"]["backends"][0]["slots"] = 1
-    summary = parse(data).summary()
-    assert "  system: priority (no key grants it)\n" in summary
-    assert "    system:" not in summary  # no share: it can never run
+    shown = summary(parse(data))
+    assert "  system: priority (no key grants it)\n" in shown
+    assert "    system:" not in shown  # no share: it can never run
     data["keys"][0]["classes"].append("system")
     assert len(error_lines(data)) == 3
 
@@ -756,7 +757,7 @@ def test_a_priority_class_no_key_grants_is_not_checked() -> None:
 def test_summary_shows_each_class_worst_case_share_of_each_pool() -> None:
     data = with_band(slots=24, system=SYSTEM)
     data["classes"]["batch"] = {"max_in_flight": 2}
-    lines = parse(data).summary().splitlines()
+    lines = summary(parse(data)).splitlines()
     at = lines.index("  worst-case shares of 64 slots (all classes backlogged, equal org weights):")
     assert lines[at + 1 : at + 4] == [
         "    batch: at least 3.1% (held by its max_in_flight=2)",
@@ -772,7 +773,7 @@ def test_summary_shows_each_class_worst_case_share_of_each_pool() -> None:
 
 
 def test_summary_shares_without_a_band_are_shares_of_the_whole_pool() -> None:
-    lines = parse(base()).summary().splitlines()  # default classes; no key grants system
+    lines = summary(parse(base())).splitlines()  # default classes; no key grants system
     at = lines.index("  worst-case shares of 24 slots (all classes backlogged, equal org weights):")
     assert lines[at + 1 : at + 3] == [
         "    interactive: at least 85.7%",
@@ -921,17 +922,17 @@ def test_bad_health_settings(health: dict[str, Any], error: str) -> None:
 def test_summary_shows_each_pool_health() -> None:
     data = _keyed(base())
     data["pools"]["llama-8b"]["health"] = {"method": "HEAD", "consecutive_failures": 3}
-    summary = parse(data, KEYED_ENV).summary()
+    shown = summary(parse(data, KEYED_ENV))
     assert (
         "  health: active, HEAD /health every 5 s (timeout 2 s); out for 10 s after 3 failures "
         "in a row, back at the next good probe\n"
-    ) in summary
+    ) in shown
     assert (
         "  health: passive, no probe; out for 10 s after 5 failures in a row (connect errors, "
         "5xx), then trusted again\n"
-    ) in summary
+    ) in shown
     probed = _keyed(base(), {"mode": "active", "path": "/v1/models"})
     assert (
         "  health: active, GET /v1/models every 5 s (timeout 2 s, with the upstream key); "
         "out for 10 s after 1 failure, back at the next good probe\n"
-    ) in parse(probed, KEYED_ENV).summary()
+    ) in summary(parse(probed, KEYED_ENV))

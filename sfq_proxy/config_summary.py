@@ -1,0 +1,169 @@
+"""What ``sfq-proxy check-config`` prints: a config in words, and no secret.
+
+Per pool its cost, the ceiling per request and c_max, its backends and health; each class's
+worst-case share of each pool; the keys (by source, never the secret), the orgs and the
+weight of every flow the keys can create.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+
+from pydantic import BaseModel
+
+from .config import (
+    ClassSpec,
+    Config,
+    CostSpec,
+    HealthSpec,
+    OrgSpec,
+    PoolSpec,
+    RateSpec,
+    band_cap,
+    granted_classes,
+    pool_slots,
+)
+from .config import (
+    format_number as _num,
+)
+
+
+def summary(config: Config) -> str:
+    """Human summary for ``sfq-proxy check-config``; shows no secret."""
+    lines = [
+        f"listen {config.listen.host}:{config.listen.port} "
+        f"(max body {config.limits.max_body_bytes} B, drain {_num(config.drain_timeout_s)} s)"
+    ]
+    granted = granted_classes(config.keys, config.classes)
+    for name, pool in config.pools.items():
+        lines += _pool_summary(name, pool)
+        lines += _share_summary(pool_slots(pool), granted)
+    lines.append("classes:")
+    lines += [
+        f"  {name}: {_class_summary(spec)}" + ("" if name in granted else " (no key grants it)")
+        for name, spec in config.classes.items()
+    ]
+    lines.append("keys:")
+    lines += [
+        f"  keys[{i}]: org={k.org}, classes=[{', '.join(k.classes)}] ({k.source})"
+        for i, k in enumerate(config.keys)
+    ]
+    if config.orgs:
+        lines.append("orgs:")
+        lines += [f"  {name}: {_org_summary(spec)}" for name, spec in config.orgs.items()]
+    lines.append("flows (org/class/pool: weight):")
+    lines += [f"  {flow}" for flow in _flow_summary(config)]
+    cal = config.calibration
+    lines.append(
+        f"calibration: learns chars/token and output_ratio from usage, starting from each "
+        f"pool's cost settings; half-life {cal.half_life_requests} requests, an org's own "
+        f"ratio after {cal.min_org_samples} requests; state "
+        f"{cal.state_file or 'in memory only'}"
+    )
+    return "\n".join(lines)
+
+
+def _flow_summary(config: Config) -> list[str]:
+    """Effective weight of every flow the keys can create (priority flows have none)."""
+    pairs = dict.fromkeys((k.org, c) for k in config.keys for c in k.classes)
+    return [
+        f"{org}/{cls}/{pool}: "
+        + ("priority" if config.classes[cls].priority else _num(config.flow_weight(org, cls)))
+        for org, cls in pairs
+        for pool in config.pools
+    ]
+
+
+def _health_summary(health: HealthSpec, keyed: bool) -> str:
+    """One line for ``check-config``; ``keyed`` when the pool has an upstream key."""
+    streak = health.consecutive_failures
+    failures = "1 failure" if streak == 1 else f"{streak} failures in a row"
+    out = f"out for {_num(health.cooldown_s)} s after {failures}"
+    if health.mode == "passive":
+        return f"health: passive, no probe; {out} (connect errors, 5xx), then trusted again"
+    key = ", with the upstream key" if keyed and health.send_key else ""
+    return (
+        f"health: active, {health.method} {health.path} every {_num(health.interval_s)} s "
+        f"(timeout {_num(health.timeout_s)} s{key}); {out}, back at the next good probe"
+    )
+
+
+def _fmt_caps(spec: BaseModel, names: Iterable[str]) -> list[str]:
+    """``name=value`` for the optional settings of ``spec`` that are set."""
+    return [f"{n}={_num(getattr(spec, n))}" for n in names if getattr(spec, n) is not None]
+
+
+def _class_summary(spec: ClassSpec) -> str:
+    head = ["priority"] if spec.priority else [f"weight={_num(spec.weight)}"]
+    caps = ("max_in_flight", "max_queue_age_s", "max_queue_len", "max_request_tokens")
+    return ", ".join(head + _fmt_caps(spec, caps))
+
+
+def _pct(share: float, *, up: bool) -> str:
+    """``share`` as a percentage to 0.1, rounded up for an upper bound, down for a lower one."""
+    tenths = round(share * 1000, 6)  # so that 0.5 stays 500, not 500.0000001
+    return f"{(math.ceil(tenths) if up else math.floor(tenths)) / 10:g}%"
+
+
+def _share_summary(slots: int, classes: Mapping[str, ClassSpec]) -> list[str]:
+    """Each granted class's worst-case share of a pool's ``slots``, every class backlogged.
+
+    A priority class runs at most its ``max_in_flight``; the fair queue gets at least the
+    rest, divided by class weight — assuming the same orgs, of equal weight, behind every
+    class (a class with more orgs backlogged gets more). An SFQ class's own
+    ``max_in_flight`` can hold it lower.
+    """
+    band = band_cap(classes)
+    rest = 1 - band / slots
+    sfq_weight = sum(spec.weight for spec in classes.values() if not spec.priority)
+    lines = [f"  worst-case shares of {slots} slots (all classes backlogged, equal org weights):"]
+    for name, spec in classes.items():
+        cap = spec.max_in_flight
+        if spec.priority:
+            share = _pct((cap or slots) / slots, up=True)
+            lines.append(f"    {name}: up to {share} (priority, max_in_flight={cap})")
+            continue
+        of_rest = spec.weight / sfq_weight
+        share_f, note = rest * of_rest, f" ({_pct(of_rest, up=False)} of the rest)" if band else ""
+        if cap is not None and cap / slots < share_f:
+            share_f, note = cap / slots, f" (held by its max_in_flight={cap})"
+        lines.append(f"    {name}: at least {_pct(share_f, up=False)}{note}")
+    return lines
+
+
+def _org_summary(spec: OrgSpec) -> str:
+    caps = _fmt_caps(spec, ("max_in_flight", "rpm", "tpm"))
+    return ", ".join([f"weight={_num(spec.weight)}", *caps])
+
+
+def _injection(cost: CostSpec) -> str:
+    field = cost.inject_max_tokens
+    if field is False:
+        return "none asked: sent unchanged"
+    return f"none asked: sent {field}={cost.default_max_tokens}"
+
+
+def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
+    cost = pool.cost
+    tokens = (
+        f"tokenizer {cost.tokenizer}"
+        if cost.tokenizer
+        else f"{_num(cost.chars_per_token)} chars/token"
+    )
+    lines = [
+        f"pool {name}: models [{', '.join(pool.models)}]",
+        f"  cost: {_num(cost.input_weight)}·in + {_num(cost.output_weight)}·out "
+        f"(default_max_tokens={cost.default_max_tokens}, output_ratio={_num(cost.output_ratio)}, "
+        f"{tokens})",
+        f"  per request: at most {cost.max_request_tokens} tokens in + out (c_max "
+        f"{_num(max(cost.input_weight, cost.output_weight) * cost.max_request_tokens)}), "
+        f"more is {cost.over_limit.replace('refuse', 'refus')}ed; {_injection(cost)}",
+    ]
+    lines += [f"  backend {b.name}: {b.url}, {b.slots} slots" for b in pool.backends]
+    lines.append("  " + _health_summary(pool.health, keyed=pool.upstream_key_env is not None))
+    if pool.rate is not None:
+        lines.append(f"  rate: {', '.join(_fmt_caps(pool.rate, RateSpec.model_fields))}")
+    if pool.upstream_key_env is not None:
+        lines.append(f"  upstream key from env {pool.upstream_key_env}")
+    return lines
