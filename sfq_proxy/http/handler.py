@@ -42,6 +42,7 @@ from .relay import (
     Relayed,
     UpstreamFailed,
     backend_failed,
+    error_event,
     fault_code,
     forward,
     read_usage,
@@ -279,6 +280,8 @@ def _account(proxy: Proxy, flow: Flow, record: AccessRecord, relayed: Relayed) -
     key, metrics = flow.key, proxy.metrics
     if relayed.fault is not None:
         record.outcome, record.reason = "failed", fault_code(relayed.fault)
+    elif status < 400 and error_event(relayed):
+        record.outcome, record.reason = "failed", "error_event"
     elif status < 400:
         record.outcome = "completed"
     else:

@@ -15,6 +15,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ _TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
 _USAGE = b'"usage"'
 _USAGE_BYTES = 4096  # more than any usage object: the part of the tail that is parsed
 _DECODER = json.JSONDecoder()
+_ERROR_EVENT = re.compile(rb'(?:^|[\r\n])data: ?\{\s*"error"\s*:')  # an event's first data line
 MAX_USAGE_TOKENS = 1_000_000_000  # a usage count above this is a lying backend, not usage
 _ERROR_STATUSES = frozenset({429, 503})  # what must say when to come back
 
@@ -338,6 +340,13 @@ def _error_event(fault: str, message: str = _CUT) -> bytes:
     kind, code = _FAULT_TYPES.get(fault, "upstream_error"), fault_code(fault)
     error = {"error": {"message": message, "type": kind, "code": code}}
     return b"data: " + json.dumps(error).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+def error_event(relayed: Relayed) -> bool:
+    """Whether a stream that ended as a 200 carried an error event instead of its answer:
+    TGI refuses a request mid-stream so (``data: {"error": ...}`` then ``[DONE]``), and
+    vLLM reports an error during generation so; it is no completion."""
+    return _ERROR_EVENT.search(relayed.tail) is not None
 
 
 def read_usage(relayed: Relayed) -> None:

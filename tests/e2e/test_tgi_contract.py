@@ -191,8 +191,9 @@ async def test_a_streamed_request_tgi_refuses_is_a_200_with_the_error_inside(
         "http_status_code": 422,
     }
     [line] = await access_log()
-    # what the proxy saw: a whole stream, without usage or a finishing event
-    assert (line["status"], line["outcome"]) == (200, "completed")
+    # what the proxy saw: a whole stream, without usage or a finishing event, whose one
+    # event is an error: no completion, a failure of its own reason
+    assert (line["status"], line["outcome"], line["reason"]) == (200, "failed", "error_event")
     assert line["completion_tokens"] is None
     assert tokens(served, "completion") in (None, 0.0)
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sfq_proxy.http.relay import Relayed, read_usage
+from sfq_proxy.http.relay import Relayed, error_event, read_usage
 from sfq_proxy.http.sse import UsageStripper as _UsageStripper
 from sfq_proxy.http.sse import ends_event
 
@@ -298,3 +298,18 @@ def test_where_a_broken_off_stream_needs_an_empty_line_before_its_error_event(
     sent: bytes, ended: bool
 ) -> None:
     assert ends_event(sent) is ended
+
+
+@pytest.mark.parametrize(
+    ("tail", "expected"),
+    [
+        (b'data: {"error":{"message":"bad","http_status_code":422}}\n\ndata: [DONE]\n\n', True),
+        (b'data:{ "error" : {"message": "x"}}\r\n\r\n', True),
+        (b'data: {"choices":[{"delta":{"content":"\\"error\\": no"}}]}\n\n', False),
+        (b'data: {"id":"x","error":null}\n\n', False),  # not the event's first member
+        (b'{"error": {"message": "a JSON body"}}', False),  # not an event
+    ],
+)
+def test_an_error_event_is_told_from_a_completion(tail: bytes, expected: bool) -> None:
+    relayed = Relayed(response=None, upstream_s=0.0, tail=tail)  # type: ignore[arg-type]
+    assert error_event(relayed) is expected
