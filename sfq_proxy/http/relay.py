@@ -186,19 +186,7 @@ async def forward(
         if upstream.status in _ERROR_STATUSES:
             headers.setdefault("Retry-After", "1")
         if not (inference.stream and upstream.status == 200):
-            watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s, until)
-            try:
-                body = await upstream.read()
-                if inflater is not None:
-                    body = inflater.feed(body) + inflater.close()
-            except UpstreamDeadline:
-                raise expiry or _out_of_time() from None
-            except UpstreamStalled as exc:  # not retried: the backend got the request
-                raise UpstreamFailed(str(exc), _stalled(pool)) from None
-            except aiohttp.ClientError as exc:  # died before answering: the client saw nothing
-                raise UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc
-            finally:
-                watchdog.cancel()
+            body = await _whole_body(upstream, pool, inflater, until, expiry)
             response: web.StreamResponse = web.Response(
                 status=upstream.status, body=body, headers=headers
             )
@@ -240,6 +228,29 @@ async def forward(
         raise
     finally:
         upstream.release()
+
+
+async def _whole_body(
+    upstream: aiohttp.ClientResponse,
+    pool: Pool,
+    inflater: Inflater | None,
+    until: float,
+    expiry: ApiError | None,
+) -> bytes:
+    """A whole answer's body, decoded, read before the client is sent anything: whatever
+    goes wrong is still an ``UpstreamFailed`` (or the 504 of the request's bound)."""
+    watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s, until)
+    try:
+        body = await upstream.read()
+        return body if inflater is None else inflater.feed(body) + inflater.close()
+    except UpstreamDeadline:
+        raise expiry or _out_of_time() from None
+    except UpstreamStalled as exc:  # not retried: the backend got the request
+        raise UpstreamFailed(str(exc), _stalled(pool)) from None
+    except aiohttp.ClientError as exc:  # died before answering: the client saw nothing
+        raise UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc
+    finally:
+        watchdog.cancel()
 
 
 async def _relay_stream(

@@ -19,7 +19,7 @@ import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_lab import MODEL, Lab, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, eventually, proxy_config
 
 from sfq_proxy.config import default_classes
 from sfq_proxy.core.flows import CLASS_HEADER
@@ -46,8 +46,17 @@ REQUIRED_PANELS = [
     "Backend health",
     "Tokens used per org",
     "Time to first token p99 per class",
+    "Failures by reason and pool",
+    "Provider throttling by reason",
+    "Provider rate factor per pool",
+    "Provider pause per pool",
 ]
-REQUIRED_ALERTS = ["SfqFlowStarving", "SfqBackendDown", "SfqRejectionsSpiking"]
+REQUIRED_ALERTS = [
+    "SfqFlowStarving",
+    "SfqBackendDown",
+    "SfqRejectionsSpiking",
+    "SfqPoolThrottledByProvider",
+]
 
 Scrape = dict[str, list[dict[str, str]]]  # sample name → label sets of its samples
 
@@ -96,8 +105,8 @@ def all_exprs() -> list[str]:
 
 
 async def _run_workload(lab: Lab) -> str:
-    """Completed, streamed, rejected, failed and retried requests, then /metrics while one
-    request runs (a flow's gauges exist only while it queues or runs)."""
+    """Completed, streamed, rejected, failed, retried and provider-throttled requests, then
+    /metrics while one request runs (a flow's gauges exist only while it queues or runs)."""
     sim = await lab.backend(time_scale=5.0)  # slow enough to hold one request open
     retry = {"max_attempts": 3, "budget_ratio": 0.5, "backoff_base_s": 0.01, "backoff_max_s": 0.02}
     served = await lab.proxy(proxy_config([sim.url], retry=retry))
@@ -143,6 +152,23 @@ async def _run_workload(lab: Lab) -> str:
         ):
             break
     sim.faults.fail_rate = 0.0
+    await eventually(lambda: backend.healthy)
+
+    # failed: a stream the backend breaks off after its 200 (sfq_failures_total, upstream_cut)
+    sim.faults.die_after_tokens = 2
+    cut = {**ask, "max_tokens": 10, "stream": True}
+    key = {"Authorization": f"Bearer {KEYS['A']}"}
+    async with http.post(f"{served.url}/v1/chat/completions", json=cut, headers=key) as resp:
+        assert resp.status == 200
+        assert b'"upstream_cut"' in await resp.read()
+    sim.faults.die_after_tokens = None
+    await eventually(lambda: backend.healthy)
+
+    # the provider answers 429: the pool is throttled (sfq_upstream_throttled_total, 429)
+    sim.faults.fail_status, sim.faults.fail_rate = 429, 1.0
+    with pytest.raises(openai.RateLimitError):
+        await b.chat.completions.create(**ask, max_tokens=4)  # B's retry budget is spent
+    sim.faults.fail_status, sim.faults.fail_rate = 503, 0.0
     await eventually(lambda: backend.healthy)
 
     stream = await a.chat.completions.create(**ask, max_tokens=4000, stream=True)
