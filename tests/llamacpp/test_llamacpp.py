@@ -19,13 +19,14 @@ import asyncio
 import functools
 import json
 import re
+from collections import Counter
 from typing import Any
 
 import aiohttp
 import pytest
 import vllm_backend
 from llamacpp_backend import HEALTH_PATH, SERVED_NAME, LlamaCppServer
-from proxy_lab import KEYS, Lab, Served, eventually, proxy_config
+from proxy_lab import KEYS, Lab, Served, dispatched_behind, eventually, proxy_config
 
 pytestmark = pytest.mark.llamacpp
 
@@ -252,3 +253,60 @@ async def test_disconnect_aborts_in_llamacpp_and_a_queued_leaver_never_reaches_i
     assert after.choices[0].finish_reason == "length"  # the lock was given back
     assert log().count(b"POST /v1/completions") == 1  # the leaver never got there
     assert log().count(b"POST /v1/chat/completions") == 1
+
+
+async def test_two_orgs_flooding_one_server_alternate(
+    lab: Lab, llamacpp_servers: list[LlamaCppServer]
+) -> None:
+    """The fair queue in front of a server that runs one request at a time: A and B queue
+    10 requests each behind C's stream, and once it ends they are served by turns."""
+    served = await proxy_for(lab, llamacpp_servers[:1])
+    blocker = await lab.client(served, "C").chat.completions.create(
+        model=SERVED_NAME, messages=CHAT, stream=True, **exact(1000)
+    )
+    flood = [
+        lab.client(served, org).chat.completions.create(
+            model=SERVED_NAME, messages=CHAT, **exact(8)
+        )
+        for _ in range(10)
+        for org in "AB"
+    ]
+    order = await dispatched_behind(served, blocker, flood, within=60)
+    assert Counter(order) == {"A": 10, "B": 10}
+    counts: Counter[str] = Counter()
+    for org in order:
+        counts[org] += 1
+        if counts["A"] < 10 and counts["B"] < 10:
+            assert abs(counts["A"] - counts["B"]) <= 1, order
+
+
+async def test_a_stopped_server_is_routed_around_and_used_again_after_restart(
+    lab: Lab, llamacpp_servers: list[LlamaCppServer]
+) -> None:
+    """Its probe fails, the pool takes it out and serves everything on the other; once it is
+    back, its first good probe after the cooldown puts it back in rotation."""
+    served = await proxy_for(lab, llamacpp_servers)
+    stopped = llamacpp_servers[1]
+    backend = served.state.pools["sim"].placement.backends[1]
+    client = lab.client(served)
+
+    async def one(i: int) -> int:
+        reply = await client.chat.completions.create(
+            model=SERVED_NAME, messages=[{"role": "user", "content": f"n{i}"}], **exact(6)
+        )
+        assert reply.usage is not None
+        return reply.usage.completion_tokens
+
+    try:
+        await asyncio.to_thread(stopped.stop)
+        await eventually(lambda: not backend.healthy, within=5)
+        assert await asyncio.gather(*(one(i) for i in range(6))) == [6] * 6
+    finally:
+        await asyncio.to_thread(stopped.start)
+        await asyncio.to_thread(stopped.wait_ready)
+    await eventually(lambda: backend.healthy, within=10)
+    recent = served.state.pools["sim"].recent
+    start = len(recent)
+    assert await asyncio.gather(*(one(i) for i in range(8))) == [6] * 8
+    used = {name for _, name in list(recent)[start:]}
+    assert backend.name in used  # back in rotation
