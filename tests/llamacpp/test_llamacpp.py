@@ -132,6 +132,33 @@ async def test_a_chat_through_the_proxy_is_what_llamacpp_answers(
     assert completion_tokens(served) == 8
 
 
+async def test_a_completion_through_the_proxy_is_what_llamacpp_answers(
+    lab: Lab, llamacpp_servers: list[LlamaCppServer]
+) -> None:
+    """``/v1/completions`` too; and a request without ``max_tokens`` is sent the pool's
+    default, so it generates what it was charged for (llama-cpp-python's own default is 16)."""
+    server = llamacpp_servers[0]
+    served = await proxy_for(lab, [server])
+    client = lab.client(served)
+    prompt = "def fair_share(teams):"
+    reply = await client.completions.create(model=SERVED_NAME, prompt=prompt, **exact(8))
+    http = await lab.http()
+    body = {"model": SERVED_NAME, "prompt": prompt, **exact_body(8)}
+    async with http.post(f"{server.url}/v1/completions", json=body) as r:
+        direct = await r.json()
+    assert reply.choices[0].text == direct["choices"][0]["text"]
+    assert reply.choices[0].text
+    assert reply.usage is not None
+    assert reply.usage.model_dump(exclude_none=True) == direct["usage"]
+    assert completion_tokens(served) == 8
+
+    unbounded = exact(8)
+    del unbounded["max_tokens"]
+    reply = await client.completions.create(model=SERVED_NAME, prompt=prompt, **unbounded)
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens == 512  # proxy_config's default_max_tokens, injected
+
+
 async def test_a_stream_through_the_proxy_is_byte_true_but_for_ids(
     lab: Lab, llamacpp_servers: list[LlamaCppServer]
 ) -> None:
