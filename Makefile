@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(VENV)/bin/sfq-proxy demo --traffic
 
-test: $(STAMP) tools
+test: $(STAMP) tools llamacpp  # llama.cpp is built ahead (minutes); vLLM on first use
 	$(PY) -m pytest
 
 # apt-get install the Debian packages $(1) when one of the commands $(2) is missing (as root)
@@ -29,8 +29,8 @@ endef
 tools:
 	$(call apt_need,docker-compose prometheus,docker-compose promtool)
 
-test-fast: $(STAMP)  # everything but the real-vLLM tests
-	$(PY) -m pytest -m "not vllm"
+test-fast: $(STAMP)  # everything but the real-server (vLLM, llama.cpp) tests
+	$(PY) -m pytest -m "not vllm and not llamacpp"
 
 test-unit: $(STAMP)  # the pure tests of the sans-I/O code alone: no sockets, seconds
 	$(PY) -m pytest tests/unit
