@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import inspect
 import re
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -225,3 +226,14 @@ async def scrape(lab: Lab, served: Served) -> Samples:
 
 def sample(samples: Samples, name: str, **labels: str) -> float | None:
     return samples.get((name, frozenset(labels.items())))
+
+
+def assert_alternate(order: list[str], per_org: int) -> None:
+    """Orgs A and B of equal weight, ``per_org`` requests each, dispatched in ``order``: all
+    served, and by turns (never more than one apart) while both still had requests queued."""
+    assert Counter(order) == {"A": per_org, "B": per_org}, order
+    counts: Counter[str] = Counter()
+    for org in order:
+        counts[org] += 1
+        if counts["A"] < per_org and counts["B"] < per_org:
+            assert abs(counts["A"] - counts["B"]) <= 1, order

@@ -8,7 +8,16 @@ from collections import Counter
 import openai
 import pytest
 from aiohttp import web
-from proxy_lab import KEYS, MODEL, Lab, Served, dispatched_behind, eventually, proxy_config
+from proxy_lab import (
+    KEYS,
+    MODEL,
+    Lab,
+    Served,
+    assert_alternate,
+    dispatched_behind,
+    eventually,
+    proxy_config,
+)
 
 from sfq_proxy.http.runtime import PROXY
 from sfq_proxy.http.server import bound_url, running
@@ -120,10 +129,7 @@ async def test_equal_weights_alternate_through_one_slot(lab: Lab) -> None:
     sim = await lab.backend(max_num_seqs=1)
     served = await lab.proxy(proxy_config([sim.url], slots=1))
     order = await _flood(lab, sim, served, per_org=60)
-    assert Counter(order) == {"A": 60, "B": 60}
-    for counts in _prefix_counts(order)[:-1]:
-        if counts["A"] < 60 and counts["B"] < 60:  # both still backlogged
-            assert abs(counts["A"] - counts["B"]) <= 1, order
+    assert_alternate(order, per_org=60)
 
 
 async def test_weights_two_to_one_stay_within_the_sfq_bound(lab: Lab) -> None:

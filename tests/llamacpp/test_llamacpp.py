@@ -19,14 +19,21 @@ import asyncio
 import functools
 import json
 import re
-from collections import Counter
 from typing import Any
 
 import aiohttp
 import pytest
 import vllm_backend
 from llamacpp_backend import HEALTH_PATH, SERVED_NAME, LlamaCppServer
-from proxy_lab import KEYS, Lab, Served, dispatched_behind, eventually, proxy_config
+from proxy_lab import (
+    KEYS,
+    Lab,
+    Served,
+    assert_alternate,
+    dispatched_behind,
+    eventually,
+    proxy_config,
+)
 
 pytestmark = pytest.mark.llamacpp
 
@@ -299,12 +306,7 @@ async def test_two_orgs_flooding_one_server_alternate(
         for org in "AB"
     ]
     order = await dispatched_behind(served, blocker, flood, within=60)
-    assert Counter(order) == {"A": 10, "B": 10}
-    counts: Counter[str] = Counter()
-    for org in order:
-        counts[org] += 1
-        if counts["A"] < 10 and counts["B"] < 10:
-            assert abs(counts["A"] - counts["B"]) <= 1, order
+    assert_alternate(order, per_org=10)
 
 
 async def test_a_stopped_server_is_routed_around_and_used_again_after_restart(

@@ -15,7 +15,15 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from proxy_lab import KEYS, Lab, Served, dispatched_behind, eventually, proxy_config
+from proxy_lab import (
+    KEYS,
+    Lab,
+    Served,
+    assert_alternate,
+    dispatched_behind,
+    eventually,
+    proxy_config,
+)
 from vllm_backend import SERVED_NAME, VllmServer, parse_metrics
 
 pytestmark = pytest.mark.vllm
@@ -170,12 +178,7 @@ async def test_two_orgs_flooding_one_slot_alternate(
 ) -> None:
     served = await proxy_for(lab, vllm_servers[:1], slots=1)
     order = await _blocked_flood(lab, served, per_org=20)
-    assert Counter(order) == {"A": 20, "B": 20}
-    counts: Counter[str] = Counter()
-    for org in order:
-        counts[org] += 1
-        if counts["A"] < 20 and counts["B"] < 20:
-            assert abs(counts["A"] - counts["B"]) <= 1, order
+    assert_alternate(order, per_org=20)
 
 
 async def test_disconnect_aborts_in_vllm_and_a_queued_leaver_never_reaches_it(
