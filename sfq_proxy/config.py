@@ -48,6 +48,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "CostSpec",
+    "Family",
     "HealthSpec",
     "KeySpec",
     "Limits",
@@ -233,6 +234,14 @@ class CostSpec(WeightedCost):
 
 
 HealthMode = Literal["active", "passive"]
+# The server software of a pool's backends, named only where the proxy must behave apart
+# (docs/operations.md "Server families"): the health probe's default, and whether a stream
+# reports its usage when asked.
+Family = Literal["vllm", "llamacpp", "tgi", "openai"]
+# where each family answers a probe without queueing behind generation: llama-cpp-python
+# has no /health, and every route with the model's lock (/v1/models too) cuts a running
+# stream; FastAPI's own /openapi.json takes no lock
+_HEALTH_PATHS: dict[str, str] = {"llamacpp": "/openapi.json"}
 # failures in a row that take a backend out, by mode: an active pool's probe is the judge
 # (one failure, as before), while a passive pool's backend is often a provider's only one,
 # so a lone 5xx must not take it out (Envoy's outlier detection also waits for 5)
@@ -280,7 +289,7 @@ class HealthSpec(StrictModel):
                 if field in self.model_fields_set:
                     raise ValueError(
                         f"{field} is for active probes; set mode: active to probe (a pool "
-                        "with upstream_key_env is passive by default)"
+                        "with upstream_key_env or family openai is passive by default)"
                     )
         return self
 
@@ -366,17 +375,31 @@ class PoolSpec(StrictModel):
     backends: list[BackendSpec] = Field(min_length=1)
     upstream_key_env: NonEmptyStr | None = None
     rate: RateSpec | None = None
+    family: Family = "vllm"
 
     @model_validator(mode="before")
     @classmethod
-    def _providers_are_passive(cls, data: Any) -> Any:
-        """A pool with ``upstream_key_env`` (a hosted provider, which rarely has an open
-        ``/health``) is passive unless its ``health`` sets a ``mode``."""
-        if isinstance(data, dict) and data.get("upstream_key_env") is not None:
-            health = data.get("health", {})
-            if isinstance(health, dict) and "mode" not in health:
-                return {**data, "health": {**health, "mode": "passive"}}
-        return data
+    def _health_by_family(cls, data: Any) -> Any:
+        """Health defaults where servers differ; what ``health`` sets is kept. A hosted
+        provider (``family: openai``, or any pool with ``upstream_key_env``) rarely has an
+        open ``/health``: passive. llama-cpp-python has none: its probe path is another."""
+        if not isinstance(data, dict) or not isinstance(data.get("health", {}), dict):
+            return data
+        health, family = dict(data.get("health", {})), data.get("family")
+        if "mode" not in health and (
+            family == "openai" or data.get("upstream_key_env") is not None
+        ):
+            health["mode"] = "passive"
+        default_path = _HEALTH_PATHS.get(family) if isinstance(family, str) else None
+        if default_path and health.get("mode", "active") == "active" and "path" not in health:
+            health["path"] = default_path
+        return {**data, "health": health}
+
+    @property
+    def stream_usage(self) -> bool:
+        """Whether a stream's usage is there when asked (``stream_options``): llama-cpp-python
+        ignores the option, so its streams' output is counted from their events."""
+        return self.family != "llamacpp"
 
 
 class RetrySpec(StrictModel):
@@ -494,6 +517,12 @@ class Config(StrictModel):
         pool_by_model: dict[str, str] = self.__pydantic_private__["_pool_by_model"]  # type: ignore[index]
         return pool_by_model.get(model)
 
+    def reports_stream_usage(self, model: str) -> bool:
+        """Whether the servers of ``model``'s pool put usage in a stream that asks for it
+        (an unknown model is refused later, with a 404)."""
+        pool = self.pool_for_model(model)
+        return pool is None or self.pools[pool].stream_usage
+
     def upstream_key(self, pool: str) -> str | None:
         """The key the proxy sends to ``pool``'s backends (from ``upstream_key_env``)."""
         return self._upstream_keys.get(pool)
@@ -524,7 +553,8 @@ def _check_models(pools: Mapping[str, PoolSpec]) -> tuple[_Errors, dict[str, str
 
 
 def _check_backends(pools: Mapping[str, PoolSpec]) -> _Errors:
-    """Backend URLs and names must be unique in a pool (slot accounting, metric labels)."""
+    """Backend URLs and names must be unique in a pool (slot accounting, metric labels), and
+    a backend must not be given slots its server does not have."""
     errors: _Errors = []
     for pool_name, pool in pools.items():
         urls: dict[str, int] = {}
@@ -535,7 +565,17 @@ def _check_backends(pools: Mapping[str, PoolSpec]) -> _Errors:
                 errors.append((f"{path}.url", f"same url as backends[{first}]"))
             elif (first := names.setdefault(backend.name, i)) != i:
                 errors.append((f"{path}.name", f"same name as backends[{first}]"))
+            if pool.family == "llamacpp" and backend.slots != 1:
+                errors.append((f"{path}.slots", _ONE_AT_A_TIME))
     return errors
+
+
+# llama-cpp-python serves one request at a time, and one that arrives while a stream runs
+# ends that stream (--interrupt_requests): a second slot would cut streams short
+_ONE_AT_A_TIME = (
+    "a llamacpp server serves one request at a time (a second one ends the running stream): "
+    "must be 1"
+)
 
 
 def _check_key_classes(keys: Iterable[KeySpec], classes: Mapping[str, ClassSpec]) -> _Errors:

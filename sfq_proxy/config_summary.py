@@ -152,7 +152,7 @@ def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
         else f"{_num(cost.chars_per_token)} chars/token"
     )
     lines = [
-        f"pool {name}: models [{', '.join(pool.models)}]",
+        f"pool {name}: models [{', '.join(pool.models)}], {pool.family} servers",
         f"  cost: {_num(cost.input_weight)}·in + {_num(cost.output_weight)}·out "
         f"(default_max_tokens={cost.default_max_tokens}, output_ratio={_num(cost.output_ratio)}, "
         f"{tokens})",
@@ -161,6 +161,8 @@ def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
         f"more is {cost.over_limit.replace('refuse', 'refus')}ed; {_injection(cost)}",
     ]
     lines += [f"  backend {b.name}: {b.url}, {b.slots} slots" for b in pool.backends]
+    if not pool.stream_usage:
+        lines.append("  streams: no usage reported; output tokens counted from their events")
     lines.append("  " + _health_summary(pool.health, keyed=pool.upstream_key_env is not None))
     if pool.rate is not None:
         lines.append(f"  rate: {', '.join(_fmt_caps(pool.rate, RateSpec.model_fields))}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, TypeGuard
@@ -68,8 +69,15 @@ def _ask_for_usage(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
     return _dumps({**body, "stream_options": {**(options or {}), "include_usage": True}}), True
 
 
-def parse(kind: Kind, raw: bytes) -> InferenceRequest:
-    """Parse and check ``raw``; a body the proxy cannot route or price is a 400."""
+def _always(_model: str) -> bool:
+    return True
+
+
+def parse(
+    kind: Kind, raw: bytes, reports_stream_usage: Callable[[str], bool] = _always
+) -> InferenceRequest:
+    """Parse and check ``raw``; a body the proxy cannot route or price is a 400. A stream
+    to a model whose server ``reports_stream_usage`` when asked is made to ask for it."""
     body = _json_object(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -87,7 +95,9 @@ def parse(kind: Kind, raw: bytes) -> InferenceRequest:
     max_tokens = _max_tokens(body)
     choices = max(_bounded_int(body, name, MAX_CHOICES) or 1 for name in _CHOICE_FIELDS)
     upstream, strip_usage = (
-        _ask_for_usage(body, raw) if kind is not Kind.EMBEDDING else (raw, False)
+        _ask_for_usage(body, raw)
+        if kind is not Kind.EMBEDDING and reports_stream_usage(model)
+        else (raw, False)
     )
     return InferenceRequest(
         kind=kind,

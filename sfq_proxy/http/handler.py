@@ -104,7 +104,8 @@ async def _admit_and_serve(
 ) -> web.StreamResponse:
     key = proxy.auth.identify(request.headers.get("Authorization"))
     record.org = key.org
-    inference = parse(kind, await _read_body(request, proxy.config.limits.max_body_bytes))
+    raw = await _read_body(request, proxy.config.limits.max_body_bytes)
+    inference = parse(kind, raw, proxy.config.reports_stream_usage)
     record.model = inference.model
     flow = classify(proxy.config, key, request.headers.get(CLASS_HEADER), inference.model)
     record.cls, record.pool = flow.cls, flow.pool

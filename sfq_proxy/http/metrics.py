@@ -47,7 +47,7 @@ COUNTERS = {
     "cost_actual": ("The cost formula on the tokens backends reported using (compare with "
                     "cost_charged: a gap is mis-estimation or gaming)", None),
     "prompt_tokens": ("Prompt tokens the backends reported using", None),
-    "completion_tokens": ("Completion tokens the backends reported generating", None),
+    "completion_tokens": ("Completion tokens the backends reported (or streamed) generating", None),
     "retries": ("Requests sent again, by what failed (unreachable or the status)", "reason"),
     "retry_budget_refusals": ("Retries refused because the flow's budget was spent", None),
 }  # fmt: skip

@@ -36,8 +36,8 @@ from .answer import (
     response_headers,
 )
 from .pool_runtime import Pool
+from .sse import TokenEvents, continued_data, ends_event
 from .sse import UsageStripper as _UsageStripper
-from .sse import continued_data, ends_event
 
 log = logging.getLogger(__name__)
 QUEUE_WAIT_HEADER = "X-Queue-Wait"
@@ -274,6 +274,7 @@ async def _relay_stream(
     kept = 0
     written = b""  # the last bytes the client was sent
     stripper = _UsageStripper() if strip_usage else None
+    counter = None if pool.spec.stream_usage else TokenEvents()
     if watchdog is None:
         watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s)
     message = _CUT
@@ -283,6 +284,8 @@ async def _relay_stream(
             watchdog.busy()
             if relayed.first_chunk_s is None:
                 relayed.first_chunk_s = pool.clock() - sent
+            if counter is not None:
+                counter.feed(chunk)
             tail.append(chunk)
             kept += len(chunk)
             while kept - len(tail[0]) >= _TAIL_BYTES:
@@ -319,6 +322,8 @@ async def _relay_stream(
         rest += (b"" if at_boundary else b"\n\n") + _error_event(relayed.fault, message)
     await relayed.response.write_eof(rest)  # one write
     relayed.tail = b"".join(tail)
+    if counter is not None and counter.tokens > 0:  # a usage chunk, if any, is read later
+        relayed.completion_tokens = counter.tokens
 
 
 def backend_failed(relayed: Relayed) -> bool:

@@ -157,6 +157,28 @@ class UsageStripper:
             out.append(endings)
 
 
+class TokenEvents:
+    """Counts a stream's tokens where the server reports no usage (llama-cpp-python): it
+    sends one event per token, each with a null ``finish_reason``, plus a chat's opening
+    event that carries the role alone. Keys are found as bytes (a JSON string cannot hold
+    ``"role"`` unescaped), across chunk boundaries: a mark cut between two chunks is
+    searched again with the end of the first, and counted once."""
+
+    _MARKS = re.compile(rb'"finish_reason" ?: ?null|"role"')
+    _CARRY = len(b'"finish_reason" : null') - 1  # the longest mark, but its last byte
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self._carry = b""
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._carry + chunk
+        for mark in self._MARKS.finditer(data):
+            if mark.end() > len(self._carry):  # else it was counted with the chunk before
+                self.tokens += -1 if mark.group() == b'"role"' else 1
+        self._carry = data[-self._CARRY :]
+
+
 def _last_end(data: bytes, endpos: int) -> int:
     """Where the last event that ends before ``endpos`` ends (0: none does)."""
     if b"\r" not in data:  # LF only: a plain search, from the end

@@ -74,8 +74,8 @@ def test_check_config_of_the_example_summarises_it_without_secrets() -> None:
     assert result.stderr == ""
     out = result.stdout
     assert out.startswith("listen 0.0.0.0:8080 ")
-    assert "pool llama-8b: models [meta-llama/Llama-3.1-8B-Instruct]\n" in out
-    assert "pool provider-a: models [gpt-4o-mini]\n" in out
+    assert "pool llama-8b: models [meta-llama/Llama-3.1-8B-Instruct], vllm servers\n" in out
+    assert "pool provider-a: models [gpt-4o-mini], openai servers\n" in out
     assert "  backend gpu-b: http://10.0.0.12:8000, 32 slots\n" in out
     assert "  keys[0]: org=analytics, classes=[batch] (from env ANALYTICS_KEY)\n" in out
     assert "  keys[2]: org=ops, classes=[system, interactive] (sha256)\n" in out

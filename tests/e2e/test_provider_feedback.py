@@ -73,7 +73,7 @@ async def provider_pool(lab: Lab, provider: Provider, **pool: Any) -> Any:
     config = proxy_config(
         [f"http://127.0.0.1:{port}"],
         slots=1,
-        pool={"health": {"mode": "passive"}, **pool},
+        pool={"family": "openai", **pool},  # passive health: the stand-in has no /health
         admin_key_env="ADMIN",
         environ={"ADMIN": "sk-admin"},
         retry={"max_attempts": 3, "budget_ratio": 1.0},

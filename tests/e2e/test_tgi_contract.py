@@ -29,6 +29,7 @@ async def tgi_proxy(
 ) -> tuple[TgiDouble, Served]:
     tgi = tgi or TgiDouble()
     port = await lab.serve(tgi.app())
+    pool = {"family": "tgi", **(pool or {})}
     return tgi, await lab.proxy(proxy_config([f"http://127.0.0.1:{port}"], pool=pool))
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 import vllm_backend
-from llamacpp_backend import HEALTH_PATH, SERVED_NAME, LlamaCppServer
+from llamacpp_backend import SERVED_NAME, LlamaCppServer
 from proxy_lab import (
     KEYS,
     Lab,
@@ -77,8 +77,10 @@ def exact(n: int) -> dict[str, Any]:
 
 
 async def proxy_for(lab: Lab, servers: list[LlamaCppServer]) -> Served:
-    health = {"path": HEALTH_PATH, "interval_s": 0.1, "cooldown_s": 0.2, "timeout_s": 5}
-    pool = {"models": [SERVED_NAME], "health": health}
+    """A ``family: llamacpp`` pool: probed at the server's lock-free path, streams not
+    asked for usage they never carry, their tokens counted from their events."""
+    health = {"interval_s": 0.1, "cooldown_s": 0.2, "timeout_s": 5}
+    pool = {"models": [SERVED_NAME], "family": "llamacpp", "health": health}
     return await lab.proxy(proxy_config([s.url for s in servers], slots=1, pool=pool))
 
 
@@ -169,8 +171,8 @@ async def test_a_completion_through_the_proxy_is_what_llamacpp_answers(
 async def test_a_stream_through_the_proxy_is_byte_true_but_for_ids(
     lab: Lab, llamacpp_servers: list[LlamaCppServer]
 ) -> None:
-    """The proxy adds ``stream_options.include_usage`` upstream; llama-cpp-python ignores it,
-    so the events are the server's own, ids and timestamps aside."""
+    """The body goes as the client sent it (a llamacpp pool asks for no usage, which the
+    server would ignore), and the events are the server's own, ids and timestamps aside."""
     server = llamacpp_servers[0]
     served = await proxy_for(lab, [server])
     http = await lab.http()
@@ -187,25 +189,24 @@ async def test_a_stream_through_the_proxy_is_byte_true_but_for_ids(
     assert not any(b'"usage"' in e for e in proxied)
 
 
-async def test_streams_have_no_usage_even_when_asked_so_the_proxy_counts_none(
-    lab: Lab, llamacpp_servers: list[LlamaCppServer]
+@pytest.mark.parametrize("asked", [True, False])
+async def test_streams_have_no_usage_so_the_proxy_counts_their_token_events(
+    lab: Lab, llamacpp_servers: list[LlamaCppServer], asked: bool
 ) -> None:
-    """A family difference: no usage chunk, ``include_usage`` or not (vLLM sends one)."""
+    """A family difference: no usage chunk, ``include_usage`` or not (vLLM sends one); the
+    proxy counts the output from the events, one per token, as the server generated it."""
     served = await proxy_for(lab, llamacpp_servers[:1])
     client = lab.client(served)
+    options = {"stream_options": {"include_usage": True}} if asked else {}
     stream = await client.chat.completions.create(
-        model=SERVED_NAME,
-        messages=CHAT,
-        stream=True,
-        stream_options={"include_usage": True},
-        **exact(10),
+        model=SERVED_NAME, messages=CHAT, stream=True, **options, **exact(10)
     )
     got = [chunk async for chunk in stream]
     assert all(c.usage is None for c in got)
     assert got[-1].choices[0].finish_reason == "length"
     text = "".join(c.choices[0].delta.content or "" for c in got if c.choices)
     assert text
-    assert completion_tokens(served) == 0  # nothing reported, nothing counted
+    assert completion_tokens(served) == 10
 
 
 async def test_overlap_ends_a_stream_early_and_the_proxy_never_overlaps(

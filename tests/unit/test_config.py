@@ -897,7 +897,7 @@ def test_a_probe_setting_on_a_passive_pool_is_an_error(field: str) -> None:
     value = {"path": "/health", "method": "GET", "send_key": True}[field]
     assert error_lines(_keyed(base(), {field: value}), KEYED_ENV) == [
         f"pools.provider-a.health: {field} is for active probes; set mode: active to probe "
-        "(a pool with upstream_key_env is passive by default)"
+        "(a pool with upstream_key_env or family openai is passive by default)"
     ]
     data = base()
     data["pools"]["llama-8b"]["health"] = {"mode": "passive", field: value}
@@ -936,3 +936,41 @@ def test_summary_shows_each_pool_health() -> None:
         "  health: active, GET /v1/models every 5 s (timeout 2 s, with the upstream key); "
         "out for 10 s after 1 failure, back at the next good probe\n"
     ) in summary(parse(probed, KEYED_ENV))
+
+
+def test_a_llamacpp_pool_is_probed_where_its_server_answers_without_its_lock() -> None:
+    data = base()
+    one = [{"url": "http://a:1", "slots": 1}]
+    data["pools"]["llama-8b"].update(family="llamacpp", backends=one)
+    pool = parse(data).pools["llama-8b"]
+    assert (pool.health.mode, pool.health.path, pool.stream_usage) == (
+        "active", "/openapi.json", False,
+    )  # fmt: skip
+    data["pools"]["llama-8b"]["health"] = {"path": "/v1/models"}  # the operator's own wins
+    assert parse(data).pools["llama-8b"].health.path == "/v1/models"
+
+
+def test_a_llamacpp_backend_with_a_second_slot_is_an_error_at_its_path() -> None:
+    data = base()
+    two = [{"url": "http://a:1", "slots": 1}, {"url": "http://b:1", "slots": 2}]
+    data["pools"]["llama-8b"].update(family="llamacpp", backends=two)
+    assert error_lines(data) == [
+        "pools.llama-8b.backends[1].slots: a llamacpp server serves one request at a time "
+        "(a second one ends the running stream): must be 1"
+    ]
+
+
+@pytest.mark.parametrize("family", ["vllm", "tgi", "openai"])
+def test_other_families_keep_health_on_health_and_ask_streams_for_usage(family: str) -> None:
+    data = base()
+    data["pools"]["llama-8b"]["family"] = family
+    pool = parse(data).pools["llama-8b"]
+    mode = "passive" if family == "openai" else "active"
+    assert (pool.health.mode, pool.health.path, pool.stream_usage) == (mode, "/health", True)
+
+
+def test_an_unknown_family_is_an_error() -> None:
+    data = base()
+    data["pools"]["llama-8b"]["family"] = "sglang"
+    (line,) = error_lines(data)
+    assert line.startswith("pools.llama-8b.family: ")

@@ -394,3 +394,11 @@ def test_stream_options_sent_as_null_are_replaced_not_sent_twice() -> None:
     assert names.count("stream_options") == 1
     assert json.loads(req.raw)["stream_options"] == {"include_usage": True}
     assert req.strip_usage
+
+
+def test_a_stream_to_a_server_that_reports_no_usage_goes_as_it_came() -> None:
+    raw = body(messages=[{"role": "user", "content": "x"}], stream=True)
+    model = json.loads(raw)["model"]
+    req = parse(Kind.CHAT, raw, lambda asked: asked != model)
+    assert (req.raw, req.strip_usage) == (raw, False)
+    assert parse(Kind.CHAT, raw, lambda asked: asked == model).strip_usage
