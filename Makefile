@@ -24,10 +24,10 @@ define apt_need
 	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $(1) >/dev/null; }
 endef
 
-# Debian tools the deploy tests run: docker-compose (validates deploy/compose, no engine) and
-# promtool (checks deploy/prometheus).
+# Debian tools the tests run: docker-compose (validates deploy/compose, no engine), promtool
+# (checks deploy/prometheus) and redis-server (runs the shared-state tests; gives redis-cli too).
 tools:
-	$(call apt_need,docker-compose prometheus,docker-compose promtool)
+	$(call apt_need,docker-compose prometheus redis-server,docker-compose promtool redis-server)
 
 test-fast: $(STAMP)  # everything but the real-server (vLLM, llama.cpp) tests
 	$(PY) -m pytest -m "not vllm and not llamacpp"

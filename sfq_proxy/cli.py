@@ -16,6 +16,7 @@ from pathlib import Path
 from .config import Config, ConfigError, default_config, load_config
 from .config_summary import summary
 from .http.server import run, serve
+from .http.workers import serve_workers
 
 LAB_COMMANDS = ("simulate", "loadgen", "sim-backend")
 MISSING_LAB = (
@@ -32,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     p = sub.add_parser("serve", help="run the proxy")
     p.add_argument("--config", required=True, help="YAML configuration file")
+    p.add_argument(
+        "--workers", type=int, default=1, metavar="N",
+        help="processes sharing the port (needs state: redis, one fairness domain for all)",
+    )  # fmt: skip
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("check-config", help="validate a configuration and summarise it")
@@ -85,6 +90,15 @@ def _load(path: str) -> Config:
 
 def _serve(args: argparse.Namespace) -> int:
     config = _load(args.config)
+    if args.workers < 1:
+        sys.exit("--workers must be at least 1")
+    if args.workers > 1:
+        if isinstance(config.state, str):
+            sys.exit(
+                f"{args.config}: --workers {args.workers} needs state: redis: in memory each "
+                "process would be a fairness domain of its own, with every slot of every pool"
+            )
+        return serve_workers(config, Path(args.config), args.workers)
     try:
         run(lambda: serve(config, Path(args.config)))
     except ConfigError as err:  # found when building the app: a tokenizer that won't load

@@ -58,6 +58,7 @@ __all__ = [
     "OrgSpec",
     "PoolSpec",
     "RateSpec",
+    "RedisState",
     "ResolvedKey",
     "RetrySpec",
     "StrictModel",
@@ -424,6 +425,34 @@ class CalibrationSpec(StrictModel):
     save_interval_s: Seconds = 60.0
 
 
+class RedisState(StrictModel):
+    """The dispatch state of every pool shared in Redis: processes and replicas pointing at
+    one Redis form one fairness domain (docs/shared-state.md).
+
+    ``redis`` is a redis-py URL (``redis://``, ``rediss://`` with TLS, ``unix://``), or the
+    name of an environment variable holding it in ``redis_env`` (a URL may carry a
+    password). ``cluster`` connects to a Redis Cluster through that node. A process whose
+    heartbeat has not renewed its leases for ``lease_ttl_s`` loses them: Redis gives its
+    slots and queued requests back, and the process stops what it ran under them.
+    """
+
+    redis: NonEmptyStr | None = None
+    redis_env: NonEmptyStr | None = None
+    cluster: bool = False
+    lease_ttl_s: float = Field(5.0, ge=0.5, le=300, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _one_url(self) -> Self:
+        if (self.redis is None) == (self.redis_env is None):
+            raise ValueError("set exactly one of redis (a URL) or redis_env")
+        return self
+
+    @property
+    def heartbeat_s(self) -> float:
+        """A third of the TTL: two heartbeats may be lost before a lease expires."""
+        return self.lease_ttl_s / 3
+
+
 class MetricsSpec(StrictModel):
     """Cardinality guard: orgs beyond this many share one ``org`` label value."""
 
@@ -463,11 +492,14 @@ class Config(StrictModel):
     metrics: MetricsSpec = MetricsSpec()
     admin_key_env: NonEmptyStr | None = None
     drain_timeout_s: NonNegativeSeconds = 30.0
+    # "memory": each process its own scheduler (the default); or shared in Redis
+    state: Literal["memory"] | RedisState = "memory"
 
     _resolved: tuple[ResolvedKey, ...] = PrivateAttr(default=())
     _upstream_keys: dict[str, str] = PrivateAttr(default_factory=dict)
     _admin_digest: bytes | None = PrivateAttr(default=None)
     _pool_by_model: dict[str, str] = PrivateAttr(default_factory=dict)
+    _redis_url: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -492,6 +524,13 @@ class Config(StrictModel):
                 secret = _env_secret(environ, pool.upstream_key_env, path, errors)
                 if secret:
                     self._upstream_keys[name] = secret
+        if isinstance(self.state, RedisState):
+            errors += _check_shared(self.pools, self.classes, self.orgs)
+            if self.state.redis_env is not None:
+                url = _env_secret(environ, self.state.redis_env, "state.redis_env", errors)
+                self._redis_url = url or None
+            else:
+                self._redis_url = self.state.redis
         if self.admin_key_env is not None:
             secret = _env_secret(environ, self.admin_key_env, "admin_key_env", errors)
             self._admin_digest = hashlib.sha256(secret.encode()).digest() if secret else None
@@ -526,6 +565,10 @@ class Config(StrictModel):
     def upstream_key(self, pool: str) -> str | None:
         """The key the proxy sends to ``pool``'s backends (from ``upstream_key_env``)."""
         return self._upstream_keys.get(pool)
+
+    def redis_url(self) -> str | None:
+        """Where the shared state is (``state.redis`` or its ``redis_env``); None in memory."""
+        return self._redis_url
 
     def admin_digest(self) -> bytes | None:
         """SHA-256 of the admin key; None when ``admin_key_env`` is not set (admin API off)."""
@@ -576,6 +619,36 @@ _ONE_AT_A_TIME = (
     "a llamacpp server serves one request at a time (a second one ends the running stream): "
     "must be 1"
 )
+
+
+# Redis's Lua numbers are doubles: meters stay exact integers while one charge (c_max over the
+# smallest flow weight, in units of 2^-20) stays below 2^51 (dispatch.lua)
+_SHARED_MAX_CHARGE = 2.0**31
+
+
+def _check_shared(
+    pools: Mapping[str, PoolSpec], classes: Mapping[str, ClassSpec], orgs: Mapping[str, OrgSpec]
+) -> _Errors:
+    """What the shared state needs: charges its Lua can count exactly, and no provider rate
+    (paced per process so far, it would multiply by the number of processes)."""
+    weights = [c.weight for c in classes.values() if not c.priority] or [1.0]
+    smallest = min(weights) * min([1.0, *(o.weight for o in orgs.values())])
+    errors: _Errors = []
+    for name, pool in pools.items():
+        cost = pool.cost
+        largest = max(cost.input_weight, cost.output_weight) * cost.max_request_tokens
+        if largest / smallest > _SHARED_MAX_CHARGE:
+            errors.append((
+                f"pools.{name}.cost.max_request_tokens",
+                f"with state: redis, c_max ({largest:g}) over the smallest flow weight "
+                f"({smallest:g}) must stay below 2^31: lower it, or raise that weight",
+            ))  # fmt: skip
+        if pool.rate is not None:
+            errors.append((
+                f"pools.{name}.rate",
+                "a provider rate is paced per process: not with state: redis (yet)",
+            ))  # fmt: skip
+    return errors
 
 
 def _check_key_classes(keys: Iterable[KeySpec], classes: Mapping[str, ClassSpec]) -> _Errors:

@@ -6,11 +6,15 @@ import asyncio
 import contextlib
 import io
 import json
+import os
+import shutil
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
+import redis
 from hypothesis import settings
 from proxy_lab import AccessLines, Lab
+from redis_server import RedisServer, running_redis
 from server_process import running
 from vllm_backend import VllmServer
 
@@ -47,3 +51,22 @@ def vllm_servers() -> Iterator[list[VllmServer]]:
     """Two real vLLM servers for the whole session (installed and built on first use)."""
     with running([VllmServer(), VllmServer()]) as servers:
         yield list(servers)
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A real redis-server for the whole session (Debian's package, from `make tools`)."""
+    if shutil.which("redis-server") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("redis-server is missing: run make tools")
+        pytest.skip("redis-server is not on PATH: `make tools` installs it")
+    with running_redis() as server:
+        yield server
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session's Redis, emptied: every test starts from no keys."""
+    with redis.Redis.from_url(redis_server.url) as client:
+        client.flushall()
+    return redis_server.url

@@ -40,6 +40,7 @@ def build_app(
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     app[PROXY] = proxy
     app.cleanup_ctx.append(proxy.lifecycle)
+    app.on_shutdown.append(proxy.shutting_down)
     for kind in Kind:
         app.router.add_post(kind.value, handler(kind))
     app.router.add_get("/v1/models", _answering_errors(_models))
@@ -105,7 +106,7 @@ async def _healthz(request: web.Request) -> web.Response:
 
 
 async def _readyz(request: web.Request) -> web.Response:
-    ready = any(p.placement.any_healthy() for p in request.app[PROXY].pools.values())
+    ready = any(p.ready() for p in request.app[PROXY].pools.values())
     return web.json_response({"ready": ready}, status=200 if ready else 503)
 
 

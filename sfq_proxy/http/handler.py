@@ -126,7 +126,7 @@ async def _admit_and_serve(
         priority=cls.priority,
     )
     record.cost = estimate.cost
-    queued = pool.scheduler.waiting(ticket)
+    queued = pool.waiting(ticket)
     idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
     now = proxy.clock()
     proxy.admission.admit(flow, ticket.tokens, queued, idempotency_key, now)

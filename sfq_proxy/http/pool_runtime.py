@@ -30,7 +30,9 @@ Clock = Callable[[], float]
 RECENT_DISPATCHES = 1000  # how many of the last dispatches /admin/state shows, oldest first
 
 
-def _limits(config: Config, spec: PoolSpec) -> tuple[dict[str, int], dict[str, int], Rate | None]:
+def pool_limits(
+    config: Config, spec: PoolSpec
+) -> tuple[dict[str, int], dict[str, int], Rate | None]:
     """The pool's concurrency caps per org and per class, and its provider rate, if any."""
     org_caps = {o: s.max_in_flight for o, s in config.orgs.items() if s.max_in_flight}
     class_caps = {c: s.max_in_flight for c, s in config.classes.items() if s.max_in_flight}
@@ -49,7 +51,7 @@ class Pool:
         self.spec = spec = config.pools[name]
         self.clock = clock
         self.placement = Placement(spec.backends, failures_to_down=spec.health.consecutive_failures)
-        org_caps, class_caps, rate = _limits(config, spec)
+        org_caps, class_caps, rate = pool_limits(config, spec)
         self.throttle = Throttle()  # the provider's own 429s and rate-limit headers
         self.scheduler = Scheduler(
             self.placement,
@@ -74,7 +76,7 @@ class Pool:
         self.spec = config.pools[self.name]
         self.placement.update(self.spec.backends)
         self.placement.failures_to_down = self.spec.health.consecutive_failures
-        self.scheduler.set_limits(*_limits(config, self.spec))
+        self.scheduler.set_limits(*pool_limits(config, self.spec))
         for view in self.scheduler.queue.flows():
             org, cls = org_and_class(view.flow)
             if cls in config.classes:
@@ -85,7 +87,7 @@ class Pool:
             for backend in self.placement.backends:
                 if not backend.healthy:
                     self._revive_later(backend)
-        self._run(self.scheduler.pump(self.clock()))
+        self.pump()
 
     async def acquire(
         self,
@@ -120,6 +122,18 @@ class Pool:
             if not self.scheduler.cancel(ticket) and ticket.backend is not None:
                 self.release(ticket)
             raise
+
+    def ready(self) -> bool:
+        """Whether the pool can take requests (``/readyz``): a backend of it is healthy."""
+        return self.placement.any_healthy()
+
+    def waiting(self, ticket: Ticket) -> int:
+        """How many requests wait ahead of ``ticket`` in its own line (``max_queue_len``)."""
+        return self.scheduler.waiting(ticket)
+
+    def pump(self) -> None:
+        """Dispatch what capacity allows now: a backend came back, or the config changed."""
+        self._run(self.scheduler.pump(self.clock()))
 
     def release(self, ticket: Ticket, *, refund: bool = False) -> None:
         """The request holding a slot is over (done, failed or cancelled); ``refund`` when
@@ -179,7 +193,7 @@ class Pool:
             return
         if self.placement.mark_up(backend, self.clock()):
             log.warning("pool %s: backend %s is back (cooldown over)", self.name, backend.name)
-            self._run(self.scheduler.pump(self.clock()))
+            self.pump()
         elif not backend.healthy:  # failed again meanwhile: the cooldown was pushed back
             self._revive_later(backend)
 
@@ -210,7 +224,7 @@ class Pool:
         self.report_success(backend)
         if self.placement.mark_up(backend, self.clock()):
             log.warning("pool %s: backend %s is back", self.name, backend.name)
-            self._run(self.scheduler.pump(self.clock()))
+            self.pump()
 
     def state(self) -> dict[str, Any]:
         """This pool in ``/admin/state``: what the operator needs to see who waits, and why."""
@@ -266,7 +280,7 @@ class Pool:
 
     def _on_timer(self) -> None:
         self._timer = None
-        self._run(self.scheduler.pump(self.clock()))
+        self.pump()
 
     def _start(self, tickets: list[Ticket]) -> None:
         """Wake the requests that were just dispatched."""

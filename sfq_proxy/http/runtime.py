@@ -17,9 +17,11 @@ from ..core.admission import Admission
 from ..core.calibration import Calibration
 from ..core.cost import CostModel
 from ..core.flows import Authenticator
-from . import calibration_store, logs
+from ..state.redis_dispatch import RedisDispatch
+from . import calibration_store, logs, shared_state
 from .metrics import Metrics
 from .pool_runtime import Pool
+from .shared_pool import SharedPool
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
@@ -44,7 +46,13 @@ class Proxy:
     def from_config(cls, config: Config, clock: Clock, config_path: Path | None = None) -> Proxy:
         _hide_upstream_keys(config)
         calibration = _load_calibration(config.calibration)
-        pools = {name: Pool(name, config, clock, calibration) for name in config.pools}
+        redis, holder = shared_state.connect(config), shared_state.holder_id()
+        pools: dict[str, Pool] = {
+            name: Pool(name, config, clock, calibration)
+            if redis is None
+            else SharedPool(name, config, clock, calibration, RedisDispatch(redis, name, holder))
+            for name in config.pools
+        }
         return cls(
             config=config,
             pools=pools,
@@ -74,6 +82,8 @@ class Proxy:
         warnings = []
         if config.listen != self.config.listen:
             warnings.append("listen cannot change by a reload: restart to use the new address")
+        if config.state != self.config.state:
+            warnings.append("state cannot change by a reload: restart to use it")
         self.config = config
         self.auth = Authenticator(config.resolved_keys())
         self.admission.reconfigure(config)
@@ -103,17 +113,28 @@ class Proxy:
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         )
+        shared = [p for p in self.pools.values() if isinstance(p, SharedPool)]
+        await shared_state.start(self.config, shared)  # refuses to start without Redis
         self._tasks = [
             asyncio.create_task(p.probe_forever(self.session)) for p in self.pools.values()
         ]
+        self._tasks += [asyncio.create_task(loop) for p in shared for loop in p.loops()]
         if self.config.calibration.state_file:
             self._tasks.append(asyncio.create_task(self._save_calibration_forever()))
         yield
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        await shared_state.stop(shared)
         await self.session.close()
         self.save_calibration()
+
+    async def shutting_down(self, app: web.Application) -> None:
+        """The drain begins: requests still queued in a shared pool leave it (their clients
+        retry on another replica) rather than take a slot here."""
+        for pool in self.pools.values():
+            if isinstance(pool, SharedPool):
+                await pool.leave()
 
     def save_calibration(self) -> None:
         path = self.config.calibration.state_file

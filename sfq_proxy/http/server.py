@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.asynccontextmanager
-async def running(config: Config, **app_options: Any) -> AsyncIterator[web.AppRunner]:
+async def running(
+    config: Config, *, reuse_port: bool = False, **app_options: Any
+) -> AsyncIterator[web.AppRunner]:
     """The proxy listening on ``config.listen`` until the block exits, then drained.
 
     On exit it stops accepting connections at once and gives in-flight requests (queued
@@ -37,8 +39,11 @@ async def running(config: Config, **app_options: Any) -> AsyncIterator[web.AppRu
     )
     await runner.setup()
     try:
-        # a deep accept backlog: a burst of new clients waits to be admitted, not refused
-        await web.TCPSite(runner, config.listen.host, config.listen.port, backlog=1024).start()
+        # a deep accept backlog: a burst of new clients waits to be admitted, not refused;
+        # several workers each listen on the port, and the kernel spreads connections
+        await web.TCPSite(
+            runner, config.listen.host, config.listen.port, backlog=1024, reuse_port=reuse_port
+        ).start()
         yield runner
     finally:
         await runner.cleanup()
@@ -77,9 +82,10 @@ def run(main: Callable[[], Any]) -> None:
         uvloop.run(main())
 
 
-async def serve(config: Config, config_path: Path | None = None) -> None:
+async def serve(config: Config, config_path: Path | None = None, *, worker: bool = False) -> None:
+    """Serve until SIGTERM/SIGINT, then drain; a ``worker`` shares its port with others."""
     access_log.configure()
-    async with running(config, config_path=config_path) as runner:
+    async with running(config, config_path=config_path, reuse_port=worker) as runner:
         # What start-up made (modules, config, app: ~50k objects) lives as long as the
         # process: out of the collector's sight, a full collection takes ~0 ms, not ~30 ms
         # of a stalled event loop.

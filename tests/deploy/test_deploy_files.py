@@ -1,4 +1,4 @@
-"""The Dockerfile, deploy/kubernetes and deploy/compose, checked without a container engine.
+"""The Dockerfile, deploy/kubernetes(-shared) and deploy/compose, checked without an engine.
 
 - Dockerfile: hadolint, its shape, and its own install commands: the `RUN` lines marked
   `# test: build` and `# test: install` are read from the Dockerfile and run here as they
@@ -10,9 +10,13 @@
   pinned Kubernetes versions (kubernetes-validate, strict), the ServiceMonitor by structure,
   and the cross-references: labels and selectors, ports, probes, volumes, Secret keys, the
   environment the ConfigMap's proxy config needs, which must itself be a valid config.
+- deploy/kubernetes-shared, the kustomize overlay with the state in Redis: built here by a
+  small kustomize of the few features it uses (and, where kubectl is installed, compared
+  with `kubectl kustomize`), then checked like the base: schemas, replicas and rollout,
+  the PodDisruptionBudget, the Redis it points at, and its config = the base's + state.
 - Compose: `docker-compose config` (Debian's docker-compose, no engine needed), mounted host
   paths, service names the configs refer to, and the compose proxy config against the sims
-  and the scenario the loadgen service replays.
+  and the scenario the loadgen service replays; the shared profile's replicas and Redis.
 
 hadolint, kubernetes-validate and docker-compose are development dependencies: a missing one
 fails its test rather than skipping it.
@@ -40,13 +44,14 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from sfq_proxy.config import Config, parse_config
+from sfq_proxy.config import Config, RedisState, parse_config
 from sfq_proxy.sim.server import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 KUBE = ROOT / "deploy" / "kubernetes"
+SHARED = ROOT / "deploy" / "kubernetes-shared"
 COMPOSE_DIR = ROOT / "deploy" / "compose"
 COMPOSE_FILE = COMPOSE_DIR / "docker-compose.yml"
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -510,6 +515,235 @@ def test_configmap_pool_is_the_vllm_statefulset() -> None:
     assert all(key.key_env for key in config.keys)  # no secret in the ConfigMap
 
 
+# -- Kubernetes, shared state (the overlay) -------------------------------------------------
+
+KUSTOMIZATION_FIELDS = {
+    "apiVersion",
+    "kind",
+    "resources",
+    "images",
+    "configMapGenerator",
+    "patches",
+}
+
+
+def merge(base: Any, patch: Any) -> Any:
+    """A strategic merge patch, as far as the overlay uses it: maps merge key by key; a list
+    is only ever set where the base has none (so replacing it is what kustomize does)."""
+    if isinstance(base, dict) and isinstance(patch, dict):
+        merged = dict(base)
+        for key, value in patch.items():
+            if isinstance(value, list):
+                assert key not in base, f"a list patched into an existing one: {key}"
+            merged[key] = merge(base[key], value) if key in base else value
+        return merged
+    return patch
+
+
+def kustomize(directory: Path) -> list[dict[str, Any]]:
+    """What `kubectl kustomize directory` gives, for the features these kustomizations use:
+    resources (files and directories), images, configMapGenerator with behavior: replace, and
+    patches by path; any other field fails here rather than being ignored."""
+    spec = yaml.safe_load((directory / "kustomization.yaml").read_text())
+    assert set(spec) <= KUSTOMIZATION_FIELDS, set(spec) - KUSTOMIZATION_FIELDS
+    docs: list[dict[str, Any]] = []
+    for entry in spec["resources"]:
+        path = (directory / entry).resolve()
+        docs += kustomize(path) if path.is_dir() else list(yaml.safe_load_all(path.read_text()))
+
+    def find(kind: str, name: str) -> dict[str, Any]:
+        [doc] = [d for d in docs if (d["kind"], d["metadata"]["name"]) == (kind, name)]
+        return doc
+
+    for generator in spec.get("configMapGenerator", []):
+        assert generator["behavior"] == "replace"
+        assert generator.keys() == {"name", "behavior", "files"}
+        target = find("ConfigMap", generator["name"])
+        target["data"] = {
+            Path(file).name: (directory / file).read_text() for file in generator["files"]
+        }
+    for patch in spec.get("patches", []):
+        assert patch.keys() == {"path"}
+        body = yaml.safe_load((directory / patch["path"]).read_text())
+        target = find(body["kind"], body["metadata"]["name"])
+        docs[docs.index(target)] = merge(target, body)
+    for image in spec.get("images", []):
+        for doc in docs:
+            pod = doc.get("spec", {}).get("template", {}).get("spec", {})
+            for box in pod.get("containers", []):
+                if box["image"].split(":")[0] == image["name"]:
+                    box["image"] = f"{image['newName']}:{image['newTag']}"
+    return docs
+
+
+def shared() -> dict[tuple[str, str], dict[str, Any]]:
+    """(kind, name) → the overlay's built manifest."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for doc in kustomize(SHARED):
+        key = (doc["kind"], doc["metadata"]["name"])
+        assert key not in out, key
+        out[key] = doc
+    return out
+
+
+def shared_proxy() -> dict[str, Any]:
+    return shared()["Deployment", resources()["Deployment"]["metadata"]["name"]]
+
+
+def shared_redis() -> tuple[dict[str, Any], dict[str, Any]]:
+    """The trial Redis: its Deployment and its Service (the overlay's other ones)."""
+    proxy = resources()["Deployment"]["metadata"]["name"]
+    [deployment] = [d for (k, n), d in shared().items() if k == "Deployment" and n != proxy]
+    proxy = resources()["Service"]["metadata"]["name"]
+    [service] = [d for (k, n), d in shared().items() if k == "Service" and n != proxy]
+    return deployment, service
+
+
+def redis_pod_labels() -> dict[str, str]:
+    return shared_redis()[0]["spec"]["template"]["metadata"]["labels"]
+
+
+def shared_proxy_config() -> Config:
+    """The overlay's ConfigMap's config, its variables filled as in the base."""
+    secret = resources()["Secret"]["stringData"]
+    environ = {name: secret[key] for name, key in env_to_secret().items()}
+    configmap = shared()["ConfigMap", resources()["ConfigMap"]["metadata"]["name"]]
+    text = configmap["data"][CONFIG_PATH.name]
+    return parse_config(text, environ=environ, source="deploy/kubernetes-shared/config.yaml")
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_overlay_builds_on_the_unchanged_base() -> None:
+    spec = yaml.safe_load((SHARED / "kustomization.yaml").read_text())
+    assert (SHARED / spec["resources"][0]).resolve() == KUBE
+    listed = {Path(entry).name for entry in spec["resources"][1:]}
+    listed |= {patch["path"] for patch in spec["patches"]}
+    listed |= {file for generator in spec["configMapGenerator"] for file in generator["files"]}
+    on_disk = {p.name for p in SHARED.glob("*.y*ml")} - {"kustomization.yaml"}
+    assert listed == on_disk
+    base = {(doc["kind"], doc["metadata"]["name"]) for doc in resources().values()}
+    assert shared().keys() == base | {
+        ("PodDisruptionBudget", "sfq-proxy"),
+        ("Deployment", "sfq-redis"),
+        ("Service", "sfq-redis"),
+    }
+    # what the overlay leaves alone is the base's
+    for key in base - {("Deployment", "sfq-proxy"), ("ConfigMap", "sfq-proxy-config")}:
+        assert shared()[key] == resources()[key[0]], key
+
+
+def test_overlay_build_is_kubectl_kustomizes() -> None:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:  # not a development dependency: the build above is all there is
+        return
+    result = subprocess.run(
+        [kubectl, "kustomize", str(SHARED)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    built = {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(result.stdout)}
+    assert built == shared()
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_overlay_manifests_match_the_kubernetes_api(version: str) -> None:
+    import kubernetes_validate
+
+    for (kind, name), doc in shared().items():
+        if kind == "ServiceMonitor":
+            continue
+        try:
+            kubernetes_validate.validate(doc, version, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            pytest.fail(f"{kind} {name} against Kubernetes {version}: {err}")
+
+
+def test_overlay_rolls_replicas_of_one_fairness_domain() -> None:
+    spec = shared_proxy()["spec"]
+    assert spec["replicas"] >= 2
+    assert spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
+    pod_labels = spec["template"]["metadata"]["labels"]
+    [spread] = spec["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["whenUnsatisfiable"] == "ScheduleAnyway"  # a one-node cluster still runs
+    assert selects(spread["labelSelector"]["matchLabels"], pod_labels)
+    # the PodDisruptionBudget covers exactly the proxy pods and leaves one serving
+    pdb = shared()["PodDisruptionBudget", "sfq-proxy"]
+    assert pdb["spec"]["minAvailable"] == 1
+    assert pdb["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"]
+    assert selects(pdb["spec"]["selector"]["matchLabels"], pod_labels)
+    assert not selects(pdb["spec"]["selector"]["matchLabels"], redis_pod_labels())
+    # the base stays one memory-mode scheduler (test_deployment_is_one_scheduler_...)
+    assert resources()["Deployment"]["spec"]["replicas"] == 1
+    assert kube_proxy_config().state == "memory"
+
+
+def test_overlay_config_is_the_base_config_with_state_in_its_redis() -> None:
+    config = shared_proxy_config()
+    assert isinstance(config.state, RedisState)
+    assert config.state.lease_ttl_s == 5
+    url = urlsplit(config.redis_url() or "")
+    deployment, service = shared_redis()
+    [port] = service["spec"]["ports"]
+    assert (url.scheme, url.hostname, url.port) == (
+        "redis",
+        service["metadata"]["name"],
+        port["port"],
+    )
+    assert url.path == "/0"
+    # the Redis Service selects the Redis pod, and nothing selects across
+    pod_labels = redis_pod_labels()
+    assert selects(service["spec"]["selector"], pod_labels)
+    assert selects(deployment["spec"]["selector"]["matchLabels"], pod_labels)
+    proxy_labels = shared_proxy()["spec"]["template"]["metadata"]["labels"]
+    assert not selects(service["spec"]["selector"], proxy_labels)
+    assert not selects(resources()["Service"]["spec"]["selector"], pod_labels)
+    # the base's config, plus the state section
+    base_text = resources()["ConfigMap"]["data"][CONFIG_PATH.name]
+    overlay = yaml.safe_load((SHARED / "config.yaml").read_text())
+    assert overlay.pop("state") == {"redis": "redis://sfq-redis:6379/0", "lease_ttl_s": 5}
+    assert overlay == yaml.safe_load(base_text)
+
+
+def test_overlay_redis_is_a_pinned_in_memory_trial_instance() -> None:
+    deployment, _ = shared_redis()
+    spec = deployment["spec"]
+    assert spec["replicas"] == 1
+    assert spec["strategy"] == {"type": "Recreate"}
+    [redis] = spec["template"]["spec"]["containers"]
+    assert re.fullmatch(r"redis:7\.0\.\d+", redis["image"]), redis["image"]
+    args = redis["args"]
+    assert args[0] == "redis-server"
+    assert args[args.index("--save") + 1] == ""
+    assert args[args.index("--appendonly") + 1] == "no"
+    assert args[args.index("--maxmemory-policy") + 1] == "noeviction"  # leases never evicted
+    assert {"requests", "limits"} <= redis["resources"].keys()
+    assert "redis-cli ping" in " ".join(redis["readinessProbe"]["exec"]["command"])
+    [port] = redis["ports"]
+    assert port == {"name": "redis", "containerPort": 6379, "protocol": "TCP"}
+    assert redis["securityContext"]["readOnlyRootFilesystem"] is True
+    head = (SHARED / "redis.yaml").read_text().split("apiVersion:")[0]
+    for words in ("TRIALS", "managed", "Sentinel", "cluster: true", "redis_env", "503"):
+        assert words in head, words
+
+
+def test_overlay_grace_period_outlasts_the_drain() -> None:
+    pod = shared_proxy()["spec"]["template"]["spec"]
+    [main] = pod["containers"]
+    assert main == container()  # the patch leaves the container alone: probes, env, mounts
+    pause = float(main["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] > pause + shared_proxy_config().drain_timeout_s
+    assert main["readinessProbe"]["httpGet"]["path"] == "/readyz"  # fails while Redis does
+
+
 # -- Docker Compose -------------------------------------------------------------------------
 
 
@@ -553,7 +787,7 @@ def bind_mounts(service: dict[str, Any]) -> dict[str, Path]:
     return out
 
 
-@pytest.mark.parametrize("profile", [[], ["--profile", "demo"]])
+@pytest.mark.parametrize("profile", [[], ["--profile", "demo"], ["--profile", "shared"]])
 def test_docker_compose_config_accepts_the_file(profile: list[str]) -> None:
     binary = shutil.which("docker-compose")
     assert binary, "docker-compose is not installed (apt-get install docker-compose)"
@@ -568,7 +802,10 @@ def test_docker_compose_config_accepts_the_file(profile: list[str]) -> None:
 
 
 def test_compose_services_and_mounts() -> None:
-    assert services().keys() == {"sfq-proxy", "sim-1", "sim-2", "loadgen", "prometheus", "grafana"}
+    assert services().keys() == {
+        *("sfq-proxy", "sim-1", "sim-2", "loadgen", "prometheus", "grafana"),
+        *("redis", "sfq-proxy-a", "sfq-proxy-b"),
+    }
     for name, service in services().items():
         for host in bind_mounts(service).values():
             assert host.exists(), (name, host)
@@ -658,3 +895,40 @@ def test_compose_observability_points_at_its_services() -> None:
     )
     home = Path(env["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"])
     assert (grafana_mounts[str(home.parent)] / home.name).exists()
+
+
+def test_compose_shared_profile_is_two_replicas_on_its_redis() -> None:
+    redis = services()["redis"]
+    assert redis["profiles"] == ["shared"]
+    assert redis["command"] == ["redis-server", "--save", "", "--appendonly", "no"]
+    assert "redis-cli ping" in " ".join(redis["healthcheck"]["test"])
+    plain = yaml.safe_load((COMPOSE_DIR / "config.yaml").read_text())
+    published = []
+    for name in ("sfq-proxy-a", "sfq-proxy-b"):
+        replica = services()[name]
+        assert replica["profiles"] == ["shared"]
+        assert replica["build"] == services()["sfq-proxy"]["build"]
+        assert bind_mounts(replica)[str(CONFIG_PATH)] == COMPOSE_DIR / "config-shared.yaml"
+        assert replica["depends_on"]["redis"] == {"condition": "service_healthy"}
+        for sim in ("sim-1", "sim-2"):
+            assert replica["depends_on"][sim] == {"condition": "service_healthy"}
+        config = parse_config(
+            (COMPOSE_DIR / "config-shared.yaml").read_text(),
+            environ=replica["environment"],
+            source="config-shared.yaml",
+        )
+        assert isinstance(config.state, RedisState)
+        url = urlsplit(config.redis_url() or "")
+        assert (url.scheme, url.hostname, url.port) == ("redis", "redis", 6379)
+        grace = re.fullmatch(r"(\d+)s", replica["stop_grace_period"])
+        assert grace
+        assert int(grace[1]) > config.drain_timeout_s
+        [ports] = replica["ports"]
+        host, _, inside = ports.partition(":")
+        assert int(inside) == config.listen.port
+        published.append(host)
+    assert len({*published, "8080"}) == 3  # beside the memory-mode proxy's port
+    # the plain config plus the state section
+    shared_config = yaml.safe_load((COMPOSE_DIR / "config-shared.yaml").read_text())
+    assert shared_config.pop("state") == {"redis": "redis://redis:6379/0", "lease_ttl_s": 5}
+    assert shared_config == plain

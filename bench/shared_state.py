@@ -1,0 +1,277 @@
+"""What the shared state costs: sfq-proxy in memory vs with `state: redis`, 1 and 2 workers.
+
+    python bench/shared_state.py [--seconds 5] [--connections 1 64] [--rounds 3]
+
+Reuses bench/overhead.py: nginx as the fast fake OpenAI backend (the JSON one only here),
+its realistic proxy config and chat body. Starts its own redis-server on port 18340 (no
+persistence) and three `sfq-proxy serve` processes: `memory, 1 worker` (today's proxy),
+`redis, 1 worker` and `redis, 2 workers` (--workers 2, SO_REUSEPORT), the last two with
+`state: {redis: ..., lease_ttl_s: 5}` added to the config, each on a Redis database of its
+own. wrk drives each target in turn (rounds interleaved, medians shown). One table: req/s,
+p50/p99 latency, non-2xx answers (summed over the rounds, socket errors as +Ns; the warm-up's
+not counted), CPU µs per request of the proxy (the serve process and all its workers) and of
+redis-server, and FCALL calls per request (from INFO commandstats); then the ratios and a
+short note on where the time goes, and the proxies' stderr (counted by line). CPU figures are
+utime+stime from /proc; the redis figure of the memory row is Redis's background (the idle
+proxies' heartbeats and inbox reads), a baseline for the others.
+Requires: apt-get install nginx-light wrk redis-server (with redis-cli).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).parent))
+import overhead
+
+REDIS_PORT = 18340
+TARGETS = {  # name → (port, workers, Redis database or None for state: memory)
+    "memory, 1 worker": (18331, 1, None),
+    "redis, 1 worker": (18332, 1, 1),
+    "redis, 2 workers": (18333, 2, 2),
+}
+MODEL = "bench-json"
+
+
+def config_text(port: int, db: int | None) -> str:
+    """overhead.py's proxy config on ``port``, with ``state: redis`` when ``db`` is set."""
+    config = yaml.safe_load(overhead.proxy_config())
+    config["listen"]["port"] = port
+    if db is not None:
+        config["state"] = {"redis": f"redis://127.0.0.1:{REDIS_PORT}/{db}", "lease_ttl_s": 5}
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+def tree_pids(root: int) -> list[int]:
+    """``root`` and its descendants (the serve process and its forked workers), from ppid."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo += children.get(pid, [])
+    return pids
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """CPU of the whole tree: live processes, plus the children ``root`` reaped already."""
+    total = 0.0
+    for pid in tree_pids(root):
+        try:
+            total += overhead.cpu_seconds(pid)
+        except OSError:
+            continue
+    fields = Path(f"/proc/{root}/stat").read_text().rsplit(")", 1)[1].split()
+    return total + (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+
+
+def listeners(port: int) -> int:
+    """Sockets listening on ``port`` (one per worker under SO_REUSEPORT)."""
+    lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    return sum(
+        1 for line in lines if line.split()[1].endswith(f":{port:04X}") and line.split()[3] == "0A"
+    )
+
+
+def wait_ready(port: int, workers: int, proc: subprocess.Popen, log: Path) -> None:
+    """Every worker listening and /readyz answering 200 (Redis reached, backends healthy)."""
+    for _ in range(300):
+        if proc.poll() is not None:
+            raise RuntimeError(f"proxy on {port} ended ({proc.returncode}):\n{log.read_text()}")
+        if listeners(port) >= workers:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+        time.sleep(0.1)
+    raise RuntimeError(f"proxy on {port} not ready:\n{log.read_text()}")
+
+
+def run_wrk(url: str, connections: int, seconds: float, work: Path) -> dict[str, float]:
+    """overhead.wrk, but counting non-2xx answers and socket errors instead of refusing them."""
+    try:
+        out = None
+        result = overhead.wrk(url, MODEL, connections, seconds, work)
+    except RuntimeError as err:  # "errors under load:\n" + wrk's output
+        out = str(err).split("\n", 1)[1]
+        result = {
+            "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
+            "requests": int(re.search(r"(\d+) requests in", out).group(1)),
+            "p50": overhead._ms(re.search(r"50%\s+([\d.]+\w+)", out).group(1)),
+            "p99": overhead._ms(re.search(r"99%\s+([\d.]+\w+)", out).group(1)),
+        }
+        print(f"  wrk {url} c={connections}: {out.strip()}", file=sys.stderr)
+    non2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out or "")
+    result["non2xx"] = int(non2xx.group(1)) if non2xx else 0
+    sock = re.search(
+        r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out or ""
+    )
+    result["sockerr"] = sum(map(int, sock.groups())) if sock else 0
+    return result
+
+
+def fcall_calls() -> int:
+    """FCALL calls so far, from INFO commandstats (redis-cli: redis-py would
+    import the stdlib's queue, which bench/queue.py shadows here)."""
+    out = subprocess.run(
+        ["redis-cli", "-p", str(REDIS_PORT), "INFO", "commandstats"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return sum(int(n) for n in re.findall(r"^cmdstat_fcall:calls=(\d+)", out, re.M))
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (the serve parent passes it to its workers), then SIGKILL the tree if stuck."""
+    if proc.poll() is not None:
+        return
+    pids = tree_pids(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for pid in pids[1:]:  # a worker left behind
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=int, default=5)
+    parser.add_argument("--connections", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--rounds", type=int, default=3, help="runs per target; medians shown")
+    args = parser.parse_args()
+    # Ctrl-C (even when started from a shell's background job, which ignores it) and SIGTERM
+    # unwind through the finally below, which stops every process started here
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    for tool in ("nginx", "wrk", "redis-server", "redis-cli"):
+        if not shutil.which(tool):
+            sys.exit(f"{tool} is missing: apt-get install nginx-light wrk redis-server")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        work.chmod(0o755)  # nginx's workers (not root) read the bodies from here
+        (work / "nginx.conf").write_text(overhead.nginx_conf(work))
+        procs: list[subprocess.Popen] = []
+        try:
+            procs.append(subprocess.Popen(["nginx", "-c", str(work / "nginx.conf")]))
+            redis_proc = subprocess.Popen(
+                ["redis-server", "--port", str(REDIS_PORT), "--save", "", "--appendonly", "no",
+                 "--bind", "127.0.0.1", "--dir", str(work)], stdout=subprocess.DEVNULL,
+            )  # fmt: skip
+            procs.append(redis_proc)
+            for ports in overhead.NGINX_PORTS.values():
+                for port in ports:
+                    overhead.wait_listening(port)
+            overhead.wait_listening(REDIS_PORT)
+            proxies: dict[str, subprocess.Popen] = {}
+            for name, (port, workers, db) in TARGETS.items():
+                path, log = work / f"proxy-{port}.yaml", work / f"proxy-{port}.log"
+                path.write_text(config_text(port, db))
+                with log.open("w") as err:
+                    proxies[name] = subprocess.Popen(
+                        [sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(path),
+                         "--workers", str(workers)], stdout=subprocess.DEVNULL, stderr=err,
+                    )  # fmt: skip
+                procs.append(proxies[name])
+                wait_ready(port, workers, proxies[name], log)
+            for port, *_ in TARGETS.values():  # warm-up: imports, script load, pools
+                run_wrk(f"http://127.0.0.1:{port}", max(args.connections), 1, work)
+            print(HEADER)
+            for connections in args.connections:
+                runs: dict[str, list[dict[str, float]]] = {name: [] for name in TARGETS}
+                for _ in range(args.rounds):  # interleaved: a noisy spell hits all alike
+                    for name, (port, *_) in TARGETS.items():
+                        pid = proxies[name].pid
+                        before = (tree_cpu_seconds(pid), overhead.cpu_seconds(redis_proc.pid))
+                        calls = fcall_calls()
+                        r = run_wrk(f"http://127.0.0.1:{port}", connections, args.seconds, work)
+                        n = r["requests"]
+                        r["cpu_us"] = (tree_cpu_seconds(pid) - before[0]) * 1e6 / n
+                        r["redis_us"] = (overhead.cpu_seconds(redis_proc.pid) - before[1]) * 1e6 / n
+                        r["fcalls"] = (fcall_calls() - calls) / n
+                        runs[name].append(r)
+                medians = {name: overhead._median(rs) for name, rs in runs.items()}
+                for name, rs in runs.items():  # errors: every one counts, not the median
+                    medians[name]["non2xx"] = sum(r["non2xx"] for r in rs)
+                    medians[name]["sockerr"] = sum(r["sockerr"] for r in rs)
+                for name, r in medians.items():
+                    print(_row(connections, name, r), flush=True)
+                _summary(connections, medians)
+            for name in proxies:
+                log = work / f"proxy-{TARGETS[name][0]}.log"
+                lines = Counter(line for line in log.read_text().splitlines() if line.strip())
+                if lines:
+                    print(f"\n{name}: its stderr ({lines.total()} lines, warm-up included):")
+                    print("\n".join(f"  {n:>5} × {line}" for line, n in lines.most_common(8)))
+        finally:
+            for proc in reversed(procs):  # proxies first, then redis and nginx
+                stop(proc)
+
+
+HEADER = (
+    f"{'conn':>4} {'target':<18}{'req/s':>8}{'p50 ms':>8}{'p99 ms':>8}{'non2xx':>7}"
+    f"{'proxy µs/req':>13}{'redis µs/req':>13}{'fcall/req':>12}"
+)
+
+
+def _row(conns: int, name: str, r: dict) -> str:
+    errors = f"{r['non2xx']:.0f}" + (f"+{r['sockerr']:.0f}s" if r["sockerr"] else "")
+    return (
+        f"{conns:>4} {name:<18}{r['rps']:>8.0f}{r['p50']:>8.2f}{r['p99']:>8.2f}{errors:>7}"
+        f"{r['cpu_us']:>13.0f}{r['redis_us']:>13.1f}{r['fcalls']:>12.2f}"
+    )
+
+
+def _summary(conns: int, m: dict[str, dict]) -> None:
+    mem, one, two = (m[name] for name in TARGETS)
+    total = {name: r["cpu_us"] + r["redis_us"] for name, r in m.items()}
+    added = total["redis, 1 worker"] - total["memory, 1 worker"]
+    print(
+        f"     throughput: redis 2w / redis 1w = {two['rps'] / one['rps']:.2f}, "
+        f"redis 1w / memory = {one['rps'] / mem['rps']:.2f}; "
+        f"p50 added by redis (1w) = {one['p50'] - mem['p50']:+.2f} ms"
+    )
+    print(
+        f"     CPU per request, proxy+redis: memory {total['memory, 1 worker']:.0f} µs, "
+        f"redis 1w {total['redis, 1 worker']:.0f} µs ({added:+.0f}), "
+        f"redis 2w {total['redis, 2 workers']:.0f} µs "
+        f"({total['redis, 2 workers'] - total['memory, 1 worker']:+.0f})"
+    )
+    proxy_added = one["cpu_us"] - mem["cpu_us"]
+    redis_added = one["redis_us"] - mem["redis_us"]
+    print(
+        f"     where the time goes (1w): {one['fcalls']:.2f} FCALL round trips per request "
+        f"(submit + finish = 2); Redis spends {redis_added:.0f} µs/req on them "
+        f"({redis_added / max(one['fcalls'], 1e-9):.0f} µs per call), the proxy "
+        f"{proxy_added:+.0f} µs/req more than in memory "
+        f"({proxy_added / max(one['fcalls'], 1e-9):+.0f} µs per call: client side, framing, "
+        f"awaits)\n"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The process's connection to the shared state, when ``state: {redis: ...}`` is set: made at
+start (a proxy that cannot reach Redis does not start), closed at the end."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from urllib.parse import urlsplit
+
+from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from ..config import Config, ConfigError
+from .shared_pool import SharedPool
+
+CONNECT_TIMEOUT_S = 1.0
+SOCKET_TIMEOUT_S = 5.0
+# connections to Redis per process: each call holds one for a round trip, and each pool's
+# inbox holds one for its blocking read
+MAX_CONNECTIONS = 64
+
+
+def connect(config: Config) -> Redis | RedisCluster | None:
+    """A client for the configured Redis (it connects on first use), or None in memory."""
+    url = config.redis_url()
+    if url is None or isinstance(config.state, str):
+        return None
+    # fail fast: a request waits on Redis only while Redis answers (a blocking read of the
+    # grants inbox takes up to INBOX_WAIT_S, well inside the socket timeout)
+    options = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": SOCKET_TIMEOUT_S}
+    if config.state.cluster:
+        return RedisCluster.from_url(url, max_connections=MAX_CONNECTIONS, **options)
+    # a request waits for a free connection rather than failing when all are busy
+    pool = BlockingConnectionPool.from_url(
+        url, max_connections=MAX_CONNECTIONS, timeout=SOCKET_TIMEOUT_S, **options
+    )
+    return Redis(connection_pool=pool)
+
+
+def holder_id() -> str:
+    """A proxy in Redis: readable by an operator (host and pid), unique across restarts."""
+    return f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
+
+
+async def start(config: Config, pools: list[SharedPool]) -> None:
+    """Join every shared pool; Redis unreachable is a configuration error at start."""
+    for pool in pools:
+        try:
+            await pool.start()
+        except RedisError as err:
+            where = _where(config.redis_url() or "")
+            raise ConfigError([("state", f"cannot reach Redis at {where}: {err}")]) from err
+
+
+async def stop(pools: list[SharedPool]) -> None:
+    """Hand back the leases still being handed back, then close the connections."""
+    for pool in pools:
+        await pool.drain()
+    clients = {id(pool.dispatch.redis): pool.dispatch.redis for pool in pools}
+    for client in clients.values():
+        await client.aclose()
+
+
+def _where(url: str) -> str:
+    """The URL without its credentials: it goes into an error message."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"

@@ -1,0 +1,92 @@
+"""``sfq-proxy serve --workers N``: N processes on one port, one fairness domain through the
+shared state (each process its own event loop, so every core is used).
+
+The parent reserves the port (a socket bound with SO_REUSEPORT, never listening, so port 0
+works too), forks the workers, which each listen on it with SO_REUSEPORT (the kernel
+spreads new connections among them), passes SIGTERM, SIGINT and SIGHUP on, and starts a
+worker again when one dies unexpectedly. Forked before any event loop or Redis connection
+exists, so nothing is shared by accident.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+from ..config import Config
+from .server import run, serve
+
+log = logging.getLogger(__name__)
+RESTART_DELAY_S = 1.0  # between a worker's unexpected death and its replacement
+CANNOT_START = 2  # a worker's exit code when its start failed (Redis unreachable, say)
+
+
+def serve_workers(config: Config, config_path: Path, workers: int) -> int:
+    """Run ``workers`` serving processes until a signal stops them; returns the exit code."""
+    reserved = _reserve(config.listen.host, config.listen.port)
+    port = reserved.getsockname()[1]
+    config = config.model_copy(update={"listen": config.listen.model_copy(update={"port": port})})
+    print(f"sfq-proxy: {workers} workers on http://{config.listen.host}:{port}", flush=True)
+    stopping: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        if signum != signal.SIGHUP:
+            stopping.append(signum)
+        for pid in children:
+            os.kill(pid, signum)
+
+    children = {_fork(config, config_path): i for i in range(workers)}
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, forward)
+    code = 0
+    while children:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        index = children.pop(pid, None)
+        if index is None:
+            continue
+        ended = os.waitstatus_to_exitcode(status)
+        if stopping:
+            code = code or ended  # a worker that did not end cleanly
+        elif ended == CANNOT_START:  # nor would the next one
+            log.error("worker %d could not start: stopping", index)
+            code = ended
+            forward(signal.SIGTERM, None)
+        else:
+            log.error("worker %d (pid %d) ended (exit %d): starting it again", index, pid, ended)
+            time.sleep(RESTART_DELAY_S)
+            children[_fork(config, config_path)] = index
+    reserved.close()
+    return code
+
+
+def _reserve(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    return sock
+
+
+def _fork(config: Config, config_path: Path) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the loop installs its own
+        signal.signal(sig, signal.SIG_DFL)
+    try:
+        run(lambda: serve(config, config_path, worker=True))
+        code = 0
+    except BaseException:
+        log.exception("worker failed")
+        code = 1
+    sys.stdout.flush()
+    os._exit(code)

@@ -1,0 +1,389 @@
+#!lua name=sfq
+--[[ One pool's dispatch decisions in Redis: the strict band, Start-time Fair Queueing and
+placement with slot leases, each call one atomic step (docs/shared-state.md).
+
+The same rules as sfq_proxy/core/fair_queue.py and scheduler.py, line for line where they
+decide: join at max(S, v), charge at dispatch, ties by flow id (a sorted set orders equal
+scores by member, bytewise: flow ids are ASCII), global-idle reset; the band FIFO before
+every flow, a class under its cap; the least loaded healthy backend with a free slot, the
+first listed on ties. Meters are integers in units of 1/2^20 of a cost, exact in Lua's
+doubles below 2^53: the config keeps one charge below 2^51 (c_max / smallest weight) and
+meters are shifted down once v reaches 2^51.
+
+A function library (FUNCTION LOAD), not a script: its functions are made once, at load,
+where a script makes them again at every call (~15 µs). `sfq_dispatch` is the one entry:
+every key of a pool starts with keys[1] ("sfq:{pool}:"), so one pool lives in one Redis
+Cluster slot; args[1] names the operation, args[2] is the calling replica (its holder id).
+Times are Redis's own (TIME), in milliseconds: one clock for every replica's leases.
+]]
+
+-- the call being served: set by sfq_dispatch, as Redis runs one call at a time
+local P, holder, A
+
+local UNITS = 1048576
+local RENORMALIZE_AT = 2 ^ 51
+
+local function num(value, default)
+  if value == false or value == nil then return default end
+  return tonumber(value)
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- the pool's scalars (v, maxm, offset, queued, fence), read once per call and written back
+-- once at its end: most of a call's work would otherwise be these reads and writes
+local M, meta_changed = {}, false
+local function load_meta()
+  M, meta_changed = {}, false
+  local raw = redis.call('HGETALL', P .. 'meta')
+  for i = 1, #raw, 2 do M[raw[i]] = tonumber(raw[i + 1]) end
+end
+local function meta(field) return M[field] or 0 end
+local function set_meta(field, value)
+  M[field], meta_changed = value, true
+end
+local function save_meta()
+  if not meta_changed then return end
+  local flat = {}
+  for field, value in pairs(M) do
+    flat[#flat + 1] = field
+    flat[#flat + 1] = value
+  end
+  redis.call('HSET', P .. 'meta', unpack(flat))
+end
+
+-- Python's round(): to the nearest integer, halves to the even one
+local function round_half_even(x)
+  local f = math.floor(x)
+  local d = x - f
+  if d > 0.5 or (d == 0.5 and f % 2 == 1) then return f + 1 end
+  return f
+end
+
+-- -- the fair queue ------------------------------------------------------------------------
+
+local function backlog(flow) return redis.call('LLEN', P .. 'q:' .. flow) end
+
+local function meter_of(flow) return num(redis.call('HGET', P .. 'meter', flow), nil) end
+
+local function enter(flow, meter) redis.call('ZADD', P .. 'ready', meter, flow) end
+
+local function after_drain()
+  if meta('queued') > 0 then return end
+  local v = math.max(meta('v'), meta('maxm'))
+  set_meta('v', v)
+  set_meta('maxm', v)
+  redis.call('DEL', P .. 'meter', P .. 'weight', P .. 'ready')
+end
+
+local function renormalize()
+  local shift = meta('v')
+  set_meta('offset', meta('offset') + shift)
+  set_meta('v', 0)
+  set_meta('maxm', meta('maxm') - shift)
+  local meters = redis.call('HGETALL', P .. 'meter')
+  for i = 1, #meters, 2 do
+    local m = tonumber(meters[i + 1]) - shift
+    redis.call('HSET', P .. 'meter', meters[i], m)
+    if redis.call('ZSCORE', P .. 'ready', meters[i]) then enter(meters[i], m) end
+  end
+end
+
+local function push(flow, id, weight, front)
+  local v = meta('v')
+  local meter = meter_of(flow) or v
+  if backlog(flow) == 0 then meter = math.max(meter, v) end
+  redis.call('HSET', P .. 'meter', flow, meter)
+  redis.call('HSET', P .. 'weight', flow, weight)
+  redis.call(front and 'LPUSH' or 'RPUSH', P .. 'q:' .. flow, id)
+  set_meta('queued', meta('queued') + 1)
+  if redis.call('SISMEMBER', P .. 'inel', flow) == 0 then enter(flow, meter) end
+end
+
+local function head()
+  local top = redis.call('ZRANGE', P .. 'ready', 0, 0)
+  if #top == 0 then return nil end
+  return top[1], redis.call('LINDEX', P .. 'q:' .. top[1], 0)
+end
+
+local function pop(flow, cost)
+  local meter = meter_of(flow)
+  local weight = tonumber(redis.call('HGET', P .. 'weight', flow))
+  local charge = math.max(1, round_half_even(cost * UNITS / weight))
+  set_meta('v', meter)
+  redis.call('LPOP', P .. 'q:' .. flow)
+  meter = meter + charge
+  redis.call('HSET', P .. 'meter', flow, meter)
+  set_meta('maxm', math.max(meta('maxm'), meter))
+  set_meta('queued', meta('queued') - 1)
+  if backlog(flow) > 0 then
+    enter(flow, meter)
+  else
+    redis.call('ZREM', P .. 'ready', flow)
+    after_drain()
+  end
+  if meta('v') >= RENORMALIZE_AT then renormalize() end
+end
+
+local function remove(flow, id)
+  if redis.call('LREM', P .. 'q:' .. flow, 1, id) == 0 then return false end
+  set_meta('queued', meta('queued') - 1)
+  if backlog(flow) == 0 then
+    redis.call('ZREM', P .. 'ready', flow)
+    after_drain()
+  end
+  return true
+end
+
+local function set_eligible(flow, ok)
+  if not ok then
+    redis.call('SADD', P .. 'inel', flow)
+    redis.call('ZREM', P .. 'ready', flow)
+    return
+  end
+  if redis.call('SREM', P .. 'inel', flow) == 0 then return end
+  if backlog(flow) > 0 then
+    local meter = math.max(meter_of(flow) or meta('v'), meta('v'))
+    redis.call('HSET', P .. 'meter', flow, meter)
+    enter(flow, meter)
+  end
+end
+
+-- -- caps: an org's or a class's requests in flight -------------------------------------------
+
+local NO_CAP = 2 ^ 62
+
+local function under_caps(org, cls)
+  local ocap = num(redis.call('HGET', P .. 'ocap', org), NO_CAP)
+  local ccap = num(redis.call('HGET', P .. 'ccap', cls), NO_CAP)
+  return num(redis.call('HGET', P .. 'orun', org), 0) < ocap
+    and num(redis.call('HGET', P .. 'crun', cls), 0) < ccap
+end
+
+local function caps_of(org, cls)
+  local caps = {}
+  if redis.call('HEXISTS', P .. 'ocap', org) == 1 then caps[#caps + 1] = 'co:' .. org end
+  if redis.call('HEXISTS', P .. 'ccap', cls) == 1 then caps[#caps + 1] = 'cc:' .. cls end
+  return caps
+end
+
+local function split_flow(flow)
+  local at = string.find(flow, '/', 1, true)
+  return string.sub(flow, 1, at - 1), string.sub(flow, at + 1)
+end
+
+local function track(t)
+  for _, cap in ipairs(caps_of(t.o, t.c)) do redis.call('SADD', P .. cap, t.f) end
+  if not under_caps(t.o, t.c) then set_eligible(t.f, false) end
+end
+
+local function refresh(org, cls)
+  for _, cap in ipairs(caps_of(org, cls)) do
+    for _, flow in ipairs(redis.call('SMEMBERS', P .. cap)) do
+      local o, c = split_flow(flow)
+      set_eligible(flow, under_caps(o, c))
+      if backlog(flow) == 0 and redis.call('SISMEMBER', P .. 'inel', flow) == 0 then
+        redis.call('SREM', P .. cap, flow)
+      end
+    end
+  end
+end
+
+-- -- tickets, backends and leases ---------------------------------------------------------------
+
+local function ticket(id)
+  local raw = redis.call('HGET', P .. 'ticket', id)
+  if not raw then return nil end
+  return cjson.decode(raw)
+end
+
+local function band_next()
+  for _, id in ipairs(redis.call('LRANGE', P .. 'band', 0, -1)) do
+    local t = ticket(id)
+    local cap = num(redis.call('HGET', P .. 'ccap', t.c), NO_CAP)
+    if num(redis.call('HGET', P .. 'crun', t.c), 0) < cap then return id, t end
+  end
+  return nil
+end
+
+-- the backends in placement order and their requests in flight, read at the first dispatch
+local backends, inflight
+local function load_backends()
+  backends = cjson.decode(redis.call('GET', P .. 'backends') or '[]')
+  inflight = {}
+  local raw = redis.call('HGETALL', P .. 'inflight')
+  for i = 1, #raw, 2 do inflight[raw[i]] = tonumber(raw[i + 1]) end
+end
+
+local function add_inflight(backend, delta)
+  if inflight then inflight[backend] = (inflight[backend] or 0) + delta end
+  redis.call('HINCRBY', P .. 'inflight', backend, delta)
+end
+
+-- the least loaded backend with a free slot that the caller does not hold down
+local function choose(down)
+  if backends == nil then load_backends() end
+  local best, best_load
+  for _, b in ipairs(backends) do
+    if not down[b[1]] then
+      local running = inflight[b[1]] or 0
+      local load = running / b[2]
+      if running < b[2] and (best == nil or load < best_load) then best, best_load = b[1], load end
+    end
+  end
+  return best
+end
+
+local function running(t, delta)
+  redis.call('HINCRBY', P .. 'orun', t.o, delta)
+  redis.call('HINCRBY', P .. 'crun', t.c, delta)
+  refresh(t.o, t.c)
+end
+
+-- dispatch while a ticket and a slot are there; grants of the caller's tickets are returned,
+-- the others' go to their holders' inboxes
+local function dispatch(down)
+  local mine = {}
+  while true do
+    local id, t = band_next()
+    if id == nil then
+      local flow
+      flow, id = head()
+      if flow == nil then break end
+      t = ticket(id)
+    end
+    local backend = choose(down)
+    if backend == nil then break end
+    add_inflight(backend, 1)
+    if t.p == 1 then redis.call('LREM', P .. 'band', 1, id) else pop(t.f, t.cost) end
+    local lease = meta('fence') + 1
+    set_meta('fence', lease)
+    redis.call('HSET', P .. 'lease', lease, cjson.encode({t = id, b = backend, h = t.h, o = t.o, c = t.c}))
+    redis.call('HDEL', P .. 'ticket', id)
+    redis.call('SREM', P .. 'hq:' .. t.h, id)
+    redis.call('SADD', P .. 'hl:' .. t.h, lease)
+    running(t, 1)
+    local grant = id .. ' ' .. lease .. ' ' .. backend
+    if t.h == holder then
+      mine[#mine + 1] = grant
+    else
+      redis.call('RPUSH', P .. 'inbox:' .. t.h, grant)
+    end
+  end
+  return mine
+end
+
+local function release(lease)
+  local raw = redis.call('HGET', P .. 'lease', lease)
+  if not raw then return nil end
+  local l = cjson.decode(raw)
+  redis.call('HDEL', P .. 'lease', lease)
+  redis.call('SREM', P .. 'hl:' .. l.h, lease)
+  add_inflight(l.b, -1)
+  running(l, -1)
+  return l
+end
+
+local function cancel(id)
+  local t = ticket(id)
+  if t == nil then return false end
+  if t.p == 1 then
+    redis.call('LREM', P .. 'band', 1, id)
+  else
+    remove(t.f, id)
+  end
+  redis.call('HDEL', P .. 'ticket', id)
+  redis.call('SREM', P .. 'hq:' .. t.h, id)
+  return true
+end
+
+-- a holder whose heartbeat stopped: its leases and queued tickets are given back
+local function reap(now)
+  for _, dead in ipairs(redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', now)) do
+    for _, lease in ipairs(redis.call('SMEMBERS', P .. 'hl:' .. dead)) do release(lease) end
+    for _, id in ipairs(redis.call('SMEMBERS', P .. 'hq:' .. dead)) do cancel(id) end
+    redis.call('DEL', P .. 'hl:' .. dead, P .. 'hq:' .. dead, P .. 'inbox:' .. dead)
+    redis.call('ZREM', P .. 'holders', dead)
+  end
+end
+
+local function down_set(raw)
+  local down = {}
+  for _, name in ipairs(cjson.decode(raw)) do down[name] = true end
+  return down
+end
+
+-- -- the operations ---------------------------------------------------------------------------
+
+local function alive()
+  return redis.call('ZSCORE', P .. 'holders', holder) ~= false
+end
+
+local function run(op)
+  if op == 'heartbeat' then  -- ttl_ms, new (1: the first heartbeat of this holder)
+    local now = now_ms()
+    reap(now)
+    if A[4] ~= '1' and not alive() then return {0} end  -- reclaimed: fenced
+    redis.call('ZADD', P .. 'holders', now + tonumber(A[3]), holder)
+    return {1, dispatch(down_set(A[5]))}
+  end
+
+  if not alive() then return {-1} end  -- not registered, or reclaimed: nothing may be granted
+
+  if op == 'configure' then  -- backends [[name, slots], ...], org caps, class caps
+    redis.call('SET', P .. 'backends', A[3])
+    backends = nil
+    redis.call('DEL', P .. 'ocap', P .. 'ccap')
+    for org, cap in pairs(cjson.decode(A[4])) do redis.call('HSET', P .. 'ocap', org, cap) end
+    for cls, cap in pairs(cjson.decode(A[5])) do redis.call('HSET', P .. 'ccap', cls, cap) end
+    return {1, dispatch(down_set(A[6]))}
+  elseif op == 'submit' then  -- id, ticket, front, down, max waiting ahead (-1: none)
+    local id, t = A[3], cjson.decode(A[4])
+    local limit = tonumber(A[7])
+    if limit >= 0 then
+      local ahead = 0
+      if t.p == 1 then
+        for _, other in ipairs(redis.call('LRANGE', P .. 'band', 0, -1)) do
+          local o = ticket(other)
+          if o and o.c == t.c then ahead = ahead + 1 end
+        end
+      else
+        ahead = backlog(t.f)
+      end
+      if ahead >= limit then return {2, ahead} end
+    end
+    -- kept as the caller wrote it: cjson would write its numbers back with 14 digits only
+    redis.call('HSET', P .. 'ticket', id, A[4])
+    redis.call('SADD', P .. 'hq:' .. holder, id)
+    if t.p == 1 then
+      redis.call(A[5] == '1' and 'LPUSH' or 'RPUSH', P .. 'band', id)
+    else
+      push(t.f, id, t.w, A[5] == '1')
+      track(t)
+    end
+    return {1, dispatch(down_set(A[6]))}
+  elseif op == 'cancel' then  -- id
+    return {cancel(A[3]) and 1 or 0}
+  elseif op == 'finish' then  -- lease, down
+    local l = release(A[3])
+    if l == nil then return {0, {}} end  -- fenced: reclaimed, or released already
+    return {1, dispatch(down_set(A[4]))}
+  elseif op == 'pump' then  -- down
+    return {1, dispatch(down_set(A[3]))}
+  end
+  return redis.error_reply('unknown operation ' .. tostring(op))
+end
+
+local function sfq_dispatch(keys, args)
+  P, holder, A = keys[1], args[2], args
+  backends, inflight = nil, nil
+  load_meta()
+  local reply = run(args[1])
+  save_meta()
+  return reply
+end
+
+redis.register_function('sfq_dispatch', sfq_dispatch)

@@ -1,0 +1,184 @@
+"""One pool's dispatch, made atomically in Redis by the ``dispatch.lua`` library: the calls,
+typed.
+
+The script holds the rules (the same as ``core/fair_queue.py`` and ``core/scheduler.py``);
+this module only packs arguments and unpacks grants, so that the proxy and the conformance
+tests drive it the same way. Each process is a *holder*: its queued tickets and slot leases
+are its own, kept alive by its heartbeat, given back by Redis when the heartbeat stops.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, NamedTuple
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ResponseError
+
+SCRIPT = resources.files(__package__).joinpath("dispatch.lua").read_text()
+FUNCTION = "sfq_dispatch"  # the library's entry point
+
+
+class Grant(NamedTuple):
+    """A ticket given a slot: the lease (its fencing token) that must be handed back."""
+
+    ticket: str
+    lease: str
+    backend: str
+
+
+@dataclass(frozen=True, slots=True)
+class SharedTicket:
+    """What Redis needs of a queued request; numbers already checked by ``Ticket``."""
+
+    org: str
+    cls: str
+    cost: float
+    weight: float
+    tokens: float = 0.0
+    priority: bool = False
+
+    @property
+    def flow(self) -> str:
+        return f"{self.org}/{self.cls}"
+
+
+class Fenced(Exception):
+    """This holder's heartbeat stopped long enough for Redis to give its slots back: what it
+    still runs holds no lease, and what it queued is gone."""
+
+
+class QueueFull(Exception):
+    """The ticket's own line already holds ``ahead`` requests (its ``max_queue_len``)."""
+
+    def __init__(self, ahead: int) -> None:
+        super().__init__(ahead)
+        self.ahead = ahead
+
+
+def pool_prefix(pool: str) -> str:
+    """Every key of a pool starts so: its name as the hash tag keeps it in one cluster slot."""
+    return f"sfq:{{{pool}}}:"
+
+
+class RedisDispatch:
+    """The dispatch calls of one pool for one holder."""
+
+    def __init__(self, redis: Redis | RedisCluster, pool: str, holder: str) -> None:
+        self.redis = redis
+        self._prefix = pool_prefix(pool)
+        self.holder = holder
+
+    async def _call(self, op: str, *args: Any) -> Any:
+        """One call of the library's function; the library is loaded first where Redis
+        does not have it (a new or restarted Redis: functions live with its data)."""
+        call = self.redis.fcall(FUNCTION, 1, self._prefix, op, self.holder, *args)
+        try:
+            return await call
+        except ResponseError as err:
+            if "function not found" not in str(err).lower():
+                raise
+        await self.redis.function_load(SCRIPT, replace=True)
+        return await self.redis.fcall(FUNCTION, 1, self._prefix, op, self.holder, *args)
+
+    async def heartbeat(
+        self, ttl_s: float, down: Iterable[str] = (), *, new: bool = False
+    ) -> list[Grant]:
+        """Renew this holder's leases for ``ttl_s`` (``new``: register it), reclaiming those
+        of holders whose own expired; raises Fenced when this holder's were reclaimed."""
+        ttl_ms = round(ttl_s * 1000)
+        reply = await self._call("heartbeat", ttl_ms, "1" if new else "0", _names(down))
+        if reply[0] == 0:
+            raise Fenced(self.holder)
+        return _grants(reply[1])
+
+    async def configure(
+        self,
+        backends: Iterable[tuple[str, int]],
+        org_caps: Mapping[str, int],
+        class_caps: Mapping[str, int],
+        down: Iterable[str] = (),
+    ) -> list[Grant]:
+        """The pool's backends (in placement order, with their slots) and in-flight caps."""
+        reply = await self._call(
+            "configure",
+            json.dumps([[name, slots] for name, slots in backends]),
+            json.dumps(dict(org_caps)),
+            json.dumps(dict(class_caps)),
+            _names(down),
+        )
+        return _grants(_checked(reply)[1])
+
+    async def submit(
+        self,
+        ticket_id: str,
+        ticket: SharedTicket,
+        *,
+        front: bool = False,
+        down: Iterable[str] = (),
+        max_ahead: int | None = None,
+    ) -> list[Grant]:
+        """Queue ``ticket`` and dispatch what slots allow; raises QueueFull when its line
+        already holds ``max_ahead`` requests (checked and queued in one step)."""
+        fields = {
+            "f": ticket.flow, "o": ticket.org, "c": ticket.cls, "cost": ticket.cost,
+            "w": ticket.weight, "tok": ticket.tokens, "p": int(ticket.priority),
+            "h": self.holder,
+        }  # fmt: skip
+        limit = -1 if max_ahead is None else max_ahead
+        flags = "1" if front else "0"
+        reply = _checked(
+            await self._call("submit", ticket_id, json.dumps(fields), flags, _names(down), limit)
+        )
+        if reply[0] == 2:
+            raise QueueFull(int(reply[1]))
+        return _grants(reply[1])
+
+    async def cancel(self, ticket_id: str) -> bool:
+        """Take a queued ticket out, uncharged; False if it was dispatched (or is unknown)."""
+        return bool(_checked(await self._call("cancel", ticket_id))[0])
+
+    async def finish(self, lease: str, down: Iterable[str] = ()) -> list[Grant]:
+        """Hand a lease back and dispatch what it frees. A lease that Redis reclaimed (or
+        that was handed back already) frees nothing: the fencing that keeps a late release
+        from freeing a slot granted since."""
+        reply = _checked(await self._call("finish", lease, _names(down)))
+        return _grants(reply[1]) if reply[0] == 1 else []
+
+    async def pump(self, down: Iterable[str] = ()) -> list[Grant]:
+        """Dispatch what capacity allows now (a backend came back)."""
+        return _grants(_checked(await self._call("pump", _names(down)))[1])
+
+    async def inbox(self, timeout_s: float) -> list[Grant]:
+        """Grants of this holder's tickets that another holder's call dispatched: waits up to
+        ``timeout_s`` for the first, then takes what else is there."""
+        key = self._prefix + "inbox:" + self.holder
+        first = await self.redis.blpop([key], timeout=timeout_s)
+        if first is None:
+            return []
+        rest = await self.redis.lpop(key, 1000) or []
+        return _grants([first[1], *rest])
+
+
+def _names(names: Iterable[str]) -> str:
+    return json.dumps(list(names)) if names else "[]"
+
+
+def _checked(reply: Any) -> Any:
+    """A reply of a holder Redis does not know (never registered, or reclaimed)."""
+    if reply[0] == -1:
+        raise Fenced("not registered, or reclaimed")
+    return reply
+
+
+def _grants(raw: Iterable[bytes | str]) -> list[Grant]:
+    grants = []
+    for item in raw:
+        text = item.decode() if isinstance(item, bytes) else item
+        ticket, lease, backend = text.split(" ", 2)
+        grants.append(Grant(ticket, lease, backend))
+    return grants

@@ -1,0 +1,464 @@
+"""The pool's dispatch rules, in memory and in Redis, make the same decisions.
+
+The in-memory ``Scheduler`` (``core/scheduler.py`` over ``FairQueue`` and ``Placement``) is
+the reference; ``dispatch.lua`` through ``RedisDispatch`` must agree with it. Both are fed
+the same operation sequences (submit, finish, cancel), drawn by hypothesis, and after every
+operation they must have dispatched the same tickets to the same backends in the same order
+and answered every cancel alike; at the end they hold the same number of queued tickets and
+the same virtual time. What is proven that way:
+
+1. SFQ over random flows, weights and costs (charges at dispatch, joins at max(S, v), ties by
+   flow id, the global-idle reset), with least-loaded placement over 1–3 backends whose slots
+   Redis never exceeds;
+2. the same with org and class in-flight caps (no class ever runs over its cap);
+3. the same with strict-band priority tickets mixed in, their class capped;
+4. two holders on one pool form one fairness domain: the grants of both (returned by the
+   call, or found in the other holder's inbox) come in the order of one in-memory scheduler;
+5. fencing: a holder whose heartbeat stopped loses its leases and queued tickets to the next
+   heartbeat of another, its late finish frees nothing, and its next call raises Fenced;
+6. equal meters are broken by flow id, and a drained pool starts its next period level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from redis.asyncio import Redis
+
+from sfq_proxy.config import BackendSpec
+from sfq_proxy.core.placement import Placement
+from sfq_proxy.core.scheduler import Scheduler, Ticket
+from sfq_proxy.state.redis_dispatch import Fenced, Grant, RedisDispatch, SharedTicket, pool_prefix
+
+pytestmark = pytest.mark.redis
+
+EXAMPLES = 60
+LONG_TTL_S = 60.0
+
+Dispatch = tuple[str, str]  # (ticket id, backend name)
+
+
+# -- scenarios --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Flow:
+    org: str
+    cls: str
+    weight: float
+
+
+@dataclass(frozen=True)
+class Submit:
+    flow: int  # index into Scenario.flows
+    cost: float
+    front: bool = False
+    priority: bool = False
+    holder: int = 0
+
+
+@dataclass(frozen=True)
+class Finish:
+    pick: int  # which running ticket (modulo how many run)
+
+
+@dataclass(frozen=True)
+class Cancel:
+    pick: int  # which queued ticket (modulo how many wait); any known one if none waits
+
+
+Op = Submit | Finish | Cancel
+
+
+@dataclass(frozen=True)
+class Scenario:
+    backends: list[tuple[str, int]]
+    flows: list[Flow]
+    ops: list[Op]
+    org_caps: dict[str, int] = field(default_factory=dict)
+    class_caps: dict[str, int] = field(default_factory=dict)
+    holders: int = 1
+
+
+COSTS = st.one_of(
+    st.sampled_from([1.0, 2.5, 7.0, 100.0]),
+    st.floats(min_value=0.001, max_value=1e4, allow_nan=False, allow_infinity=False),
+)
+WEIGHTS = st.sampled_from([0.5, 1.0, 2.0, 4.0])
+ORGS = ["a", "b", "c", "d", "e"]
+CLASSES = ["x", "y"]
+PRIORITY_CLASS = "p"
+
+
+@st.composite
+def scenarios(
+    draw: st.DrawFn, *, caps: bool = False, priority: bool = False, holders: int = 1
+) -> Scenario:
+    slots = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    backends = [(f"b{i}", n) for i, n in enumerate(slots)]
+    pairs = draw(
+        st.lists(
+            st.tuples(st.sampled_from(ORGS), st.sampled_from(CLASSES)),
+            min_size=2,
+            max_size=5,
+            unique=True,
+        )
+    )
+    flows = [Flow(org, cls, draw(WEIGHTS)) for org, cls in pairs]
+    if priority:  # the band's own class, one priority "flow" per org that has any flow
+        flows += [Flow(org, PRIORITY_CLASS, 1.0) for org in sorted({o for o, _ in pairs})]
+    org_caps: dict[str, int] = {}
+    class_caps: dict[str, int] = {}
+    if caps:
+        orgs = sorted({f.org for f in flows})
+        org_caps = draw(st.dictionaries(st.sampled_from(orgs), st.integers(1, 3), max_size=3))
+        class_caps = draw(st.dictionaries(st.sampled_from(CLASSES), st.integers(1, 3)))
+    if priority:
+        class_caps[PRIORITY_CLASS] = draw(st.integers(1, 2))
+
+    def submit(index: int, cost: float, front: bool, holder: int) -> Submit:
+        return Submit(index, cost, front, flows[index].cls == PRIORITY_CLASS, holder)
+
+    submits = st.builds(
+        submit,
+        st.integers(0, len(flows) - 1),
+        COSTS,
+        st.sampled_from([False, False, False, True]),  # front now and then
+        st.integers(0, holders - 1),
+    )
+    ops = st.one_of(
+        submits,
+        submits,
+        st.builds(Finish, st.integers(0, 1000)),
+        st.builds(Cancel, st.integers(0, 1000)),
+    )
+    return Scenario(
+        backends=backends,
+        flows=flows,
+        ops=draw(st.lists(ops, min_size=1, max_size=40)),
+        org_caps=org_caps,
+        class_caps=class_caps,
+        holders=holders,
+    )
+
+
+# -- the two sides, behind the same methods -----------------------------------------------------
+
+
+class MemorySide:
+    """The reference: one in-memory ``Scheduler`` (holders mean nothing to it)."""
+
+    def __init__(self, scenario: Scenario) -> None:
+        specs = [BackendSpec(url=f"http://{n}:8000", slots=s, name=n) for n, s in scenario.backends]
+        self.scheduler = Scheduler(
+            Placement(specs), org_caps=scenario.org_caps, class_caps=scenario.class_caps
+        )
+        self.tickets: dict[str, Ticket] = {}
+        self.ids: dict[int, str] = {}  # id(Ticket) → ticket id
+
+    async def submit(self, tid: str, flow: Flow, op: Submit) -> list[Dispatch]:
+        ticket = Ticket(flow.org, flow.cls, op.cost, flow.weight, priority=op.priority)
+        self.tickets[tid] = ticket
+        self.ids[id(ticket)] = tid
+        return self._named(self.scheduler.submit(ticket, 0.0, front=op.front))
+
+    async def finish(self, tid: str) -> list[Dispatch]:
+        return self._named(self.scheduler.finish(self.tickets[tid], 0.0))
+
+    async def cancel(self, tid: str) -> bool:
+        return self.scheduler.cancel(self.tickets[tid])
+
+    async def queued(self) -> int:
+        return self.scheduler.queued()
+
+    async def virtual_time(self) -> float:
+        return self.scheduler.queue.virtual_time  # type: ignore[attr-defined]
+
+    def _named(self, dispatched: list[Ticket]) -> list[Dispatch]:
+        out = []
+        for ticket in dispatched:
+            assert ticket.backend is not None
+            out.append((self.ids[id(ticket)], ticket.backend.name))
+        return out
+
+
+class RedisSide:
+    """``dispatch.lua`` through one ``RedisDispatch`` per holder, all on one fresh pool.
+
+    A call's grants are its own holder's; the other holders' grants of the same call are
+    read from their inboxes, and the lease numbers (one counter per pool) put them back in
+    the order the script made them.
+    """
+
+    def __init__(self, client: Redis, scenario: Scenario) -> None:
+        self.client = client
+        self.scenario = scenario
+        self.pool = f"conf-{uuid.uuid4().hex}"
+        self.prefix = pool_prefix(self.pool)
+        self.holders = [RedisDispatch(client, self.pool, f"h{i}") for i in range(scenario.holders)]
+        self.owner: dict[str, int] = {}  # ticket id → holder index
+        self.leases: dict[str, str] = {}  # running ticket id → lease
+        self.running: Counter[str] = Counter()  # backend → leases held, from the grants
+        self.class_running: Counter[str] = Counter()
+        self.classes: dict[str, str] = {}  # ticket id → class
+        self.backend_of: dict[str, str] = {}  # granted ticket id → backend
+
+    async def start(self) -> None:
+        for holder in self.holders:
+            assert await holder.heartbeat(LONG_TTL_S, new=True) == []
+        s = self.scenario
+        assert await self.holders[0].configure(s.backends, s.org_caps, s.class_caps) == []
+
+    async def submit(self, tid: str, flow: Flow, op: Submit) -> list[Dispatch]:
+        self.owner[tid] = op.holder
+        self.classes[tid] = flow.cls
+        shared = SharedTicket(flow.org, flow.cls, op.cost, flow.weight, priority=op.priority)
+        return await self._granted(
+            op.holder, await self.holders[op.holder].submit(tid, shared, front=op.front)
+        )
+
+    async def finish(self, tid: str) -> list[Dispatch]:
+        holder = self.owner[tid]
+        lease = self.leases.pop(tid)
+        # the backend and class it ran on are freed before the call's own grants count
+        self.running[self.backend_of[tid]] -= 1
+        self.class_running[self.classes[tid]] -= 1
+        return await self._granted(holder, await self.holders[holder].finish(lease))
+
+    async def cancel(self, tid: str) -> bool:
+        return await self.holders[self.owner[tid]].cancel(tid)
+
+    async def queued(self) -> int:
+        return int(await self.client.hlen(self.prefix + "ticket"))
+
+    async def virtual_time(self) -> float:
+        v, offset = await self.client.hmget(self.prefix + "meta", ["v", "offset"])
+        return (int(float(v or 0)) + int(float(offset or 0))) / (1 << 20)
+
+    async def inflight(self) -> dict[str, int]:
+        raw = await self.client.hgetall(self.prefix + "inflight")
+        return {k.decode(): int(n) for k, n in raw.items() if int(n)}
+
+    async def _granted(self, caller: int, grants: list[Grant]) -> list[Dispatch]:
+        """The call's grants and every other holder's new inbox entries, in lease order."""
+        assert all(self.owner[g.ticket] == caller for g in grants)
+        for index, holder in enumerate(self.holders):
+            key = f"{self.prefix}inbox:{holder.holder}"
+            if await self.client.llen(key):
+                mail = await holder.inbox(0.01)
+                assert all(self.owner[g.ticket] == index for g in mail)
+                grants = grants + mail
+        grants.sort(key=lambda g: int(g.lease))
+        for grant in grants:
+            self.leases[grant.ticket] = grant.lease
+            self.backend_of[grant.ticket] = grant.backend
+            self.running[grant.backend] += 1
+            self.class_running[self.classes[grant.ticket]] += 1
+        slots = dict(self.scenario.backends)
+        assert all(self.running[b] <= slots[b] for b in self.running), self.running
+        caps = self.scenario.class_caps
+        assert all(n <= caps[c] for c, n in self.class_running.items() if c in caps)
+        return [(g.ticket, g.backend) for g in grants]
+
+
+# -- the driver ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """What the reference did so far: which tickets run (in dispatch order) and which wait."""
+
+    running: list[str] = field(default_factory=list)
+    waiting: list[str] = field(default_factory=list)
+    known: list[str] = field(default_factory=list)
+    log: list[str] = field(default_factory=list)
+
+    def dispatched(self, dispatches: list[Dispatch]) -> None:
+        for tid, _ in dispatches:
+            self.waiting.remove(tid)
+            self.running.append(tid)
+
+
+async def conform(redis_url: str, scenario: Scenario) -> list[Dispatch]:
+    """Apply the scenario's operations to both sides, comparing them after each one;
+    returns every dispatch, in order."""
+    client = Redis.from_url(redis_url)
+    try:
+        memory, shared = MemorySide(scenario), RedisSide(client, scenario)
+        shared._backend_of = {}
+        await shared.start()
+        trace = Trace()
+        everything: list[Dispatch] = []
+        for step, op in enumerate(scenario.ops):
+            if isinstance(op, Submit):
+                tid = f"t{step}"
+                trace.known.append(tid)
+                trace.waiting.append(tid)
+                flow = scenario.flows[op.flow]
+                expected = await memory.submit(tid, flow, op)
+                got = await shared.submit(tid, flow, op)
+                trace.log.append(f"submit {tid} {flow} {op} -> {expected}")
+            elif isinstance(op, Finish):
+                if not trace.running:
+                    continue
+                tid = trace.running.pop(op.pick % len(trace.running))
+                expected = await memory.finish(tid)
+                got = await shared.finish(tid)
+                trace.log.append(f"finish {tid} -> {expected}")
+            else:
+                pool = trace.waiting or trace.known
+                if not pool:
+                    continue
+                tid = pool[op.pick % len(pool)]
+                cancelled = await memory.cancel(tid)
+                trace.log.append(f"cancel {tid} -> {cancelled}")
+                assert await shared.cancel(tid) == cancelled, trace.log
+                if cancelled:
+                    trace.waiting.remove(tid)
+                continue
+            assert got == expected, (*trace.log, f"redis dispatched {got}")
+            trace.dispatched(expected)
+            everything += expected
+            assert await shared.inflight() == {b: n for b, n in shared.running.items() if n}
+        assert await shared.queued() == await memory.queued() == len(trace.waiting)
+        assert await shared.virtual_time() == await memory.virtual_time(), trace.log
+        return everything
+    finally:
+        await client.aclose()
+
+
+def run(redis_url: str, scenario: Scenario) -> None:
+    asyncio.run(conform(redis_url, scenario))
+
+
+PROPERTY = settings(
+    max_examples=EXAMPLES, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@PROPERTY
+@given(scenario=scenarios())
+def test_sfq_and_placement_conform(redis_url: str, scenario: Scenario) -> None:
+    run(redis_url, scenario)
+
+
+@PROPERTY
+@given(scenario=scenarios(caps=True))
+def test_in_flight_caps_conform(redis_url: str, scenario: Scenario) -> None:
+    run(redis_url, scenario)
+
+
+@PROPERTY
+@given(scenario=scenarios(caps=True, priority=True))
+def test_priority_band_conforms(redis_url: str, scenario: Scenario) -> None:
+    run(redis_url, scenario)
+
+
+@PROPERTY
+@given(scenario=scenarios(caps=True, holders=2))
+def test_two_holders_are_one_fairness_domain(redis_url: str, scenario: Scenario) -> None:
+    run(redis_url, scenario)
+
+
+# -- targeted examples ------------------------------------------------------------------------
+
+
+async def test_tie_by_flow_id_and_global_idle_reset(redis_url: str) -> None:
+    """One slot. ``b/x`` queues before ``a/x`` at the same meter: ``a/x`` goes first. Then,
+    once the pool drained, a flow that was charged 100 joins level with the others (ties by
+    id again) instead of waiting behind them for what it took in the last busy period."""
+    flows = [Flow("a", "x", 1.0), Flow("b", "x", 1.0), Flow("c", "x", 1.0)]
+    a, b, c = 0, 1, 2
+    ops: list[Op] = [
+        Submit(c, 1.0),  # t0 takes the slot
+        Submit(b, 1.0),  # t1 waits at meter v
+        Submit(a, 1.0),  # t2 waits at meter v too: a/x < b/x
+        Finish(0),  # t0 done: t2 (a/x) goes, not t1
+        Finish(0),  # t2 done: t1
+        Finish(0),  # t1 done: nothing waits, nothing runs
+        Submit(a, 100.0),  # t6 runs at once: a charged 100, the pool drains again
+        Submit(b, 1.0),  # t7 waits at v = 101 (the reset), not at b's old meter
+        Submit(a, 1.0),  # t8 waits at v = 101 as well: a/x first
+        Finish(0),  # t6 done: t8
+        Finish(0),  # t8 done: t7
+    ]
+    scenario = Scenario(backends=[("b0", 1)], flows=flows, ops=ops)
+    dispatches = await conform(redis_url, scenario)
+    assert [tid for tid, _ in dispatches] == ["t0", "t2", "t1", "t6", "t8", "t7"]
+
+
+async def test_a_cost_keeps_every_digit(redis_url: str) -> None:
+    """A cost is charged to the unit as Python rounds the float it was given. Here b/x's
+    charge lands on a half unit (1048576.5, rounded to even: 1048576), one unit under a/x's
+    (1048577), so b/x's next request goes before a/x's; charged one unit more (the cost cut
+    to 1.0000004768372) b/x would tie with a/x and lose the tie by flow id."""
+    flows = [Flow("a", "x", 1.0), Flow("b", "x", 1.0), Flow("c", "x", 1.0)]
+    a, b, c = 0, 1, 2
+    ops: list[Op] = [
+        Submit(c, 1.0),  # t0 takes the one slot
+        Submit(a, 1 + 2**-20),  # t1: charged 1048577 units
+        Submit(b, 1 + 2**-21),  # t2: charged round(1048576.5) = 1048576 units
+        Submit(a, 1.0),  # t3
+        Submit(b, 1.0),  # t4
+        Finish(0),  # t0 done: t1 (a/x and b/x tie at v, a/x first)
+        Finish(0),  # t1 done: t2
+        Finish(0),  # t2 done: b/x is a unit behind a/x, so t4
+    ]
+    scenario = Scenario(backends=[("b0", 1)], flows=flows, ops=ops)
+    dispatches = await conform(redis_url, scenario)
+    assert [tid for tid, _ in dispatches] == ["t0", "t1", "t2", "t4"]
+
+
+async def test_a_stale_holder_is_fenced(redis_url: str) -> None:
+    """A holder whose heartbeat stopped is reaped by another's heartbeat: its slot goes to
+    the next in line, its queued tickets are gone, its old lease frees nothing, and every
+    call it makes from then on raises Fenced."""
+    client = Redis.from_url(redis_url)
+    try:
+        pool = f"fence-{uuid.uuid4().hex}"
+        inflight = pool_prefix(pool) + "inflight"
+        stale, live, late = (RedisDispatch(client, pool, h) for h in ("stale", "live", "late"))
+        assert await stale.heartbeat(0.3, new=True) == []
+        assert await live.heartbeat(LONG_TTL_S, new=True) == []
+        assert await live.configure([("b0", 1)], {}, {}) == []
+
+        (held,) = await stale.submit("s1", SharedTicket("a", "x", 1.0, 1.0))
+        assert held.backend == "b0"
+        assert await stale.submit("s2", SharedTicket("a", "x", 1.0, 1.0)) == []
+        assert await live.submit("l1", SharedTicket("b", "x", 1.0, 1.0)) == []
+        assert await live.inbox(0.01) == []
+
+        await asyncio.sleep(0.45)
+        (granted,) = await live.heartbeat(LONG_TTL_S)  # reaps stale: its slot comes back
+        assert (granted.ticket, granted.backend) == ("l1", "b0")  # s2 was dropped, not granted
+        assert int(await client.hget(inflight, "b0")) == 1
+
+        assert await live.finish(held.lease) == []  # a reclaimed lease frees nothing
+        assert int(await client.hget(inflight, "b0")) == 1
+        assert await live.cancel("s2") is False  # the stale holder's queue is gone
+
+        with pytest.raises(Fenced):
+            await stale.finish(held.lease)
+        with pytest.raises(Fenced):
+            await stale.heartbeat(0.3)
+        with pytest.raises(Fenced):
+            await stale.submit("s3", SharedTicket("a", "x", 1.0, 1.0))
+        assert int(await client.hget(inflight, "b0")) == 1
+
+        # the slot is l1's alone: a newcomer waits until l1's lease is handed back
+        assert await late.heartbeat(LONG_TTL_S, new=True) == []
+        assert await late.submit("n1", SharedTicket("c", "x", 1.0, 1.0)) == []
+        assert await live.finish(granted.lease) == []  # n1 is late's: it goes to late's inbox
+        (mail,) = await late.inbox(0.5)
+        assert (mail.ticket, mail.backend) == ("n1", "b0")
+        assert int(await client.hget(inflight, "b0")) == 1
+        assert await late.finish(mail.lease) == []
+        assert int(await client.hget(inflight, "b0")) == 0
+    finally:
+        await client.aclose()

@@ -1,0 +1,198 @@
+"""Proxies sharing their pools' dispatch state in a real Redis form one fairness domain:
+skewed ingress keeps the weights, and a backend's slots hold across proxies. Two
+independent in-memory proxies fail both (shown, as the FIFO variants are in the lab)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
+from redis_server import RedisServer
+
+from sfq_proxy.config import Config
+from sfq_proxy.http.server import bound_url, running
+from sfq_proxy.sim.server import SimBackend
+
+pytestmark = pytest.mark.redis
+CHAT = [{"role": "user", "content": "hi"}]
+PER_ORG = 40
+TTL_S = 1.5
+
+
+async def queued_in_redis(redis_url: str, pool: str = "sim") -> int:
+    """How many requests wait in the pool's shared line."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        return int(await client.hget(f"sfq:{{{pool}}}:meta", "queued") or 0)
+    finally:
+        await client.aclose()
+
+
+async def queued_is(redis_url: str, n: int) -> bool:
+    return await queued_in_redis(redis_url) == n
+
+
+def weighted(sims: list[SimBackend], state: Any, **options: Any) -> Config:
+    """A 4:1 between orgs A and B, one slot per backend."""
+    orgs = {"A": {"weight": 4}}
+    return proxy_config([s.url for s in sims], slots=1, orgs=orgs, state=state, **options)
+
+
+async def skewed_flood(lab: Lab, sim: SimBackend, proxies: list[Served], queued: Any) -> list[str]:
+    """A's requests enter only the first proxy, B's only the second, while the backend is
+    held; once ``queued()`` says all wait, it is let go. The orgs in the order it served them."""
+    sim.hold()
+    flood = [
+        lab.client(proxy, org).chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=10, user=org
+        )
+        for _ in range(PER_ORG)
+        for proxy, org in zip(proxies, "AB", strict=True)
+    ]
+    replies = asyncio.gather(*flood)
+    await eventually(queued, within=10)
+    sim.release()
+    await replies
+    return [r.user for r in sim.stats.log]
+
+
+def out_of_bound(order: list[str], skip: int) -> list[str]:
+    """Where a 4:1 order breaks the SFQ bound |W_A/4 − W_B/1| ≤ c/4 + c (c: one request)
+    while both orgs wait: from the ``skip`` first, which went before anything queued,
+    until either org has nothing left. Empty when it never does."""
+    total: Counter[str] = Counter(order[:skip])
+    served: Counter[str] = Counter()
+    broken = []
+    for org in order[skip:]:
+        total[org] += 1
+        served[org] += 1
+        both_wait = total["A"] < PER_ORG and total["B"] < PER_ORG
+        if both_wait and abs(served["A"] / 4 - served["B"]) > 1 / 4 + 1:
+            broken.append(f"after {served['A']} A and {served['B']} B")
+    return broken
+
+
+async def test_skewed_ingress_keeps_the_weights_across_two_proxies(
+    lab: Lab, redis_url: str
+) -> None:
+    sim = await lab.backend(max_num_seqs=4)
+    shared = {"redis": redis_url, "lease_ttl_s": 2}
+    proxies = [await lab.proxy(weighted([sim], shared)) for _ in range(2)]
+
+    # the first one holds the slot, in the held backend
+    order = await skewed_flood(lab, sim, proxies, lambda: queued_is(redis_url, 2 * PER_ORG - 1))
+    assert Counter(order) == {"A": PER_ORG, "B": PER_ORG}
+    assert out_of_bound(order, skip=1) == [], "".join(order)
+    assert 31 <= Counter(order[1:41])["A"] <= 33, "".join(order)  # 4:1 while both wait
+    assert sim.stats.max_concurrent == 1  # one slot, whichever proxy dispatched
+
+
+async def test_two_independent_proxies_split_the_slot_and_the_share(lab: Lab) -> None:
+    """The failure the shared state exists for: each in-memory proxy is its own fairness
+    domain, so the backend gets one request from each (2 on 1 slot) and A gets 1:1."""
+    sim = await lab.backend(max_num_seqs=4)
+    proxies = [await lab.proxy(weighted([sim], "memory")) for _ in range(2)]
+
+    def all_wait() -> bool:
+        return sum(len(p.queue()) for p in proxies) == 2 * PER_ORG - 2
+
+    order = await skewed_flood(lab, sim, proxies, all_wait)
+    assert sim.stats.max_concurrent == 2  # one slot, exceeded
+    assert out_of_bound(order, skip=2) != []
+    assert abs(Counter(order[:40])["A"] - 20) <= 2  # 1:1, not 4:1
+
+
+async def test_redis_lost_mid_run_fails_closed_and_every_client_hears(
+    lab: Lab, redis_server: RedisServer, redis_url: str
+) -> None:
+    """Redis stopped while requests run and wait, then started again (empty, as a restart
+    without persistence leaves it): new requests get 503 + Retry-After at once; after the
+    lease TTL, waiting ones get 503 and running ones end (another replica could hold their
+    slots by then); once Redis is back the proxy joins again and serves. Every client gets
+    an answer or an error, nothing is sent twice, the slots hold throughout."""
+    sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=40.0, max_num_seqs=8)
+    shared = {"redis": redis_url, "lease_ttl_s": TTL_S}
+    served = await lab.proxy(proxy_config([sim.url], slots=2, state=shared))
+    client = lab.client(served, "A")
+    http = await lab.http()
+
+    async def one(user: str, tokens: int) -> str:
+        try:
+            reply = await client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=tokens, user=user, stream=True
+            )
+            async for _ in reply:
+                pass
+            return "answered"
+        except openai.APIStatusError as err:
+            return f"{err.status_code} {err.body and err.body.get('code')}"  # type: ignore[union-attr]
+        except openai.APIError:
+            return "cut"
+
+    running = [asyncio.create_task(one(f"run{i}", 2000)) for i in range(2)]
+    await eventually(lambda: sim.stats.running == 2, within=10)
+    waiting = [asyncio.create_task(one(f"wait{i}", 5)) for i in range(3)]
+    await eventually(lambda: queued_in_redis(redis_url), within=10)
+
+    redis_server.stop()
+    assert await one("while-down", 5) == "503 state_unavailable"
+    await eventually(lambda: not served.state.pools["sim"].ready(), within=TTL_S)
+    async with http.get(f"{served.url}/readyz") as r:
+        assert r.status == 503
+    async with http.post(
+        f"{served.url}/v1/chat/completions",
+        json={"model": MODEL, "messages": CHAT},
+        headers={"Authorization": f"Bearer {KEYS['A']}"},
+    ) as r:
+        assert (r.status, r.headers.get("Retry-After")) == (503, "1")
+    outcomes = await asyncio.wait_for(asyncio.gather(*running, *waiting), 4 * TTL_S)
+    assert outcomes == ["cut"] * 2 + ["503 state_unavailable"] * 3
+    await eventually(lambda: sim.stats.running == 0, within=2)
+
+    redis_server.start()
+    await eventually(lambda: served.state.pools["sim"].ready(), within=3 * TTL_S)
+    assert await one("after", 5) == "answered"
+    users = [r.user for r in sim.stats.log]
+    assert sorted(users) == sorted(["run0", "run1", "after"])  # the waiting never went
+    assert sim.stats.max_concurrent <= 2
+
+
+async def test_on_shutdown_the_queued_leave_and_the_running_drain(lab: Lab, redis_url: str) -> None:
+    """SIGTERM's drain hands no slot to a process on its way out: its queued requests leave
+    the shared line at once with 503 + Retry-After (a client retries on a replica that
+    stays), its running ones finish, and Redis holds nothing of it afterwards."""
+    sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=40.0)
+    config = proxy_config([sim.url], slots=1, state={"redis": redis_url, "lease_ttl_s": 2})
+    async with running(config) as runner:
+        url = bound_url(runner)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEYS["A"], max_retries=0)
+        first = asyncio.create_task(
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40)
+        )
+        await eventually(lambda: sim.stats.running == 1, within=10)
+        queued = [
+            asyncio.create_task(
+                client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4)
+            )
+            for _ in range(3)
+        ]
+        await eventually(lambda: queued_is(redis_url, 3), within=10)
+        shutdown = asyncio.create_task(runner.cleanup())
+        for task in queued:
+            with pytest.raises(openai.APIStatusError) as refused:
+                await task
+            assert refused.value.status_code == 503
+            assert refused.value.response.headers["Retry-After"] == "1"
+        assert (await first).usage.completion_tokens == 40  # drained, not cut
+        await shutdown
+        await client.close()
+    assert [r.outcome for r in sim.stats.log] == ["completed"]
+    assert await queued_in_redis(redis_url) == 0
+    check = aioredis.Redis.from_url(redis_url)
+    assert await check.hgetall("sfq:{sim}:lease") == {}
+    await check.aclose()

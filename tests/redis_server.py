@@ -1,0 +1,123 @@
+"""A real redis-server as a child process for the shared-state tests.
+
+Real Redis, no mocks: the scripts, expiries and reconnects under test are Redis's own.
+restart() keeps the port, so clients built from ``url`` reconnect to the new server (which
+starts empty: nothing is saved). pause() and resume() freeze and thaw it (SIGSTOP, SIGCONT)
+for the tests of a Redis that stops answering without closing its connections.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from server_process import free_port
+
+
+@dataclass
+class RedisServer:
+    """One redis-server on a loopback port; start() and stop() may be repeated."""
+
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    workdir: Path | None = None
+    ready_within_s = 10.0
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def log_path(self) -> Path:
+        return Path(f"/tmp/sfq-redis-{self.port}.log")
+
+    def start(self) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="sfq-redis-"))  # not the working directory
+        command = [
+            "redis-server",
+            *("--port", str(self.port), "--bind", "127.0.0.1"),
+            *("--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir)),
+        ]
+        with self.log_path.open("ab") as log:
+            self.proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        self.wait_ready()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_within_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server on {self.port} exited; see {self.log_path}")
+            if self.pings():
+                return
+            time.sleep(0.05)
+        raise TimeoutError(
+            f"redis-server on {self.port} not ready in {self.ready_within_s} s; see {self.log_path}"
+        )
+
+    def pings(self) -> bool:
+        """Whether it answers PING within a second."""
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                return sock.recv(64).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
+        self.proc.terminate()
+        try:
+            self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._remove_workdir()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._remove_workdir()
+
+    def pause(self) -> None:
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def _remove_workdir(self) -> None:
+        if self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+
+    def _signal(self, signum: signal.Signals) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            raise RuntimeError(f"redis-server on {self.port} is not running")
+        os.kill(self.proc.pid, signum)
+
+
+@contextlib.contextmanager
+def running_redis() -> Iterator[RedisServer]:
+    """A started redis-server, stopped whatever happens."""
+    server = RedisServer()
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
