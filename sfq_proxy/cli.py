@@ -93,7 +93,7 @@ def _serve(args: argparse.Namespace) -> int:
     if args.workers < 1:
         sys.exit("--workers must be at least 1")
     if args.workers > 1:
-        if isinstance(config.state, str):
+        if config.state is None:
             sys.exit(
                 f"{args.config}: --workers {args.workers} needs state: redis: in memory each "
                 "process would be a fairness domain of its own, with every slot of every pool"

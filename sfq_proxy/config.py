@@ -70,6 +70,7 @@ __all__ = [
     "load_config",
     "parse_config",
     "read_yaml",
+    "without_credentials",
 ]
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
@@ -359,6 +360,13 @@ def api_base(url: str) -> str:
     return url[: -len("/v1")] if urlsplit(url).path.endswith("/v1") else url
 
 
+def without_credentials(url: str) -> str:
+    """``url`` as it may be shown (an error message, check-config): its password left out."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"
+
+
 class RateSpec(StrictModel):
     """Rate limits of a provider pool, shared by every flow of the pool."""
 
@@ -492,8 +500,8 @@ class Config(StrictModel):
     metrics: MetricsSpec = MetricsSpec()
     admin_key_env: NonEmptyStr | None = None
     drain_timeout_s: NonNegativeSeconds = 30.0
-    # "memory": each process its own scheduler (the default); or shared in Redis
-    state: Literal["memory"] | RedisState = "memory"
+    # None (``state: memory``, the default): each process its own scheduler; or Redis
+    state: RedisState | None = None
 
     _resolved: tuple[ResolvedKey, ...] = PrivateAttr(default=())
     _upstream_keys: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -508,6 +516,16 @@ class Config(StrictModel):
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+    @field_validator("state", mode="before")
+    @classmethod
+    def _memory_is_none(cls, value: Any) -> Any:
+        """``state: memory`` says what the default is; anything else must be a mapping."""
+        if value == "memory":
+            return None
+        if not isinstance(value, dict):
+            raise ValueError("must be memory, or a mapping with redis or redis_env")
+        return value
 
     @model_validator(mode="after")
     def _cross_check(self, info: ValidationInfo) -> Self:
@@ -524,7 +542,7 @@ class Config(StrictModel):
                 secret = _env_secret(environ, pool.upstream_key_env, path, errors)
                 if secret:
                     self._upstream_keys[name] = secret
-        if isinstance(self.state, RedisState):
+        if self.state is not None:
             errors += _check_shared(self.pools, self.classes, self.orgs)
             if self.state.redis_env is not None:
                 url = _env_secret(environ, self.state.redis_env, "state.redis_env", errors)

@@ -20,9 +20,11 @@ from .config import (
     OrgSpec,
     PoolSpec,
     RateSpec,
+    RedisState,
     band_cap,
     granted_classes,
     pool_slots,
+    without_credentials,
 )
 from .config import (
     format_number as _num,
@@ -33,7 +35,8 @@ def summary(config: Config) -> str:
     """Human summary for ``sfq-proxy check-config``; shows no secret."""
     lines = [
         f"listen {config.listen.host}:{config.listen.port} "
-        f"(max body {config.limits.max_body_bytes} B, drain {_num(config.drain_timeout_s)} s)"
+        f"(max body {config.limits.max_body_bytes} B, drain {_num(config.drain_timeout_s)} s)",
+        _state_summary(config.state),
     ]
     granted = granted_classes(config.keys, config.classes)
     for name, pool in config.pools.items():
@@ -62,6 +65,19 @@ def summary(config: Config) -> str:
         f"{cal.state_file or 'in memory only'}"
     )
     return "\n".join(lines)
+
+
+def _state_summary(state: RedisState | None) -> str:
+    if state is None:
+        return "state: memory (this process alone is each pool's fairness domain)"
+    where = f"redis from env {state.redis_env}" if state.redis_env else "redis"
+    if state.redis and not state.redis_env:
+        where = f"redis {without_credentials(state.redis)}"
+    cluster = " cluster" if state.cluster else ""
+    return (
+        f"state: {where}{cluster}: every process sharing it is one fairness domain per pool; "
+        f"a dead one's slots back within {_num(state.lease_ttl_s)} s"
+    )
 
 
 def _flow_summary(config: Config) -> list[str]:

@@ -5,7 +5,9 @@ never spends rate tokens: a duplicate ``Idempotency-Key`` (409), a full flow que
 a request larger than a full tokens-per-minute bucket (400: it could never be admitted,
 and taking it would lock the org or the pool out for as long as it overdraws), then the
 org's and the pool's token buckets (429 with the wait as ``Retry-After``). Tokens of a
-request that generated nothing upstream are given back (``refund``).
+request that generated nothing upstream are given back (``refund``). With ``state: redis``
+the org's buckets and its Idempotency-Keys are shared instead (``http/shared_limits.py``),
+and only the rest is checked here.
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ class Admission:
         }
         self._budgets: dict[Flow, RetryBudget] = {}
         self._active: set[tuple[str, str]] = set()  # (org, Idempotency-Key) queued or running
+        # with state: redis the org's buckets and keys are shared (http/shared_limits.py):
+        # here only what needs no sharing (queue cap, a request too big, retry budgets)
+        self._local = config.state is None
 
     def reconfigure(self, config: Config) -> None:
         """A config reload: new limits; buckets whose limits did not change keep their level,
@@ -67,25 +72,30 @@ class Admission:
                     f"{full.per_minute:g} tokens per minute of {owner}; lower max_tokens or "
                     "the input.", code="tokens_exceed_limit",
                 )  # fmt: skip
-        wait = max((rate.wait(tokens, now) for rate in rates if rate), default=0.0)
+        paced = self._paced(flow)
+        wait = max((rate.wait(tokens, now) for rate in paced if rate), default=0.0)
         if wait > 0:
             raise ApiError(429, "Rate limit reached.", code="rate_limited", retry_after=wait)
-        for rate in rates:
+        for rate in paced:
             if rate is not None:
                 rate.take(tokens, now)
         self._budget(flow).record_request(now)
-        if idempotency_key is not None:
+        if self._local and idempotency_key is not None:
             self._active.add((flow.org, idempotency_key))
 
     def refund(self, flow: Flow, tokens: float, now: float) -> None:
         """Give back what ``admit`` took for a request that generated nothing upstream."""
-        for rate in self._rates(flow):
+        for rate in self._paced(flow):
             if rate is not None:
                 rate.give_back(tokens, now)
 
     def _rates(self, flow: Flow) -> tuple[Rate | None, Rate | None]:
         """The org's and the pool's intake buckets, where they have one."""
         return self._org_rates.get(flow.org), self._pool_rates.get(flow.pool)
+
+    def _paced(self, flow: Flow) -> tuple[Rate | None, Rate | None]:
+        """The buckets this process takes from: none when they are shared."""
+        return self._rates(flow) if self._local else (None, None)
 
     def done(self, flow: Flow, idempotency_key: str | None) -> None:
         """The admitted request is over, whatever its outcome."""
@@ -96,7 +106,7 @@ class Admission:
         """A retry pays like a request: one from the flow's retry budget, and ``tokens``
         from the org's and the pool's buckets, all now or none (it does not wait for
         them: the client then gets the upstream's own answer)."""
-        rates = [rate for rate in self._rates(flow) if rate is not None]
+        rates = [rate for rate in self._paced(flow) if rate is not None]
         if any(rate.wait(tokens, now) > 0 for rate in rates):
             return False
         if not self._budget(flow).try_retry(now):

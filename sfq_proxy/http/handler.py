@@ -130,12 +130,16 @@ async def _admit_and_serve(
     idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
     now = proxy.clock()
     proxy.admission.admit(flow, ticket.tokens, queued, idempotency_key, now)
+    if proxy.limits is not None:
+        await proxy.limits.admit(flow, ticket.tokens, idempotency_key)
     try:
         proxy.metrics.seen(flow.key)
         bounds = _bounds(now, cls.max_queue_age_s, cls.max_request_s, timeout)
         return await _serve(proxy, request, flow, record, ticket, inference, estimate, bounds)
     finally:
         proxy.admission.done(flow, idempotency_key)
+        if proxy.limits is not None:
+            proxy.limits.done(flow, idempotency_key)
 
 
 async def _serve(
@@ -162,7 +166,7 @@ async def _serve(
                 ticket, expires_at=expires_at, expiry=expiry, front=attempt > 1
             )
         except BaseException:  # expired or cancelled in line: this attempt generated nothing
-            proxy.admission.refund(flow, ticket.tokens, proxy.clock())
+            _refund(proxy, flow, ticket.tokens)
             raise
         waited = proxy.clock() - queued_at
         record.queue_wait_s += waited
@@ -209,18 +213,36 @@ async def _serve(
             break
         if expires_at is not None and proxy.clock() + delay >= expires_at:
             break
-        if not proxy.admission.may_retry(flow, ticket.tokens, proxy.clock()):
+        if not await _may_retry(proxy, flow, ticket.tokens):
             metrics.count(key, "retry_budget_refusals")
             break
         metrics.count(key, "retries", "unreachable" if status is None else str(status))
         record.retries += 1
         await asyncio.sleep(delay)
     if _refused(relayed):
-        proxy.admission.refund(flow, ticket.tokens, proxy.clock())
+        _refund(proxy, flow, ticket.tokens)
     if relayed is None:
         raise ApiError(502, f"No backend of pool '{flow.pool}' gave an answer.")
     _count_answer(proxy, flow, record, estimate, relayed)
     return relayed.response
+
+
+def _refund(proxy: Proxy, flow: Flow, tokens: float) -> None:
+    """A request that generated nothing gives its tokens back (to the shared buckets too)."""
+    proxy.admission.refund(flow, tokens, proxy.clock())
+    if proxy.limits is not None:
+        proxy.limits.refund(flow, tokens)
+
+
+async def _may_retry(proxy: Proxy, flow: Flow, tokens: float) -> bool:
+    """A retry pays like a request: its flow's retry budget and its org's buckets."""
+    if proxy.limits is not None and not await proxy.limits.retry(flow, tokens):
+        return False
+    if proxy.admission.may_retry(flow, tokens, proxy.clock()):
+        return True
+    if proxy.limits is not None:  # the budget said no: the tokens go back
+        proxy.limits.refund(flow, tokens)
+    return False
 
 
 def _count_answer(

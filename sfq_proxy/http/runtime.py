@@ -21,6 +21,7 @@ from ..state.redis_dispatch import RedisDispatch
 from . import calibration_store, logs, shared_state
 from .metrics import Metrics
 from .pool_runtime import Pool
+from .shared_limits import SharedLimits
 from .shared_pool import SharedPool
 
 Clock = Callable[[], float]
@@ -38,6 +39,7 @@ class Proxy:
     metrics: Metrics
     clock: Clock
     calibration: Calibration | None = None
+    limits: SharedLimits | None = None  # the org buckets and Idempotency-Keys, with Redis
     config_path: Path | None = None  # what SIGHUP and POST /admin/reload read again
     session: aiohttp.ClientSession | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -61,6 +63,7 @@ class Proxy:
             metrics=Metrics(pools, config.metrics.max_labelled_orgs, calibration),
             clock=clock,
             calibration=calibration,
+            limits=None if redis is None else SharedLimits(redis, config),
             config_path=config_path,
         )
 
@@ -87,6 +90,8 @@ class Proxy:
         self.config = config
         self.auth = Authenticator(config.resolved_keys())
         self.admission.reconfigure(config)
+        if self.limits is not None:
+            self.limits.config = config
         for name, pool in self.pools.items():
             pool.reconfigure(config, costs[name])
         for warning in warnings:
@@ -119,6 +124,9 @@ class Proxy:
             asyncio.create_task(p.probe_forever(self.session)) for p in self.pools.values()
         ]
         self._tasks += [asyncio.create_task(loop) for p in shared for loop in p.loops()]
+        if self.limits is not None and self.config.state is not None:
+            renew = self.limits.renew_forever(self.config.state.heartbeat_s)
+            self._tasks.append(asyncio.create_task(renew))
         if self.config.calibration.state_file:
             self._tasks.append(asyncio.create_task(self._save_calibration_forever()))
         yield

@@ -57,7 +57,7 @@ class SharedPool(Pool):
     @property
     def _ttl(self) -> float:
         state = self._config.state
-        assert not isinstance(state, str)
+        assert state is not None  # a shared pool exists only with a shared state
         return state.lease_ttl_s
 
     # -- what the handler calls -------------------------------------------------------------
@@ -120,6 +120,16 @@ class SharedPool(Pool):
         super().reconfigure(config, cost)
         self._config = config
         self._later(self._call(self._configure()))
+
+    def state(self) -> dict[str, Any]:
+        """``/admin/state``: the backends and this process's share of the pool (the meters
+        and lines are in Redis, under ``sfq:{pool}:``)."""
+        return {
+            **super().state(),
+            "queued": len(self._waiting),
+            "running": len(self._held),
+            "shared": {"holder": self.dispatch.holder, "joined": self._joined},
+        }
 
     # -- the loops ----------------------------------------------------------------------------
 

@@ -6,13 +6,12 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-from urllib.parse import urlsplit
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from ..config import Config, ConfigError
+from ..config import Config, ConfigError, without_credentials
 from .shared_pool import SharedPool
 
 CONNECT_TIMEOUT_S = 1.0
@@ -25,7 +24,7 @@ MAX_CONNECTIONS = 64
 def connect(config: Config) -> Redis | RedisCluster | None:
     """A client for the configured Redis (it connects on first use), or None in memory."""
     url = config.redis_url()
-    if url is None or isinstance(config.state, str):
+    if url is None or config.state is None:
         return None
     # fail fast: a request waits on Redis only while Redis answers (a blocking read of the
     # grants inbox takes up to INBOX_WAIT_S, well inside the socket timeout)
@@ -50,7 +49,7 @@ async def start(config: Config, pools: list[SharedPool]) -> None:
         try:
             await pool.start()
         except RedisError as err:
-            where = _where(config.redis_url() or "")
+            where = without_credentials(config.redis_url() or "")
             raise ConfigError([("state", f"cannot reach Redis at {where}: {err}")]) from err
 
 
@@ -61,10 +60,3 @@ async def stop(pools: list[SharedPool]) -> None:
     clients = {id(pool.dispatch.redis): pool.dispatch.redis for pool in pools}
     for client in clients.values():
         await client.aclose()
-
-
-def _where(url: str) -> str:
-    """The URL without its credentials: it goes into an error message."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path}"

@@ -12,15 +12,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any, NamedTuple
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ResponseError
 
-SCRIPT = resources.files(__package__).joinpath("dispatch.lua").read_text()
-FUNCTION = "sfq_dispatch"  # the library's entry point
+from .library import DISPATCH
 
 
 class Grant(NamedTuple):
@@ -74,16 +71,7 @@ class RedisDispatch:
         self.holder = holder
 
     async def _call(self, op: str, *args: Any) -> Any:
-        """One call of the library's function; the library is loaded first where Redis
-        does not have it (a new or restarted Redis: functions live with its data)."""
-        call = self.redis.fcall(FUNCTION, 1, self._prefix, op, self.holder, *args)
-        try:
-            return await call
-        except ResponseError as err:
-            if "function not found" not in str(err).lower():
-                raise
-        await self.redis.function_load(SCRIPT, replace=True)
-        return await self.redis.fcall(FUNCTION, 1, self._prefix, op, self.holder, *args)
+        return await DISPATCH.call(self.redis, self._prefix, op, self.holder, *args)
 
     async def heartbeat(
         self, ttl_s: float, down: Iterable[str] = (), *, new: bool = False

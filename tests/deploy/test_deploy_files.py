@@ -683,7 +683,7 @@ def test_overlay_rolls_replicas_of_one_fairness_domain() -> None:
     assert not selects(pdb["spec"]["selector"]["matchLabels"], redis_pod_labels())
     # the base stays one memory-mode scheduler (test_deployment_is_one_scheduler_...)
     assert resources()["Deployment"]["spec"]["replicas"] == 1
-    assert kube_proxy_config().state == "memory"
+    assert kube_proxy_config().state is None  # memory
 
 
 def test_overlay_config_is_the_base_config_with_state_in_its_redis() -> None:

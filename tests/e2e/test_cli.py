@@ -163,3 +163,18 @@ def test_check_config_of_unparsable_yaml(tmp_path: Path, text: str, needle: str)
     assert result.returncode == 1
     assert needle in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_check_config_says_where_the_state_is_and_never_its_password(tmp_path: Path) -> None:
+    path = write_config(tmp_path, name="ok.yaml")
+    result = sfq_proxy("check-config", path)
+    assert "\nstate: memory (this process alone is each pool's fairness domain)\n" in result.stdout
+    with path.open("a") as file:
+        file.write("state: {redis: 'redis://:hunter2@r.internal:6380/1', lease_ttl_s: 3}\n")
+    result = sfq_proxy("check-config", path)
+    assert result.returncode == 0, result.stderr
+    assert (
+        "\nstate: redis redis://r.internal:6380/1: every process sharing it is one fairness "
+        "domain per pool; a dead one's slots back within 3 s\n"
+    ) in result.stdout
+    assert "hunter2" not in result.stdout

@@ -15,6 +15,7 @@ from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
 from redis_server import RedisServer
 
 from sfq_proxy.config import Config
+from sfq_proxy.http.runtime import PROXY
 from sfq_proxy.http.server import bound_url, running
 from sfq_proxy.sim.server import SimBackend
 
@@ -182,6 +183,8 @@ async def test_on_shutdown_the_queued_leave_and_the_running_drain(lab: Lab, redi
             for _ in range(3)
         ]
         await eventually(lambda: queued_is(redis_url, 3), within=10)
+        own = runner.app[PROXY].state()["sim"]
+        assert (own["queued"], own["running"], own["shared"]["joined"]) == (3, 1, True)
         shutdown = asyncio.create_task(runner.cleanup())
         for task in queued:
             with pytest.raises(openai.APIStatusError) as refused:
@@ -196,3 +199,63 @@ async def test_on_shutdown_the_queued_leave_and_the_running_drain(lab: Lab, redi
     check = aioredis.Redis.from_url(redis_url)
     assert await check.hgetall("sfq:{sim}:lease") == {}
     await check.aclose()
+
+
+@pytest.mark.parametrize("shared", [True, False])
+async def test_an_orgs_rpm_holds_across_proxies_only_when_shared(
+    lab: Lab, redis_url: str, shared: bool
+) -> None:
+    """rpm 6 (a minute's burst: 6 at once), 4 requests through each of two proxies: shared,
+    6 pass and 2 get 429 with the wait; two independent proxies let all 8 through, each
+    giving the org its whole rate (the failure seen with several instances of a gateway)."""
+    sim = await lab.backend()
+    state = {"redis": redis_url, "lease_ttl_s": TTL_S} if shared else "memory"
+    config = proxy_config([sim.url], state=state, orgs={"A": {"rpm": 6}})
+    proxies = [await lab.proxy(config) for _ in range(2)]
+
+    async def one(proxy: Served) -> str:
+        try:
+            await lab.client(proxy, "A").chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=2
+            )
+            return "ok"
+        except openai.RateLimitError as err:
+            wait = float(err.response.headers["Retry-After"])
+            return f"429 {err.body['code']}" if wait >= 1 else "429 without a wait"  # type: ignore[index]
+
+    outcomes = Counter([await one(p) for p in proxies for _ in range(4)])
+    assert outcomes == ({"ok": 6, "429 rate_limited": 2} if shared else {"ok": 8})
+
+
+async def test_an_idempotency_key_is_one_request_across_proxies(lab: Lab, redis_url: str) -> None:
+    sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=40.0)
+    config = proxy_config([sim.url], state={"redis": redis_url, "lease_ttl_s": TTL_S})
+    first, second = [await lab.proxy(config) for _ in range(2)]
+    key = {"Idempotency-Key": "order-42"}
+    running = asyncio.create_task(
+        lab.client(first, "A").chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=20, extra_headers=key
+        )
+    )
+    await eventually(lambda: sim.stats.running == 1, within=10)
+    with pytest.raises(openai.ConflictError):
+        await lab.client(second, "A").chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=2, extra_headers=key
+        )
+    # another org's key of the same name is its own
+    other = await lab.client(second, "B").chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=2, extra_headers=key
+    )
+    assert other.usage is not None
+    assert (await running).usage.completion_tokens == 20  # type: ignore[union-attr]
+
+    async def free_again() -> bool:
+        try:
+            await lab.client(second, "A").chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=2, extra_headers=key
+            )
+            return True
+        except openai.ConflictError:
+            return False
+
+    await eventually(free_again, within=2)  # released once the first is done

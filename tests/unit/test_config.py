@@ -974,3 +974,61 @@ def test_an_unknown_family_is_an_error() -> None:
     data["pools"]["llama-8b"]["family"] = "sglang"
     (line,) = error_lines(data)
     assert line.startswith("pools.llama-8b.family: ")
+
+
+def test_state_is_memory_unless_redis_is_given() -> None:
+    assert parse(base()).state is None  # memory
+    assert parse(base()).redis_url() is None
+    data = base()
+    data["state"] = {"redis": "redis://r:6379/0"}
+    config = parse(data)
+    assert config.redis_url() == "redis://r:6379/0"
+    assert config.state is not None
+    assert (config.state.lease_ttl_s, config.state.cluster) == (5.0, False)
+
+
+def test_a_redis_url_with_a_password_comes_from_the_environment() -> None:
+    data = base()
+    data["state"] = {"redis_env": "SFQ_REDIS_URL"}
+    config = parse(data, {**ENV, "SFQ_REDIS_URL": "redis://:secret@r:6379/0"})
+    assert config.redis_url() == "redis://:secret@r:6379/0"
+    assert "secret" not in repr(config.state)
+    assert error_lines(data) == ["state.redis_env: environment variable SFQ_REDIS_URL is not set"]
+
+
+ONE_URL = "state: set exactly one of redis (a URL) or redis_env"
+
+
+@pytest.mark.parametrize(
+    ("state", "line"),
+    [
+        ({}, "state: set exactly one of redis (a URL) or redis_env"),
+        (
+            {"redis": "redis://r", "redis_env": "X"},
+            "state: set exactly one of redis (a URL) or redis_env",
+        ),
+        ({"redis": "redis://r", "lease_ttl_s": 0.1}, "state.lease_ttl_s: must be >= 0.5"),
+        ("disk", "state: must be memory, or a mapping with redis or redis_env"),
+    ],
+)
+def test_a_bad_state_is_an_error_at_its_path(state: Any, line: str) -> None:
+    data = base()
+    data["state"] = state
+    assert error_lines(data) == [line]
+
+
+def test_shared_state_refuses_a_provider_rate_and_charges_redis_cannot_count() -> None:
+    """A pool's rate is paced per process (it would multiply by the replicas); a charge above
+    2^31 cost units (c_max over the smallest flow weight) loses meters' exactness in Lua."""
+    data = base()
+    data["state"] = {"redis": "redis://r:6379/0"}
+    data["pools"]["provider-a"]["rate"] = {"requests_per_minute": 600}
+    data["orgs"]["tiny"] = {"weight": 0.001}
+    data["pools"]["llama-8b"]["cost"] = {"max_request_tokens": 10_000_000, "output_weight": 10}
+    assert error_lines(data) == [
+        "pools.llama-8b.cost.max_request_tokens: with state: redis, c_max (1e+08) over the "
+        "smallest flow weight (0.001) must stay below 2^31: lower it, or raise that weight",
+        "pools.provider-a.rate: a provider rate is paced per process: not with state: redis (yet)",
+    ]
+    del data["state"]
+    assert parse(data).state is None  # in memory both are fine

@@ -1,0 +1,127 @@
+"""An org's intake limits shared by every process with ``state: redis``: its rpm and tpm
+token buckets, and its live Idempotency-Keys (``state/admission.lua``). Without them each
+replica would give every org its whole rate again, the failure seen with several
+independent instances of other gateways.
+
+What needs no sharing stays in ``core/admission.py``: the queue cap is counted in the pool's
+own call (``SharedPool``), a request too big for a full bucket is refused from the config
+alone, and a retry budget is a ratio of a flow's requests, which per process bounds the sum
+as well. An org without ``rpm``/``tpm`` and a request without an Idempotency-Key cost no
+call to Redis.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import Awaitable
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from ..config import Config
+from ..core.errors import ApiError
+from ..core.flows import Flow
+from ..state.library import ADMISSION
+
+log = logging.getLogger(__name__)
+
+
+class SharedLimits:
+    def __init__(self, redis: Redis | RedisCluster, config: Config) -> None:
+        self._redis = redis
+        self.config = config
+        self._keys: set[tuple[str, str]] = set()  # (org, key digest) live in this process
+        self._background: set[asyncio.Task[object]] = set()
+
+    @property
+    def _ttl_ms(self) -> int:
+        assert self.config.state is not None
+        return round(self.config.state.lease_ttl_s * 1000)
+
+    def _limits(self, org: str) -> tuple[str, str]:
+        spec = self.config.org(org)
+        return (f"{spec.rpm:.17g}" if spec.rpm else "", f"{spec.tpm:.17g}" if spec.tpm else "")
+
+    async def admit(self, flow: Flow, tokens: float, idempotency_key: str | None) -> None:
+        """Take the request's share of its org's buckets, and claim its Idempotency-Key, in
+        one step; raise the rejection (409, 429 with the wait, 503 without Redis)."""
+        rpm, tpm = self._limits(flow.org)
+        if not (rpm or tpm or idempotency_key):
+            return
+        digest = _digest(idempotency_key) if idempotency_key else ""
+        reply = await self._call(
+            flow.org, "admit", rpm, tpm, f"{tokens:.17g}", digest, self._ttl_ms
+        )
+        if reply[0] == 409:
+            raise ApiError(409, "A request with this Idempotency-Key is already queued or running.")
+        if reply[0] == 429:
+            raise ApiError(
+                429, "Rate limit reached.", code="rate_limited", retry_after=reply[1] / 1000
+            )
+        if digest:
+            self._keys.add((flow.org, digest))
+
+    async def retry(self, flow: Flow, tokens: float) -> bool:
+        """Whether the org's buckets give a retry its tokens now (taken if so)."""
+        rpm, tpm = self._limits(flow.org)
+        if not (rpm or tpm):
+            return True
+        try:
+            reply = await self._call(flow.org, "retry", rpm, tpm, f"{tokens:.17g}")
+        except ApiError:
+            return False
+        return bool(reply[0] == 1)
+
+    def refund(self, flow: Flow, tokens: float) -> None:
+        """Give back what ``admit`` took for a request that generated nothing upstream."""
+        rpm, tpm = self._limits(flow.org)
+        if rpm or tpm:
+            self._later(self._call(flow.org, "refund", rpm, tpm, f"{tokens:.17g}"))
+
+    def done(self, flow: Flow, idempotency_key: str | None) -> None:
+        """The request is over: its Idempotency-Key may be used again."""
+        if idempotency_key:
+            digest = _digest(idempotency_key)
+            self._keys.discard((flow.org, digest))
+            self._later(self._call(flow.org, "done", digest))
+
+    async def renew_forever(self, interval_s: float) -> None:
+        """Keep this process's live Idempotency-Keys alive: a key outlives a crashed
+        process by one lease TTL at most."""
+        while True:
+            await asyncio.sleep(interval_s)
+            by_org: dict[str, list[str]] = {}
+            for org, digest in self._keys:
+                by_org.setdefault(org, []).append(digest)
+            for org, digests in by_org.items():
+                with contextlib.suppress(ApiError):  # logged; the next beat tries again
+                    await self._call(org, "renew", self._ttl_ms, *digests)
+
+    async def _call(self, org: str, op: str, *args: object) -> list[int]:
+        try:
+            reply: list[int] = await ADMISSION.call(self._redis, f"sfq:{{org:{org}}}:", op, *args)
+        except RedisError as err:
+            log.warning("org limits in Redis unreachable: %s", err)
+            raise ApiError(
+                503, "The shared limits cannot be reached; retry shortly.",
+                code="state_unavailable", retry_after=1.0,
+            ) from err  # fmt: skip
+        return reply
+
+    def _later(self, work: Awaitable[object]) -> None:
+        async def quietly() -> None:
+            with contextlib.suppress(ApiError):  # logged in _call
+                await work
+
+        task = asyncio.ensure_future(quietly())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _digest(idempotency_key: str) -> str:
+    """The key as Redis holds it: fixed length, whatever the client sent."""
+    return hashlib.sha256(idempotency_key.encode("utf-8", "surrogatepass")).hexdigest()
