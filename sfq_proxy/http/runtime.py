@@ -123,7 +123,7 @@ class Proxy:
         self._tasks = [
             asyncio.create_task(p.probe_forever(self.session)) for p in self.pools.values()
         ]
-        self._tasks += [asyncio.create_task(loop) for p in shared for loop in p.loops()]
+        loops = [asyncio.create_task(loop) for p in shared for loop in p.loops()]
         if self.limits is not None and self.config.state is not None:
             renew = self.limits.renew_forever(self.config.state.heartbeat_s)
             self._tasks.append(asyncio.create_task(renew))
@@ -133,7 +133,7 @@ class Proxy:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await shared_state.stop(shared)
+        await shared_state.stop(shared, loops)
         await self.session.close()
         self.save_calibration()
 

@@ -25,7 +25,7 @@ from redis.exceptions import RedisError
 from ..config import Config
 from ..core.errors import ApiError
 from ..core.flows import Flow
-from ..state.library import ADMISSION
+from ..state.library import ADMISSION, shielded
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +103,8 @@ class SharedLimits:
 
     async def _call(self, org: str, op: str, *args: object) -> list[int]:
         try:
-            reply: list[int] = await ADMISSION.call(self._redis, f"sfq:{{org:{org}}}:", op, *args)
+            call = ADMISSION.call(self._redis, f"sfq:{{org:{org}}}:", op, *args)
+            reply: list[int] = await shielded(call)
         except RedisError as err:
             log.warning("org limits in Redis unreachable: %s", err)
             raise ApiError(

@@ -11,6 +11,7 @@ inbox, which brings the grants that another process's call made for this one's r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -25,6 +26,7 @@ from ..core.cost import CostModel
 from ..core.errors import ApiError
 from ..core.placement import Backend
 from ..core.scheduler import Ticket
+from ..state.library import shielded
 from ..state.redis_dispatch import Fenced, Grant, QueueFull, RedisDispatch, SharedTicket
 from .pool_runtime import Clock, Pool, pool_limits
 
@@ -53,6 +55,7 @@ class SharedPool(Pool):
         self.reachable = False  # whether Redis answered the last heartbeat
         self._joined = False  # registered as a holder, and not fenced since
         self._unreturned: set[str] = set()  # leases whose hand-back failed: tried again
+        self._stop = asyncio.Event()
 
     @property
     def _ttl(self) -> float:
@@ -82,22 +85,23 @@ class SharedPool(Pool):
         ticket_id = f"{self.dispatch.holder}.{next(self._ids)}"
         future: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
         self._waiting[ticket_id] = (ticket, future)
+        submitted = asyncio.ensure_future(self._submit(ticket_id, ticket, front))
         try:
-            self._grant(await self._submit(ticket_id, ticket, front))
+            await shielded(submitted)
             if expires_at is None:
                 backend = await future
             else:
                 async with asyncio.timeout(max(0.0, expires_at - self.clock())):
                     backend = await future
         except TimeoutError:
-            if await self._cancel(ticket_id) or not future.done():
+            if await shielded(self._cancel(ticket_id)) or not future.done():
                 raise expiry or ApiError(504, "Deadline passed in the queue.") from None
             backend = future.result()  # dispatched in the very instant its deadline passed
         except BaseException:  # refused, or its client left: out of line, or its slot freed
             if ticket in self._held:  # granted in the instant it left
                 self.release(ticket)
             else:
-                self._later(self._cancel(ticket_id))
+                self._later(self._cancel_after(submitted, ticket_id))
             raise
         lease, _ = self._held[ticket]
         self._held[ticket] = (lease, asyncio.current_task())
@@ -149,8 +153,7 @@ class SharedPool(Pool):
         was paused or cut off past the TTL, or Redis lost its data), or could not be told for
         a whole TTL, end what they covered: others may hold those slots now. Then join
         again, as a new holder, as soon as Redis answers."""
-        while True:
-            await asyncio.sleep(self._ttl / 3)
+        while not await self._stopped_within(self._ttl / 3):
             try:
                 if self._joined:
                     self._grant(await self.dispatch.heartbeat(self._ttl, self._down()))
@@ -170,12 +173,22 @@ class SharedPool(Pool):
                     self._fence("Redis was unreachable for the lease TTL")
 
     async def inbox_forever(self) -> None:
-        while True:
+        while not self._stop.is_set():
             try:
                 self._grant(await self.dispatch.inbox(INBOX_WAIT_S))
             except RedisError as err:
                 log.warning("pool %s: reading grants from Redis failed: %s", self.name, err)
-                await asyncio.sleep(RETRY_AFTER_S)
+                await self._stopped_within(RETRY_AFTER_S)
+
+    def stop(self) -> None:
+        """End the loops at their next step: they are never cancelled in the middle of a
+        Redis call (see ``shielded``); the inbox's blocking read ends within INBOX_WAIT_S."""
+        self._stop.set()
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stop.wait(), seconds)
+        return self._stop.is_set()
 
     async def leave(self) -> None:
         """At shutdown: give up the place in line of every request still waiting, so that
@@ -194,14 +207,22 @@ class SharedPool(Pool):
 
     # -- internals ----------------------------------------------------------------------------
 
-    async def _submit(self, ticket_id: str, ticket: Ticket, front: bool) -> list[Grant]:
+    async def _cancel_after(self, submitted: asyncio.Future[None], ticket_id: str) -> None:
+        """Cancel once the submit has landed: a cancel that overtook it would find nothing."""
+        with contextlib.suppress(BaseException):
+            await submitted
+        await self._cancel(ticket_id)
+
+    async def _submit(self, ticket_id: str, ticket: Ticket, front: bool) -> None:
+        """Queue the ticket, and carry out what the call dispatched (this ticket's grant or
+        others'), even when the request that asked has left meanwhile."""
         shared = SharedTicket(
             ticket.org, ticket.cls, ticket.cost, ticket.weight, ticket.tokens, ticket.priority
         )
         cls = self._config.classes.get(ticket.cls)
         cap = cls.max_queue_len if cls is not None else None
         try:
-            return await self.dispatch.submit(
+            grants = await self.dispatch.submit(
                 ticket_id, shared, front=front, down=self._down(), max_ahead=cap
             )
         except QueueFull:
@@ -212,6 +233,7 @@ class SharedPool(Pool):
         except (RedisError, Fenced) as err:
             log.warning("pool %s: submit to Redis failed: %s", self.name, err)
             raise _unavailable(self.name) from err
+        self._grant(grants)
 
     async def _cancel(self, ticket_id: str) -> bool:
         """Take the ticket out of line; False when a grant is on its way (it is then handed

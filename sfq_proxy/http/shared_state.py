@@ -3,6 +3,7 @@ start (a proxy that cannot reach Redis does not start), closed at the end."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import socket
@@ -53,8 +54,12 @@ async def start(config: Config, pools: list[SharedPool]) -> None:
             raise ConfigError([("state", f"cannot reach Redis at {where}: {err}")]) from err
 
 
-async def stop(pools: list[SharedPool]) -> None:
-    """Hand back the leases still being handed back, then close the connections."""
+async def stop(pools: list[SharedPool], loops: list[asyncio.Task[None]]) -> None:
+    """End the pools' loops (at their next step, never mid-call), hand back the leases still
+    being handed back, then close the connections."""
+    for pool in pools:
+        pool.stop()
+    await asyncio.gather(*loops, return_exceptions=True)
     for pool in pools:
         await pool.drain()
     clients = {id(pool.dispatch.redis): pool.dispatch.redis for pool in pools}

@@ -4,9 +4,11 @@ loaded where Redis does not have them: a new Redis, or one restarted without its
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -34,5 +36,25 @@ class Library:
         return await redis.fcall(self.function, 1, key, *args)
 
 
+T = TypeVar("T")
+
 DISPATCH = Library("dispatch.lua", "sfq_dispatch")
 ADMISSION = Library("admission.lua", "sfq_admit")
+
+
+async def shielded(call: Awaitable[T]) -> T:
+    """``call`` run to its end even if the caller is cancelled (a client that leaves).
+
+    A Redis call cancelled between its request and its reply leaves its connection to be
+    torn down under the connection pool's lock; under load that wedged the pool (a
+    cancelled read that never returned, and every later call waiting behind it). Run as a
+    task of its own, the call ends as calls do, by its reply or its socket timeout; its
+    outcome is then read by nobody, but its errors are logged by ``asyncio`` no more."""
+    task = asyncio.ensure_future(call)
+    task.add_done_callback(_retrieved)
+    return await asyncio.shield(task)
+
+
+def _retrieved(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # seen: a caller that left does not want it

@@ -259,3 +259,37 @@ async def test_an_idempotency_key_is_one_request_across_proxies(lab: Lab, redis_
             return False
 
     await eventually(free_again, within=2)  # released once the first is done
+
+
+async def test_a_lease_that_could_not_be_handed_back_is_handed_back_later(
+    lab: Lab, redis_url: str
+) -> None:
+    """Redis refuses the call that hands a finished request's lease back (its ACL, for a
+    moment): the lease is tried again at the next heartbeat, rather than kept held by a
+    heartbeat that renews it for as long as the process lives."""
+    sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=40.0)
+    served = await lab.proxy(
+        proxy_config([sim.url], slots=1, state={"redis": redis_url, "lease_ttl_s": 3})
+    )
+    client = lab.client(served, "A")
+    admin = aioredis.Redis.from_url(redis_url)
+    first = asyncio.create_task(
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20)
+    )
+    await eventually(lambda: sim.stats.running == 1, within=10)
+    await admin.execute_command("ACL", "SETUSER", "default", "-fcall")
+    try:
+        await first  # its lease's hand-back is refused (NOPERM)
+    finally:
+        await admin.execute_command("ACL", "SETUSER", "default", "+fcall")
+    second = await asyncio.wait_for(
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2), 5
+    )
+    assert second.usage is not None
+    await eventually(lambda: _no_lease(admin), within=3)
+    assert sim.stats.max_concurrent == 1
+    await admin.aclose()
+
+
+async def _no_lease(admin: aioredis.Redis) -> bool:
+    return await admin.hlen("sfq:{sim}:lease") == 0
