@@ -13,57 +13,42 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from server_process import free_port
+from server_process import ServerProcess
 
 
 @dataclass
-class RedisServer:
-    """One redis-server on a loopback port; start() and stop() may be repeated."""
+class RedisServer(ServerProcess):
+    """One redis-server on a loopback port; start() (which waits until it answers) and
+    stop() may be repeated."""
 
-    port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
     workdir: Path | None = None
+    family = "redis"
     ready_within_s = 10.0
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    @property
-    def log_path(self) -> Path:
-        return Path(f"/tmp/sfq-redis-{self.port}.log")
-
-    def start(self) -> None:
-        self.workdir = Path(tempfile.mkdtemp(prefix="sfq-redis-"))  # not the working directory
-        command = [
+    def command(self) -> list[str]:
+        assert self.workdir is not None
+        return [
             "redis-server",
             *("--port", str(self.port), "--bind", "127.0.0.1"),
             *("--save", "", "--appendonly", "no", "--daemonize", "no", "--dir", str(self.workdir)),
         ]
-        with self.log_path.open("ab") as log:
-            self.proc = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+
+    def start(self) -> None:
+        self.workdir = Path(tempfile.mkdtemp(prefix="sfq-redis-"))  # not the working directory
+        super().start()
         self.wait_ready()
 
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + self.ready_within_s
-        while time.monotonic() < deadline:
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server on {self.port} exited; see {self.log_path}")
-            if self.pings():
-                return
-            time.sleep(0.05)
-        raise TimeoutError(
-            f"redis-server on {self.port} not ready in {self.ready_within_s} s; see {self.log_path}"
-        )
+    def _healthy(self) -> bool:
+        return self.pings()
 
     def pings(self) -> bool:
         """Whether it answers PING within a second."""
@@ -75,14 +60,9 @@ class RedisServer:
             return False
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
-        self.proc.terminate()
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)  # a paused server cannot act on SIGTERM
+        super().stop()
         self._remove_workdir()
 
     def kill(self) -> None:
