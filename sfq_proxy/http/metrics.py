@@ -214,14 +214,14 @@ class Metrics(Collector):
         )
         vtime = GaugeMetricFamily("sfq_virtual_time", "SFQ virtual time", labels=["pool"])
         for pool_name, pool in self._pools.items():
-            vtime.add_metric([pool_name], pool.scheduler.queue.virtual_time)
+            vtime.add_metric([pool_name], pool.virtual_time())
             levels: dict[Key, list[float]] = {}
-            for view in pool.scheduler.queue.flows():
+            for view in pool.flow_views():
                 key = self._gauge_key(view.flow, pool_name)
                 level = levels.setdefault(key, [0, 0, view.lag])
                 level[0] += view.backlog
                 level[2] = max(level[2], view.lag)
-            for flow, n in pool.scheduler.flow_running.items():
+            for flow, n in pool.flow_running().items():
                 levels.setdefault(self._gauge_key(flow, pool_name), [0, 0, 0.0])[1] += n
             for key, (backlog, n_running, meter_lag) in levels.items():
                 queued.add_metric(list(key), backlog)

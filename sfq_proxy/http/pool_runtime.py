@@ -18,6 +18,7 @@ from ..config import Config, PoolSpec
 from ..core.calibration import Calibration, InputModel
 from ..core.cost import CostModel
 from ..core.errors import ApiError
+from ..core.fair_queue import FlowView
 from ..core.flows import org_and_class
 from ..core.limits import Rate
 from ..core.placement import Backend, Placement
@@ -226,11 +227,21 @@ class Pool:
             log.warning("pool %s: backend %s is back", self.name, backend.name)
             self.pump()
 
+    def virtual_time(self) -> float:
+        return self.scheduler.queue.virtual_time
+
+    def flow_views(self) -> list[FlowView]:
+        """Every flow the fair queue tracks, in flow-id order (metrics, ``/admin/state``)."""
+        return self.scheduler.queue.flows()
+
+    def flow_running(self) -> Mapping[str, int]:
+        """Requests dispatched and not finished, per flow."""
+        return self.scheduler.flow_running
+
     def state(self) -> dict[str, Any]:
         """This pool in ``/admin/state``: what the operator needs to see who waits, and why."""
-        queue = self.scheduler.queue
         return {
-            "virtual_time": queue.virtual_time,
+            "virtual_time": self.virtual_time(),
             "queued": self.scheduler.queued(),
             "running": self.scheduler.running,
             "flows": [
@@ -241,7 +252,7 @@ class Pool:
                     "queued": v.backlog,
                     "eligible": v.eligible,
                 }
-                for v in queue.flows()
+                for v in self.flow_views()
             ],
             "backends": [
                 {

@@ -15,7 +15,8 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Coroutine
+from collections import Counter
+from collections.abc import Awaitable, Coroutine, Mapping
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -24,6 +25,7 @@ from ..config import Config
 from ..core.calibration import Calibration
 from ..core.cost import CostModel
 from ..core.errors import ApiError
+from ..core.fair_queue import FlowView
 from ..core.placement import Backend
 from ..core.scheduler import Ticket
 from ..state.library import shielded
@@ -56,6 +58,7 @@ class SharedPool(Pool):
         self._joined = False  # registered as a holder, and not fenced since
         self._unreturned: set[str] = set()  # leases whose hand-back failed: tried again
         self._stop = asyncio.Event()
+        self._view: tuple[float, list[FlowView]] = (0.0, [])  # as of the last heartbeat
 
     @property
     def _ttl(self) -> float:
@@ -125,9 +128,20 @@ class SharedPool(Pool):
         self._config = config
         self._later(self._call(self._configure()))
 
+    def virtual_time(self) -> float:
+        return self._view[0]
+
+    def flow_views(self) -> list[FlowView]:
+        """The pool's flows as Redis held them at the last heartbeat (the whole pool)."""
+        return self._view[1]
+
+    def flow_running(self) -> Mapping[str, int]:
+        """This process's share: the requests it runs, per flow."""
+        return Counter(ticket.flow for ticket in self._held)
+
     def state(self) -> dict[str, Any]:
-        """``/admin/state``: the backends and this process's share of the pool (the meters
-        and lines are in Redis, under ``sfq:{pool}:``)."""
+        """``/admin/state``: the pool's flows as Redis held them at the last heartbeat, and
+        this process's share of it (what it queued, what it runs, its holder)."""
         return {
             **super().state(),
             "queued": len(self._waiting),
@@ -158,6 +172,7 @@ class SharedPool(Pool):
                 if self._joined:
                     self._grant(await self.dispatch.heartbeat(self._ttl, self._down()))
                     self._renewed, self.reachable = time.monotonic(), True
+                    self._view = await self.dispatch.view()
                     unreturned, self._unreturned = self._unreturned, set()
                     for lease in unreturned:
                         await self._finish(lease)

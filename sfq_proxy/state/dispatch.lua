@@ -373,6 +373,17 @@ local function run(op)
     return {1, dispatch(down_set(A[4]))}
   elseif op == 'pump' then  -- down
     return {1, dispatch(down_set(A[3]))}
+  elseif op == 'view' then  -- v, offset, then per flow: id, meter, backlog, at a cap (1/0)
+    local out = {string.format('%.17g', meta('v')), string.format('%.17g', meta('offset'))}
+    local meters = redis.call('HGETALL', P .. 'meter')
+    for i = 1, #meters, 2 do
+      local flow = meters[i]
+      out[#out + 1] = flow
+      out[#out + 1] = meters[i + 1]
+      out[#out + 1] = tostring(backlog(flow))
+      out[#out + 1] = tostring(redis.call('SISMEMBER', P .. 'inel', flow))
+    end
+    return out
   end
   return redis.error_reply('unknown operation ' .. tostring(op))
 end

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
+from ..core.fair_queue import UNITS_PER_COST, FlowView
 from .library import DISPATCH
 
 
@@ -141,6 +142,22 @@ class RedisDispatch:
         """Dispatch what capacity allows now (a backend came back)."""
         return _grants(_checked(await self._call("pump", _names(down)))[1])
 
+    async def view(self) -> tuple[float, list[FlowView]]:
+        """The pool's virtual time and every flow Redis tracks, as ``FairQueue`` shows them
+        (``/admin/state``, the fair-queue metrics)."""
+        v_raw, offset_raw, *rest = [_text(x) for x in _checked(await self._call("view"))]
+        v, offset = int(float(v_raw)), int(float(offset_raw))
+        flows = []
+        for at in range(0, len(rest), 4):
+            flow, meter_raw, backlog, capped = rest[at : at + 4]
+            meter = int(float(meter_raw))
+            lag = (meter - v) / UNITS_PER_COST
+            view = FlowView(
+                flow, (meter + offset) / UNITS_PER_COST, lag, int(backlog), capped == "0"
+            )
+            flows.append(view)
+        return (v + offset) / UNITS_PER_COST, sorted(flows, key=lambda view: view.flow)
+
     async def inbox(self, timeout_s: float) -> list[Grant]:
         """Grants of this holder's tickets that another holder's call dispatched: waits up to
         ``timeout_s`` for the first, then takes what else is there."""
@@ -163,10 +180,13 @@ def _checked(reply: Any) -> Any:
     return reply
 
 
+def _text(item: bytes | str) -> str:
+    return item.decode() if isinstance(item, bytes) else item
+
+
 def _grants(raw: Iterable[bytes | str]) -> list[Grant]:
     grants = []
     for item in raw:
-        text = item.decode() if isinstance(item, bytes) else item
-        ticket, lease, backend = text.split(" ", 2)
+        ticket, lease, backend = _text(item).split(" ", 2)
         grants.append(Grant(ticket, lease, backend))
     return grants

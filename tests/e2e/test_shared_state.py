@@ -85,8 +85,13 @@ async def test_skewed_ingress_keeps_the_weights_across_two_proxies(
     shared = {"redis": redis_url, "lease_ttl_s": 2}
     proxies = [await lab.proxy(weighted([sim], shared)) for _ in range(2)]
 
-    # the first one holds the slot, in the held backend
-    order = await skewed_flood(lab, sim, proxies, lambda: queued_is(redis_url, 2 * PER_ORG - 1))
+    async def all_wait() -> bool:  # the first one holds the slot, in the held backend
+        return await queued_is(redis_url, 2 * PER_ORG - 1) and all(
+            sum(v.backlog for v in p.state.pools["sim"].flow_views()) == 2 * PER_ORG - 1
+            for p in proxies
+        )  # and each proxy shows the whole pool's lines (as of its last heartbeat)
+
+    order = await skewed_flood(lab, sim, proxies, all_wait)
     assert Counter(order) == {"A": PER_ORG, "B": PER_ORG}
     assert out_of_bound(order, skip=1) == [], "".join(order)
     assert 31 <= Counter(order[1:41])["A"] <= 33, "".join(order)  # 4:1 while both wait
