@@ -61,6 +61,7 @@ __all__ = [
     "RedisState",
     "ResolvedKey",
     "RetrySpec",
+    "SentinelSpec",
     "StrictModel",
     "TimeoutSpec",
     "WeightedCost",
@@ -433,26 +434,48 @@ class CalibrationSpec(StrictModel):
     save_interval_s: Seconds = 60.0
 
 
+class SentinelSpec(StrictModel):
+    """Redis behind Sentinel: the sentinels to ask (``host:port``) for the primary of
+    ``service``; its password, if any, from the environment variable ``password_env``."""
+
+    hosts: list[NonEmptyStr] = Field(min_length=1)
+    service: NonEmptyStr
+    password_env: NonEmptyStr | None = None
+
+    @field_validator("hosts")
+    @classmethod
+    def _host_port(cls, hosts: list[str]) -> list[str]:
+        for host in hosts:
+            name, _, port = host.rpartition(":")
+            if not name or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{host!r} is not host:port")
+        return hosts
+
+
 class RedisState(StrictModel):
     """The dispatch state of every pool shared in Redis: processes and replicas pointing at
     one Redis form one fairness domain (docs/shared-state.md).
 
     ``redis`` is a redis-py URL (``redis://``, ``rediss://`` with TLS, ``unix://``), or the
     name of an environment variable holding it in ``redis_env`` (a URL may carry a
-    password). ``cluster`` connects to a Redis Cluster through that node. A process whose
+    password), or ``sentinel`` names the sentinels of a replicated Redis. ``cluster``
+    connects to a Redis Cluster through the URL's node. A process whose
     heartbeat has not renewed its leases for ``lease_ttl_s`` loses them: Redis gives its
     slots and queued requests back, and the process stops what it ran under them.
     """
 
     redis: NonEmptyStr | None = None
     redis_env: NonEmptyStr | None = None
+    sentinel: SentinelSpec | None = None
     cluster: bool = False
     lease_ttl_s: float = Field(5.0, ge=0.5, le=300, allow_inf_nan=False)
 
     @model_validator(mode="after")
     def _one_url(self) -> Self:
-        if (self.redis is None) == (self.redis_env is None):
-            raise ValueError("set exactly one of redis (a URL) or redis_env")
+        if sum(x is not None for x in (self.redis, self.redis_env, self.sentinel)) != 1:
+            raise ValueError("set exactly one of redis (a URL), redis_env or sentinel")
+        if self.sentinel is not None and self.cluster:
+            raise ValueError("a Sentinel-managed Redis is not a cluster")
         return self
 
     @property
@@ -508,6 +531,7 @@ class Config(StrictModel):
     _admin_digest: bytes | None = PrivateAttr(default=None)
     _pool_by_model: dict[str, str] = PrivateAttr(default_factory=dict)
     _redis_url: str | None = PrivateAttr(default=None)
+    _redis_password: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -524,7 +548,7 @@ class Config(StrictModel):
         if value == "memory":
             return None
         if not isinstance(value, dict):
-            raise ValueError("must be memory, or a mapping with redis or redis_env")
+            raise ValueError("must be memory, or a mapping with redis, redis_env or sentinel")
         return value
 
     @model_validator(mode="after")
@@ -549,6 +573,10 @@ class Config(StrictModel):
                 self._redis_url = url or None
             else:
                 self._redis_url = self.state.redis
+            sentinel = self.state.sentinel
+            if sentinel is not None and sentinel.password_env is not None:
+                path = "state.sentinel.password_env"
+                self._redis_password = _env_secret(environ, sentinel.password_env, path, errors)
         if self.admin_key_env is not None:
             secret = _env_secret(environ, self.admin_key_env, "admin_key_env", errors)
             self._admin_digest = hashlib.sha256(secret.encode()).digest() if secret else None
@@ -585,8 +613,13 @@ class Config(StrictModel):
         return self._upstream_keys.get(pool)
 
     def redis_url(self) -> str | None:
-        """Where the shared state is (``state.redis`` or its ``redis_env``); None in memory."""
+        """Where the shared state is (``state.redis`` or its ``redis_env``); None in memory
+        or behind Sentinel."""
         return self._redis_url
+
+    def redis_password(self) -> str | None:
+        """The password of a Sentinel-managed Redis (``state.sentinel.password_env``)."""
+        return self._redis_password
 
     def admin_digest(self) -> bytes | None:
         """SHA-256 of the admin key; None when ``admin_key_env`` is not set (admin API off)."""

@@ -92,6 +92,24 @@ class RedisServer(ServerProcess):
         os.kill(self.proc.pid, signum)
 
 
+@dataclass
+class RedisSentinel(RedisServer):
+    """A Sentinel (redis-server --sentinel) watching ``primary`` as service ``mymaster``."""
+
+    primary_port: int = 0
+    service = "mymaster"
+    family = "redis-sentinel"
+
+    def command(self) -> list[str]:
+        assert self.workdir is not None
+        conf = self.workdir / "sentinel.conf"  # Sentinel rewrites its file: a copy of its own
+        conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\ndir {self.workdir}\n"
+            f"sentinel monitor {self.service} 127.0.0.1 {self.primary_port} 1\n"
+        )
+        return ["redis-server", str(conf), "--sentinel"]
+
+
 @contextlib.contextmanager
 def running_redis() -> Iterator[RedisServer]:
     """A started redis-server, stopped whatever happens."""

@@ -10,6 +10,7 @@ import socket
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisError
 
 from ..config import Config, ConfigError, without_credentials
@@ -20,17 +21,32 @@ SOCKET_TIMEOUT_S = 5.0
 # connections to Redis per process: each call holds one for a round trip, and each pool's
 # inbox holds one for its blocking read
 MAX_CONNECTIONS = 64
+# behind Sentinel the pool cannot wait for a free connection (redis-py's Sentinel pool fails
+# at once when all are busy): a bound well above what a process has in flight
+SENTINEL_CONNECTIONS = 1024
 
 
 def connect(config: Config) -> Redis | RedisCluster | None:
     """A client for the configured Redis (it connects on first use), or None in memory."""
-    url = config.redis_url()
-    if url is None or config.state is None:
+    state, url = config.state, config.redis_url()
+    if state is None:
         return None
     # fail fast: a request waits on Redis only while Redis answers (a blocking read of the
     # grants inbox takes up to INBOX_WAIT_S, well inside the socket timeout)
     options = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": SOCKET_TIMEOUT_S}
-    if config.state.cluster:
+    if state.sentinel is not None:  # the primary, as the sentinels name it at each connect
+        sentinels = [_host_port(host) for host in state.sentinel.hosts]
+        primary: Redis = Sentinel(sentinels, **options).master_for(
+            state.sentinel.service,
+            password=config.redis_password(),
+            max_connections=SENTINEL_CONNECTIONS,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_timeout=SOCKET_TIMEOUT_S,
+        )
+        return primary
+    if url is None:
+        return None
+    if state.cluster:
         return RedisCluster.from_url(url, max_connections=MAX_CONNECTIONS, **options)
     # a request waits for a free connection rather than failing when all are busy
     pool = BlockingConnectionPool.from_url(
@@ -50,7 +66,7 @@ async def start(config: Config, pools: list[SharedPool]) -> None:
         try:
             await pool.start()
         except RedisError as err:
-            where = without_credentials(config.redis_url() or "")
+            where = _where(config)
             raise ConfigError([("state", f"cannot reach Redis at {where}: {err}")]) from err
 
 
@@ -65,3 +81,17 @@ async def stop(pools: list[SharedPool], loops: list[asyncio.Task[None]]) -> None
     clients = {id(pool.dispatch.redis): pool.dispatch.redis for pool in pools}
     for client in clients.values():
         await client.aclose()
+
+
+def _where(config: Config) -> str:
+    """Where the shared state was looked for, without a password."""
+    state = config.state
+    if state is not None and state.sentinel is not None:
+        hosts = ", ".join(state.sentinel.hosts)
+        return f"the primary of {state.sentinel.service} (sentinels {hosts})"
+    return without_credentials(config.redis_url() or "")
+
+
+def _host_port(host: str) -> tuple[str, int]:
+    name, _, port = host.rpartition(":")
+    return name, int(port)

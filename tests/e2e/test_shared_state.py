@@ -12,7 +12,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
-from redis_server import RedisServer
+from redis_server import RedisSentinel, RedisServer, running_redis
 
 from sfq_proxy.config import Config
 from sfq_proxy.http.runtime import PROXY
@@ -298,3 +298,25 @@ async def test_a_lease_that_could_not_be_handed_back_is_handed_back_later(
 
 async def _no_lease(admin: aioredis.Redis) -> bool:
     return await admin.hlen("sfq:{sim}:lease") == 0
+
+
+async def test_a_redis_behind_sentinel_is_found_through_it(lab: Lab) -> None:
+    """``state: {sentinel: ...}``: the proxy asks the sentinels for the primary, and its
+    pool's state lives there."""
+    with running_redis() as primary:
+        sentinel = RedisSentinel(primary_port=primary.port)
+        sentinel.start()
+        try:
+            sim = await lab.backend()
+            hosts = [f"127.0.0.1:{sentinel.port}"]
+            state = {"sentinel": {"hosts": hosts, "service": "mymaster"}, "lease_ttl_s": TTL_S}
+            served = await lab.proxy(proxy_config([sim.url], state=state))
+            reply = await lab.client(served, "A").chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=3
+            )
+            assert reply.usage is not None
+            check = aioredis.Redis.from_url(primary.url)
+            assert await check.zcard("sfq:{sim}:holders") == 1
+            await check.aclose()
+        finally:
+            sentinel.stop()

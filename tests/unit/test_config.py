@@ -987,6 +987,15 @@ def test_state_is_memory_unless_redis_is_given() -> None:
     assert (config.state.lease_ttl_s, config.state.cluster) == (5.0, False)
 
 
+def test_a_sentinel_password_comes_from_the_environment() -> None:
+    data = base()
+    data["state"] = {"sentinel": {"hosts": ["10.0.0.5:26379"], "service": "m", "password_env": "P"}}
+    config = parse(data, {**ENV, "P": "s3cret"})
+    assert (config.redis_url(), config.redis_password()) == (None, "s3cret")
+    assert "s3cret" not in repr(config.state)
+    assert error_lines(data) == ["state.sentinel.password_env: environment variable P is not set"]
+
+
 def test_a_redis_url_with_a_password_comes_from_the_environment() -> None:
     data = base()
     data["state"] = {"redis_env": "SFQ_REDIS_URL"}
@@ -996,19 +1005,25 @@ def test_a_redis_url_with_a_password_comes_from_the_environment() -> None:
     assert error_lines(data) == ["state.redis_env: environment variable SFQ_REDIS_URL is not set"]
 
 
-ONE_URL = "state: set exactly one of redis (a URL) or redis_env"
+ONE_URL = "state: set exactly one of redis (a URL), redis_env or sentinel"
 
 
 @pytest.mark.parametrize(
     ("state", "line"),
     [
-        ({}, "state: set exactly one of redis (a URL) or redis_env"),
-        (
-            {"redis": "redis://r", "redis_env": "X"},
-            "state: set exactly one of redis (a URL) or redis_env",
-        ),
+        ({}, ONE_URL),
+        ({"redis": "redis://r", "redis_env": "X"}, ONE_URL),
         ({"redis": "redis://r", "lease_ttl_s": 0.1}, "state.lease_ttl_s: must be >= 0.5"),
-        ("disk", "state: must be memory, or a mapping with redis or redis_env"),
+        ("disk", "state: must be memory, or a mapping with redis, redis_env or sentinel"),
+        (
+            {"sentinel": {"hosts": ["s1"], "service": "m"}},
+            "state.sentinel.hosts: 's1' is not host:port",
+        ),
+        (
+            {"sentinel": {"hosts": ["s:1"], "service": "m"}, "cluster": True},
+            "state: a Sentinel-managed Redis is not a cluster",
+        ),
+        ({"sentinel": {"hosts": ["s:1"], "service": "m"}, "redis": "redis://r"}, ONE_URL),
     ],
 )
 def test_a_bad_state_is_an_error_at_its_path(state: Any, line: str) -> None:
