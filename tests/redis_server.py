@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis.asyncio as aioredis
 from server_process import ServerProcess
 
 
@@ -119,3 +120,16 @@ def running_redis() -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
+
+
+async def queued_in_redis(redis_url: str, pool: str = "sim") -> int:
+    """How many requests wait in the pool's shared line (its ``meta`` hash)."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        return int(await client.hget(f"sfq:{{{pool}}}:meta", "queued") or 0)
+    finally:
+        await client.aclose()
+
+
+async def queued_is(redis_url: str, n: int) -> bool:
+    return await queued_in_redis(redis_url) == n

@@ -14,12 +14,12 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
 import redis.asyncio as aioredis
 from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually
+from redis_server import queued_is
 
 from sfq_proxy.sim.server import SimBackend
 
@@ -71,14 +71,6 @@ async def replicas(
             await replica.stop()
 
 
-async def queued(redis_url: str) -> int:
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        return int(await client.hget("sfq:{sim}:meta", "queued") or 0)
-    finally:
-        await client.aclose()
-
-
 async def stream(client: openai.AsyncOpenAI, org: str, tokens: int) -> int:
     """A stream of ``tokens`` tokens; how many arrived before it ended (or broke)."""
     got = 0
@@ -107,7 +99,7 @@ async def test_a_killed_replica_gives_its_slots_back_within_the_ttl(
         a_streams = [asyncio.create_task(stream(a, "A", 400)) for _ in range(SLOTS)]
         await eventually(lambda: sim.stats.running == SLOTS, within=10)
         b_requests = [asyncio.create_task(stream(b, "B", 20)) for _ in range(6)]
-        await eventually(lambda: _is(queued(redis_url), 6), within=10)
+        await eventually(lambda: queued_is(redis_url, 6), within=10)
 
         killed_at, seen = time.monotonic(), len(sim.stats.log)
         first.proc.kill()  # SIGKILL: no drain, no release; its connections close
@@ -122,7 +114,7 @@ async def test_a_killed_replica_gives_its_slots_back_within_the_ttl(
         seen = len(sim.stats.log)
         both = [stream(a2, "A", 2) for _ in range(24)] + [stream(b, "B", 2) for _ in range(6)]
         replies = asyncio.gather(*both)
-        await eventually(lambda: _is(queued(redis_url), 30 - SLOTS), within=10)
+        await eventually(lambda: queued_is(redis_url, 30 - SLOTS), within=10)
         sim.release()
         assert await replies == [2] * 30
         order = served_after(sim, seen)[SLOTS:]  # past the two taken before the queue formed
@@ -156,10 +148,6 @@ async def test_a_paused_replica_ends_its_requests_when_it_wakes(
             task.cancel()
         await asyncio.gather(*a_streams, *b_requests, return_exceptions=True)
         await a.close(), await b.close()
-
-
-async def _is(value: Any, expected: int) -> bool:
-    return bool(await value == expected)
 
 
 async def test_workers_share_the_port_and_one_fairness_domain(

@@ -12,7 +12,7 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
-from redis_server import RedisSentinel, RedisServer, running_redis
+from redis_server import RedisSentinel, RedisServer, queued_in_redis, queued_is, running_redis
 
 from sfq_proxy.config import Config
 from sfq_proxy.http.runtime import PROXY
@@ -23,19 +23,6 @@ pytestmark = pytest.mark.redis
 CHAT = [{"role": "user", "content": "hi"}]
 PER_ORG = 40
 TTL_S = 1.5
-
-
-async def queued_in_redis(redis_url: str, pool: str = "sim") -> int:
-    """How many requests wait in the pool's shared line."""
-    client = aioredis.Redis.from_url(redis_url)
-    try:
-        return int(await client.hget(f"sfq:{{{pool}}}:meta", "queued") or 0)
-    finally:
-        await client.aclose()
-
-
-async def queued_is(redis_url: str, n: int) -> bool:
-    return await queued_in_redis(redis_url) == n
 
 
 def weighted(sims: list[SimBackend], state: Any, **options: Any) -> Config:
