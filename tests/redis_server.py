@@ -4,6 +4,7 @@ Real Redis, no mocks: the scripts, expiries and reconnects under test are Redis'
 restart() keeps the port, so clients built from ``url`` reconnect to the new server (which
 starts empty: nothing is saved). pause() and resume() freeze and thaw it (SIGSTOP, SIGCONT)
 for the tests of a Redis that stops answering without closing its connections.
+RedisClusterNodes is a real Redis Cluster of such servers (three primaries, no replicas).
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import shutil
 import signal
 import socket
 import tempfile
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
 import redis.asyncio as aioredis
-from server_process import ServerProcess
+from redis.crc import key_slot
+from server_process import ServerProcess, free_port
 
 
 @dataclass
@@ -109,6 +113,121 @@ class RedisSentinel(RedisServer):
             f"sentinel monitor {self.service} 127.0.0.1 {self.primary_port} 1\n"
         )
         return ["redis-server", str(conf), "--sentinel"]
+
+
+@dataclass
+class RedisClusterNode(RedisServer):
+    """A redis-server with cluster mode on, its nodes.conf in its own temporary directory.
+    The bus port is picked free too: the default (port + 10000) may be taken, or past 65535."""
+
+    bus_port: int = field(default_factory=free_port)
+    family = "redis-cluster"
+
+    def command(self) -> list[str]:
+        assert self.workdir is not None
+        return [
+            *super().command(),
+            *("--cluster-enabled", "yes", "--cluster-port", str(self.bus_port)),
+            *("--cluster-config-file", str(self.workdir / "nodes.conf")),
+            *("--cluster-node-timeout", "5000"),
+        ]
+
+    def client(self) -> redis.Redis:
+        """A plain (not cluster-aware) client of this node alone: what it holds, its stats."""
+        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True)
+
+
+@dataclass
+class RedisClusterNodes:
+    """A real Redis Cluster of ``size`` primaries (no replicas) on loopback ports.
+
+    start() forms it as ``redis-cli --cluster create`` does, through redis-py: each node
+    takes an even share of the 16384 slots and its own config epoch, meets the first, and
+    start() returns once every node answers ``cluster_state:ok`` and sees every shard.
+    stop() stops every node and removes their directories, whatever state they are in."""
+
+    size: int = 3
+    nodes: list[RedisClusterNode] = field(default_factory=list)
+    ready_within_s = 20.0
+
+    @property
+    def url(self) -> str:
+        """The first node's URL: a cluster client finds the others through it."""
+        return self.nodes[0].url
+
+    def start(self) -> None:
+        self.nodes = [RedisClusterNode() for _ in range(self.size)]
+        try:
+            for node in self.nodes:
+                node.start()
+            self._form()
+            self._wait_ok()
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+
+    def owner(self, key: str) -> RedisClusterNode:
+        """The primary that holds ``key``'s slot, as the cluster itself says (CLUSTER SLOTS)."""
+        slot = key_slot(key.encode())
+        with self.nodes[0].client() as client:
+            for start, end, primary, *_ in client.execute_command("CLUSTER SLOTS"):
+                if start <= slot <= end:
+                    return next(n for n in self.nodes if n.port == int(primary[1]))
+        raise LookupError(f"slot {slot} of {key!r} is not served")
+
+    def reset(self) -> None:
+        """Every primary as just formed: no keys, no functions, its statistics (the
+        commands and errors INFO counts) back to zero."""
+        for node in self.nodes:
+            with node.client() as client:
+                client.flushall()
+                client.function_flush()
+                client.config_resetstat()
+
+    def _form(self) -> None:
+        share = -(-16384 // self.size)  # ceil: the last node takes the rest
+        first = self.nodes[0]
+        for i, node in enumerate(self.nodes):
+            with node.client() as client:
+                client.execute_command("CLUSTER SET-CONFIG-EPOCH", i + 1)
+                last = min(16383, (i + 1) * share - 1)
+                client.execute_command("CLUSTER ADDSLOTSRANGE", i * share, last)
+                if node is not first:
+                    client.execute_command("CLUSTER MEET", "127.0.0.1", first.port, first.bus_port)
+
+    def _wait_ok(self) -> None:
+        deadline = time.monotonic() + self.ready_within_s
+        while not all(self._ok(node) for node in self.nodes):
+            if time.monotonic() > deadline:
+                logs = ", ".join(str(n.log_path) for n in self.nodes)
+                raise TimeoutError(f"cluster not ok in {self.ready_within_s} s; see {logs}")
+            time.sleep(0.2)
+
+    def _ok(self, node: RedisClusterNode) -> bool:
+        with node.client() as client:
+            info = client.cluster("INFO")
+            slots = client.execute_command("CLUSTER SLOTS")
+        ports = {int(primary[1]) for _, _, primary, *_ in slots}
+        return bool(
+            info["cluster_state"] == "ok"
+            and int(info["cluster_known_nodes"]) == self.size
+            and ports == {n.port for n in self.nodes}
+        )
+
+
+@contextlib.contextmanager
+def running_redis_cluster(size: int = 3) -> Iterator[RedisClusterNodes]:
+    """A formed Redis Cluster, stopped whatever happens."""
+    cluster = RedisClusterNodes(size)
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @contextlib.contextmanager

@@ -21,9 +21,11 @@ SOCKET_TIMEOUT_S = 5.0
 # connections to Redis per process: each call holds one for a round trip, and each pool's
 # inbox holds one for its blocking read
 MAX_CONNECTIONS = 64
-# behind Sentinel the pool cannot wait for a free connection (redis-py's Sentinel pool fails
-# at once when all are busy): a bound well above what a process has in flight
-SENTINEL_CONNECTIONS = 1024
+# behind Sentinel, and to each node of a cluster, a call cannot wait for a free connection
+# (redis-py's Sentinel pool and its cluster nodes fail at once when all are busy: at 64 per
+# node, a burst of 200 requests got 503 for most, tests/e2e/test_redis_cluster.py): a bound
+# well above what a process has in flight
+UNWAITED_CONNECTIONS = 1024
 
 
 def connect(config: Config) -> Redis | RedisCluster | None:
@@ -39,15 +41,15 @@ def connect(config: Config) -> Redis | RedisCluster | None:
         primary: Redis = Sentinel(sentinels, **options).master_for(
             state.sentinel.service,
             password=config.redis_password(),
-            max_connections=SENTINEL_CONNECTIONS,
+            max_connections=UNWAITED_CONNECTIONS,
             socket_connect_timeout=CONNECT_TIMEOUT_S,
             socket_timeout=SOCKET_TIMEOUT_S,
         )
         return primary
     if url is None:
         return None
-    if state.cluster:
-        return RedisCluster.from_url(url, max_connections=MAX_CONNECTIONS, **options)
+    if state.cluster:  # through the URL's node the client learns the others, and their slots
+        return RedisCluster.from_url(url, max_connections=UNWAITED_CONNECTIONS, **options)
     # a request waits for a free connection rather than failing when all are busy
     pool = BlockingConnectionPool.from_url(
         url, max_connections=MAX_CONNECTIONS, timeout=SOCKET_TIMEOUT_S, **options

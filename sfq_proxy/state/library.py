@@ -1,6 +1,9 @@
 """The Redis function libraries shipped with the package (``*.lua``), called by name and
 loaded where Redis does not have them: a new Redis, or one restarted without its data
-(functions live with the data). ``FUNCTION LOAD`` goes to every primary of a cluster."""
+(functions live with the data, per node: a cluster's primaries each have their own).
+
+On a cluster each call goes straight to the primary that owns its key's slot, and a
+library is loaded on the primary that said it lacks it (tests/e2e/test_redis_cluster.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +14,8 @@ from importlib import resources
 from typing import Any, TypeVar
 
 from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ResponseError
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ClusterDownError, ResponseError, SlotNotCoveredError
 
 
 @dataclass(frozen=True)
@@ -28,12 +31,40 @@ class Library:
     async def call(self, redis: Redis | RedisCluster, key: str, *args: Any) -> Any:
         """The function on ``key`` (every key it touches shares its hash tag)."""
         try:
-            return await redis.fcall(self.function, 1, key, *args)
+            return await _fcall(redis, self.function, key, *args)
         except ResponseError as err:
             if "function not found" not in str(err).lower():
                 raise
-        await redis.function_load(self.code, replace=True)
-        return await redis.fcall(self.function, 1, key, *args)
+        if isinstance(redis, RedisCluster):  # the node that lacks it, not redis-py's choice
+            await redis.execute_command(
+                "FUNCTION LOAD", "REPLACE", self.code, target_nodes=await _owner(redis, key)
+            )
+        else:
+            await redis.function_load(self.code, replace=True)
+        return await _fcall(redis, self.function, key, *args)
+
+
+async def _fcall(redis: Redis | RedisCluster, function: str, key: str, *args: Any) -> Any:
+    """FCALL on one key. redis-py's cluster client finds FCALL's keys by asking a node
+    (COMMAND GETKEYS: FCALL's keys are movable) before each call: a round trip more, always
+    to the same node. The key is known here, so the call goes to its slot's primary."""
+    if isinstance(redis, RedisCluster):
+        node = await _owner(redis, key)
+        return await redis.execute_command("FCALL", function, 1, key, *args, target_nodes=node)
+    return await redis.fcall(function, 1, key, *args)
+
+
+async def _owner(redis: RedisCluster, key: str) -> ClusterNode:
+    """The primary serving ``key``'s slot, as the client last learnt it (a MOVED reply
+    teaches it the new one; the call that got it follows it)."""
+    await redis.initialize()  # after a connection error the client asks for the slots again
+    try:
+        node = redis.get_node_from_key(key)
+    except SlotNotCoveredError as err:  # not a RedisError: callers would not see it as one
+        await redis.aclose()  # as redis-py does: the next call asks for the slots again
+        raise ClusterDownError(str(err)) from err
+    assert node is not None  # None only when a replica is asked for
+    return node
 
 
 T = TypeVar("T")
