@@ -462,6 +462,12 @@ class RedisState(StrictModel):
     connects to a Redis Cluster through the URL's node. A process whose
     heartbeat has not renewed its leases for ``lease_ttl_s`` loses them: Redis gives its
     slots and queued requests back, and the process stops what it ran under them.
+
+    ``when_unreachable`` says what a process does while it cannot reach Redis:
+    ``fail_closed`` refuses requests (503 with Retry-After, ``/readyz`` failing) and, after
+    a TTL, ends what it runs; ``local`` schedules on its own, each backend's slots divided
+    evenly among the replicas that were alive, and joins the shared state again when Redis
+    is back (docs/shared-state.md, "When Redis is lost").
     """
 
     redis: NonEmptyStr | None = None
@@ -469,6 +475,7 @@ class RedisState(StrictModel):
     sentinel: SentinelSpec | None = None
     cluster: bool = False
     lease_ttl_s: float = Field(5.0, ge=0.5, le=300, allow_inf_nan=False)
+    when_unreachable: Literal["fail_closed", "local"] = "fail_closed"
 
     @model_validator(mode="after")
     def _one_url(self) -> Self:

@@ -76,8 +76,15 @@ def _state_summary(state: RedisState | None) -> str:
     cluster = " cluster" if state.cluster else ""
     return (
         f"state: {where}{cluster}: every process sharing it is one fairness domain per pool; "
-        f"a dead one's slots back within {_num(state.lease_ttl_s)} s"
+        f"a dead one's slots back within {_num(state.lease_ttl_s)} s; "
+        + _WHEN_LOST[state.when_unreachable]
     )
+
+
+_WHEN_LOST = {
+    "fail_closed": "Redis unreachable: requests refused (503)",
+    "local": "Redis unreachable: each replica schedules alone on its share of every backend",
+}
 
 
 def _flow_summary(config: Config) -> list[str]:

@@ -20,6 +20,9 @@ class Backend:
     healthy: bool = True  # trusted until a probe or a failed request says otherwise
     down_until: float = 0.0  # end of the cooldown after the last failure
     failures: int = 0  # failures in a row (probes, connect errors, 5xx); a success resets it
+    # the slots this process may fill on its own decision: all (None), or its share when a
+    # shared pool lost its state (0 while it must not decide alone at all)
+    share: int | None = None
     base: str = field(init=False)  # the URL without a trailing /v1: API and health paths go here
 
     def __post_init__(self) -> None:
@@ -28,6 +31,19 @@ class Backend:
     @property
     def load(self) -> float:
         return self.in_flight / self.slots
+
+    @property
+    def limit(self) -> int:
+        """How many requests this process may run here."""
+        return self.slots if self.share is None else min(self.slots, self.share)
+
+
+def share(slots: int, index: int, holders: int, rank: int) -> int:
+    """The part of backend ``index``'s ``slots`` that the replica of ``rank`` among
+    ``holders`` may fill alone: an even split, whose remainders go to different replicas on
+    different backends. Over the ranks, the parts add up to ``slots`` exactly."""
+    base, extra = divmod(slots, holders)
+    return base + (1 if (rank - index) % holders < extra else 0)
 
 
 class Placement:
@@ -60,12 +76,12 @@ class Placement:
         """The least loaded healthy backend with a free slot (first listed on ties)."""
         best = None
         for b in self.backends:
-            if b.healthy and b.in_flight < b.slots and (best is None or b.load < best.load):
+            if b.healthy and b.in_flight < b.limit and (best is None or b.load < best.load):
                 best = b
         return best
 
     def acquire(self, backend: Backend) -> None:
-        if backend.in_flight >= backend.slots:
+        if backend.in_flight >= backend.limit:
             raise RuntimeError(f"backend {backend.name} has no free slot")
         backend.in_flight += 1
 

@@ -63,7 +63,7 @@ class Proxy:
             metrics=Metrics(pools, config.metrics.max_labelled_orgs, calibration),
             clock=clock,
             calibration=calibration,
-            limits=None if redis is None else SharedLimits(redis, config),
+            limits=None if redis is None else SharedLimits(redis, config, _replicas(pools)),
             config_path=config_path,
         )
 
@@ -159,6 +159,12 @@ class Proxy:
 
     def state(self) -> dict[str, Any]:
         return {name: pool.state() for name, pool in self.pools.items()}
+
+
+def _replicas(pools: dict[str, Pool]) -> Callable[[], int]:
+    """How many processes share the state: the most any pool saw at its last heartbeat."""
+    shared = [p for p in pools.values() if isinstance(p, SharedPool)]
+    return lambda: max((len(p.dispatch.holders) for p in shared), default=1)
 
 
 def _hide_upstream_keys(config: Config) -> None:

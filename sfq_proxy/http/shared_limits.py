@@ -8,15 +8,19 @@ own call (``SharedPool``), a request too big for a full bucket is refused from t
 alone, and a retry budget is a ratio of a flow's requests, which per process bounds the sum
 as well. An org without ``rpm``/``tpm`` and a request without an Idempotency-Key cost no
 call to Redis.
+
+While Redis cannot be reached, ``when_unreachable: fail_closed`` refuses (503); ``local``
+goes on with buckets of this process's own at the org's rate divided by the replicas alive
+at the last heartbeat (the division of the slots), and Idempotency-Keys seen here only.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
-from collections.abc import Awaitable
+import time
+from collections.abc import Awaitable, Callable
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -25,17 +29,24 @@ from redis.exceptions import RedisError
 from ..config import Config
 from ..core.errors import ApiError
 from ..core.flows import Flow
+from ..core.limits import Rate
 from ..state.library import ADMISSION, shielded
 
 log = logging.getLogger(__name__)
 
 
 class SharedLimits:
-    def __init__(self, redis: Redis | RedisCluster, config: Config) -> None:
+    def __init__(
+        self, redis: Redis | RedisCluster, config: Config, replicas: Callable[[], int]
+    ) -> None:
+        """``replicas``: how many share the state, as of the last heartbeat."""
         self._redis = redis
         self.config = config
+        self._replicas = replicas
         self._keys: set[tuple[str, str]] = set()  # (org, key digest) live in this process
         self._background: set[asyncio.Task[object]] = set()
+        # while Redis is lost (when_unreachable: local): (org, rpm, tpm, replicas) → bucket
+        self._alone: dict[tuple[str, str, str, int], Rate] = {}
 
     @property
     def _ttl_ms(self) -> int:
@@ -53,9 +64,14 @@ class SharedLimits:
         if not (rpm or tpm or idempotency_key):
             return
         digest = _digest(idempotency_key) if idempotency_key else ""
-        reply = await self._call(
-            flow.org, "admit", rpm, tpm, f"{tokens:.17g}", digest, self._ttl_ms
-        )
+        try:
+            reply = await self._call(
+                flow.org, "admit", rpm, tpm, f"{tokens:.17g}", digest, self._ttl_ms
+            )
+        except RedisError as err:
+            reply = self._admit_alone(flow.org, tokens, digest, err)
+        else:
+            self._alone.clear()  # Redis is back: the next outage starts with full buckets
         if reply[0] == 409:
             raise ApiError(409, "A request with this Idempotency-Key is already queued or running.")
         if reply[0] == 429:
@@ -72,8 +88,11 @@ class SharedLimits:
             return True
         try:
             reply = await self._call(flow.org, "retry", rpm, tpm, f"{tokens:.17g}")
-        except ApiError:
-            return False
+        except RedisError as err:
+            try:
+                return self._admit_alone(flow.org, tokens, "", err)[0] == 200
+            except ApiError:
+                return False
         return bool(reply[0] == 1)
 
     def refund(self, flow: Flow, tokens: float) -> None:
@@ -98,25 +117,55 @@ class SharedLimits:
             for org, digest in self._keys:
                 by_org.setdefault(org, []).append(digest)
             for org, digests in by_org.items():
-                with contextlib.suppress(ApiError):  # logged; the next beat tries again
+                try:
                     await self._call(org, "renew", self._ttl_ms, *digests)
+                except RedisError as err:  # the next beat tries again
+                    log.warning("org limits in Redis unreachable: %s", err)
 
     async def _call(self, org: str, op: str, *args: object) -> list[int]:
-        try:
-            call = ADMISSION.call(self._redis, f"sfq:{{org:{org}}}:", op, *args)
-            reply: list[int] = await shielded(call)
-        except RedisError as err:
-            log.warning("org limits in Redis unreachable: %s", err)
+        call = ADMISSION.call(self._redis, f"sfq:{{org:{org}}}:", op, *args)
+        reply: list[int] = await shielded(call)
+        return reply
+
+    def _admit_alone(self, org: str, tokens: float, digest: str, err: RedisError) -> list[int]:
+        """Redis did not answer: refuse (503), or decide here with this process's part of
+        the org's rate; the reply as Redis would give it (200, 409, or 429 and the wait)."""
+        log.warning("org limits in Redis unreachable: %s", err)
+        state = self.config.state
+        if state is None or state.when_unreachable != "local":
             raise ApiError(
                 503, "The shared limits cannot be reached; retry shortly.",
                 code="state_unavailable", retry_after=1.0,
             ) from err  # fmt: skip
-        return reply
+        if digest and (org, digest) in self._keys:
+            return [409]
+        rate = self._alone_rate(org)
+        if rate is not None:
+            now = time.monotonic()
+            wait = rate.wait(tokens, now)
+            if wait > 0:
+                return [429, max(1, round(wait * 1000))]
+            rate.take(tokens, now)
+        return [200]
+
+    def _alone_rate(self, org: str) -> Rate | None:
+        spec, replicas = self.config.org(org), max(1, self._replicas())
+        if not (spec.rpm or spec.tpm):
+            return None
+        key = (org, *self._limits(org), replicas)
+        rate = self._alone.get(key)
+        if rate is None:
+            rpm = spec.rpm / replicas if spec.rpm else None
+            tpm = spec.tpm / replicas if spec.tpm else None
+            rate = self._alone[key] = Rate.of(rpm, tpm)
+        return rate
 
     def _later(self, work: Awaitable[object]) -> None:
         async def quietly() -> None:
-            with contextlib.suppress(ApiError):  # logged in _call
+            try:
                 await work
+            except RedisError as err:  # missed: the bucket refills, the key expires
+                log.warning("org limits in Redis unreachable: %s", err)
 
         task = asyncio.ensure_future(quietly())
         self._background.add(task)

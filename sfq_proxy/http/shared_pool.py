@@ -2,10 +2,22 @@
 and replica that shares it (docs/shared-state.md).
 
 It is the in-memory :class:`Pool` with the scheduler's calls replaced by ``RedisDispatch``
-calls: the handler waits in line, holds a slot and gives it back as before. Health, probes,
-calibration and the provider's feedback stay per process. Two loops keep it going: the
-heartbeat, which renews this process's leases (and reaps those of dead processes), and the
-inbox, which brings the grants that another process's call made for this one's requests.
+calls: the handler waits in line, holds a slot and gives it back as before. Health, probes
+and the provider's feedback stay per process. Two loops keep it going: the heartbeat, which
+renews this process's leases (and reaps those of dead processes), and the inbox, which
+brings the grants that another process's call made for this one's requests.
+
+With ``when_unreachable: local`` a process that loses Redis goes through four modes:
+
+- ``shared``: every decision in Redis;
+- ``holding``: Redis did not answer; requests wait in the process's own line, nothing new
+  starts (a blip costs a wait, never a slot decided twice);
+- ``local``: Redis has not answered for a lease TTL, so every replica's leases have lapsed:
+  the process's own scheduler dispatches, on its share of each backend's slots (an even
+  split among the replicas alive at the last heartbeat: they add up to the slots);
+- ``settling``: Redis answers again and holds a lease for everything the process runs;
+  nothing new starts for one TTL, the time the other replicas take to register theirs, so
+  no decision made in Redis counts without them. Then the waiting requests move to Redis.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Coroutine, Mapping
+from enum import Enum
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -26,7 +39,7 @@ from ..core.calibration import Calibration
 from ..core.cost import CostModel
 from ..core.errors import ApiError
 from ..core.fair_queue import FlowView
-from ..core.placement import Backend
+from ..core.placement import Backend, share
 from ..core.scheduler import Ticket
 from ..state.library import shielded
 from ..state.redis_dispatch import Fenced, Grant, QueueFull, RedisDispatch, SharedTicket
@@ -35,6 +48,20 @@ from .pool_runtime import Clock, Pool, pool_limits
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1.0  # what a client is told while the shared state cannot be reached
 INBOX_WAIT_S = 1.0  # how long one read of the inbox blocks (a connection of its own)
+
+
+_Task = asyncio.Task[Any] | None
+
+
+class Mode(Enum):
+    SHARED = "shared"
+    HOLDING = "holding"
+    LOCAL = "local"
+    SETTLING = "settling"
+
+
+class _Moved(Exception):
+    """A waiting request changes line: Redis was lost, or is back."""
 
 
 class SharedPool(Pool):
@@ -50,8 +77,10 @@ class SharedPool(Pool):
         self.dispatch = dispatch
         self._config = config
         self._ids = itertools.count(1)
-        self._waiting: dict[str, tuple[Ticket, asyncio.Future[Backend]]] = {}
-        self._held: dict[Ticket, tuple[str, asyncio.Task[object] | None]] = {}  # → lease, task
+        # ticket id → the ticket, its future, and the task of its request (which a lost
+        # lease ends)
+        self._waiting: dict[str, tuple[Ticket, asyncio.Future[Backend], _Task]] = {}
+        self._held: dict[Ticket, tuple[str, _Task]] = {}  # → lease, task
         self._background: set[asyncio.Task[None]] = set()
         self._renewed = 0.0  # when Redis last took this process's heartbeat (monotonic)
         self.reachable = False  # whether Redis answered the last heartbeat
@@ -59,6 +88,18 @@ class SharedPool(Pool):
         self._unreturned: set[str] = set()  # leases whose hand-back failed: tried again
         self._stop = asyncio.Event()
         self._view: tuple[float, list[FlowView]] = (0.0, [])  # as of the last heartbeat
+        self.mode = Mode.SHARED
+        self._settled_at = 0.0  # when settling ends (monotonic)
+        self._timers: list[asyncio.TimerHandle] = []  # of _lose: to end the excess, go local
+        # the local scheduler: what waits in it (in arrival order), what it dispatched
+        self._queued_here: dict[Ticket, _Task] = {}
+        self._local: dict[Ticket, _Task] = {}
+        self._set_shares()
+
+    @property
+    def _fallback(self) -> bool:
+        state = self._config.state
+        return state is not None and state.when_unreachable == "local"
 
     @property
     def _ttl(self) -> float:
@@ -69,13 +110,14 @@ class SharedPool(Pool):
     # -- what the handler calls -------------------------------------------------------------
 
     def ready(self) -> bool:
-        """And its shared state answered the last heartbeat: while it does not, requests
-        are refused (503), so a load balancer had better send them elsewhere."""
-        return self.reachable and super().ready()
+        """And its shared state answered the last heartbeat, or the pool goes on without it
+        (``when_unreachable: local``): else requests are refused (503), so a load balancer
+        had better send them elsewhere."""
+        return (self.reachable or self.mode is not Mode.SHARED) and super().ready()
 
     def waiting(self, ticket: Ticket) -> int:
-        """0: the line is counted in Redis, in the same step as the submit (``acquire``)."""
-        return 0
+        """In Redis the line is counted in the same step as the submit (``acquire``)."""
+        return 0 if self.mode is Mode.SHARED else super().waiting(ticket)
 
     async def acquire(
         self,
@@ -85,9 +127,34 @@ class SharedPool(Pool):
         expiry: ApiError | None = None,
         front: bool = False,
     ) -> Backend:
+        """In line in Redis, or in this process's own while Redis is lost; a request that
+        waits when the mode changes moves to the other line (its deadline goes with it)."""
+        while True:
+            try:
+                if self.mode is Mode.SHARED:
+                    return await self._acquire_shared(ticket, expires_at, expiry, front)
+                return await self._acquire_here(ticket, expires_at, expiry, front)
+            except _Moved:
+                continue
+
+    async def _acquire_here(
+        self, ticket: Ticket, expires_at: float | None, expiry: ApiError | None, front: bool
+    ) -> Backend:
+        self._queued_here[ticket] = asyncio.current_task()
+        try:
+            backend = await super().acquire(
+                ticket, expires_at=expires_at, expiry=expiry, front=front
+            )
+        finally:
+            self._queued_here.pop(ticket, None)
+        return backend
+
+    async def _acquire_shared(
+        self, ticket: Ticket, expires_at: float | None, expiry: ApiError | None, front: bool
+    ) -> Backend:
         ticket_id = f"{self.dispatch.holder}.{next(self._ids)}"
         future: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
-        self._waiting[ticket_id] = (ticket, future)
+        self._waiting[ticket_id] = (ticket, future, asyncio.current_task())
         submitted = asyncio.ensure_future(self._submit(ticket_id, ticket, front))
         try:
             await shielded(submitted)
@@ -100,32 +167,48 @@ class SharedPool(Pool):
             if await shielded(self._cancel(ticket_id)) or not future.done():
                 raise expiry or ApiError(504, "Deadline passed in the queue.") from None
             backend = future.result()  # dispatched in the very instant its deadline passed
+        except _Moved:  # Redis was lost: what it still holds of the ticket goes at adopt
+            self._waiting.pop(ticket_id, None)
+            if future.done():  # moved by _lose while its own submit failed too: seen
+                future.exception()
+            raise
         except BaseException:  # refused, or its client left: out of line, or its slot freed
             if ticket in self._held:  # granted in the instant it left
                 self.release(ticket)
             else:
                 self._later(self._cancel_after(submitted, ticket_id))
             raise
-        lease, _ = self._held[ticket]
-        self._held[ticket] = (lease, asyncio.current_task())
         return backend
 
     def release(self, ticket: Ticket, *, refund: bool = False) -> None:
         """Hand the lease back, in the background: the handler does not wait on Redis. A
         lease that Redis reclaimed meanwhile frees nothing (it is fenced)."""
         held = self._held.pop(ticket, None)
-        backend, ticket.backend = ticket.backend, None
-        if held is None or backend is None:
-            return
-        backend.in_flight = max(0, backend.in_flight - 1)
-        self._later(self._finish(held[0]))
+        self._stop_running(ticket, refund=refund)
+        if held is not None:
+            self._later(self._finish(held[0]))
+            if self.mode is Mode.LOCAL:  # a slot Redis granted is this process's to fill
+                self.pump()
+
+    def _stop_running(self, ticket: Ticket, *, refund: bool = False) -> None:
+        """The accounting of a request that no longer runs here."""
+        if ticket in self._local:
+            del self._local[ticket]
+            super().release(ticket, refund=refund)  # the local scheduler's, which it frees
+        elif ticket.backend is not None:
+            ticket.backend.in_flight = max(0, ticket.backend.in_flight - 1)
+            ticket.backend = None
 
     def pump(self) -> None:
-        self._later(self._call(self.dispatch.pump(self._down())))
+        if self.mode is Mode.SHARED:
+            self._later(self._call(self.dispatch.pump(self._down())))
+        else:
+            super().pump()
 
     def reconfigure(self, config: Config, cost: CostModel) -> None:
         super().reconfigure(config, cost)
         self._config = config
+        self._set_shares()
         self._later(self._call(self._configure()))
 
     def virtual_time(self) -> float:
@@ -146,7 +229,11 @@ class SharedPool(Pool):
             **super().state(),
             "queued": len(self._waiting),
             "running": len(self._held),
-            "shared": {"holder": self.dispatch.holder, "joined": self._joined},
+            "shared": {
+                "holder": self.dispatch.holder,
+                "joined": self._joined,
+                "mode": self.mode.value,
+            },
         }
 
     # -- the loops ----------------------------------------------------------------------------
@@ -166,26 +253,40 @@ class SharedPool(Pool):
         """Renew the leases every third of their TTL. When Redis gave them back (this process
         was paused or cut off past the TTL, or Redis lost its data), or could not be told for
         a whole TTL, end what they covered: others may hold those slots now. Then join
-        again, as a new holder, as soon as Redis answers."""
+        again, as a new holder, as soon as Redis answers. With ``when_unreachable: local``,
+        Redis lost (or forgetting this process while it was not away) starts the modes of
+        the module's docstring instead."""
         while not await self._stopped_within(self._ttl / 3):
             try:
-                if self._joined:
-                    self._grant(await self.dispatch.heartbeat(self._ttl, self._down()))
-                    self._renewed, self.reachable = time.monotonic(), True
-                    self._view = await self.dispatch.view()
-                    unreturned, self._unreturned = self._unreturned, set()
-                    for lease in unreturned:
-                        await self._finish(lease)
-                else:
-                    await self.start()
-                    log.warning("pool %s: joined the shared state again", self.name)
+                await self._beat()
             except Fenced:
-                self._fence("Redis no longer holds its leases")
+                if self._fallback and time.monotonic() - self._renewed < self._ttl:
+                    self._lose("Redis forgot this process's state")  # restarted empty
+                else:
+                    self._fence("Redis no longer holds its leases")
             except RedisError as err:
                 self.reachable = False
                 log.warning("pool %s: heartbeat to Redis failed: %s", self.name, err)
-                if self._joined and time.monotonic() - self._renewed >= self._ttl:
+                if self._fallback:
+                    self._lose("Redis unreachable")
+                elif self._joined and time.monotonic() - self._renewed >= self._ttl:
                     self._fence("Redis was unreachable for the lease TTL")
+
+    async def _beat(self) -> None:
+        if self.mode in (Mode.HOLDING, Mode.LOCAL):
+            await self._adopt()
+        elif self._joined:
+            self._grant(await self.dispatch.heartbeat(self._ttl, self._down()))
+            self._renewed, self.reachable = time.monotonic(), True
+            self._view = await self.dispatch.view()
+            unreturned, self._unreturned = self._unreturned, set()
+            for lease in unreturned:
+                await self._finish(lease)
+            if self.mode is Mode.SETTLING and time.monotonic() >= self._settled_at:
+                self._resume()
+        else:
+            await self.start()
+            log.warning("pool %s: joined the shared state again", self.name)
 
     async def inbox_forever(self) -> None:
         while not self._stop.is_set():
@@ -199,6 +300,8 @@ class SharedPool(Pool):
         """End the loops at their next step: they are never cancelled in the middle of a
         Redis call (see ``shielded``); the inbox's blocking read ends within INBOX_WAIT_S."""
         self._stop.set()
+        for timer in self._timers:
+            timer.cancel()
 
     async def _stopped_within(self, seconds: float) -> bool:
         with contextlib.suppress(TimeoutError):
@@ -210,7 +313,7 @@ class SharedPool(Pool):
         no slot goes to a process on its way out; they are told 503 with Retry-After, and a
         client retries on a replica that stays. Running requests finish (the drain)."""
         waiting, self._waiting = self._waiting, {}
-        for ticket_id, (_, future) in waiting.items():
+        for ticket_id, (_, future, _) in waiting.items():
             if not future.done():
                 future.set_exception(_leaving(self.name))
             self._later(self._cancel(ticket_id))
@@ -245,7 +348,13 @@ class SharedPool(Pool):
                 429, f"The queue of flow {ticket.flow} is full ({cap}).", code="queue_full",
                 retry_after=1.0,
             ) from None  # fmt: skip
-        except (RedisError, Fenced) as err:
+        except RedisError as err:
+            log.warning("pool %s: submit to Redis failed: %s", self.name, err)
+            if self._fallback:
+                self._lose("Redis unreachable")
+                raise _Moved from err
+            raise _unavailable(self.name) from err
+        except Fenced as err:  # reclaimed: the heartbeat joins again, or ends what ran
             log.warning("pool %s: submit to Redis failed: %s", self.name, err)
             raise _unavailable(self.name) from err
         self._grant(grants)
@@ -295,11 +404,11 @@ class SharedPool(Pool):
             if waiting is None or waiting[1].done() or backend is None:
                 self._later(self._finish(grant.lease))
                 continue
-            ticket, future = waiting
+            ticket, future, task = waiting
             backend.in_flight += 1  # this process's share, for its metrics and state
             ticket.backend = backend
             ticket.dispatches += 1
-            self._held[ticket] = (grant.lease, None)
+            self._held[ticket] = (grant.lease, task)
             self.recent.append((ticket.flow, backend.name))
             future.set_result(backend)
 
@@ -310,16 +419,118 @@ class SharedPool(Pool):
         self._joined = False
         self._unreturned.clear()  # reclaimed with the rest
         waiting, self._waiting = self._waiting, {}
-        for _, future in waiting.values():
+        for _, future, _ in waiting.values():
             if not future.done():
                 future.set_exception(_unavailable(self.name))
         held, self._held = self._held, {}
         for ticket, (_, task) in held.items():
-            if ticket.backend is not None:
-                ticket.backend.in_flight = max(0, ticket.backend.in_flight - 1)
-                ticket.backend = None
+            self._stop_running(ticket)
             if task is not None:
                 task.cancel("its slot lease was lost")
+
+    # -- Redis lost and back (when_unreachable: local) -----------------------------------------
+
+    def _lose(self, why: str) -> None:
+        """Stop deciding in Redis: what waits there moves to this process's own line. Times
+        count from the last heartbeat Redis took, as do the leases: every replica's last
+        one came within a heartbeat (a third of the TTL) of the others'. At two thirds of
+        the TTL it ends what it runs beyond its share; at four thirds it schedules alone:
+        so each replica's excess has ended before any replica starts on its share."""
+        if self.mode is not Mode.SHARED:
+            return
+        log.error("pool %s: shared state lost (%s): requests wait here", self.name, why)
+        self.mode, self.reachable = Mode.HOLDING, False
+        waiting, self._waiting = self._waiting, {}
+        for _, future, _ in waiting.values():  # in the order they queued
+            if not future.done():
+                future.set_exception(_Moved())
+        since = time.monotonic() - self._renewed
+        later = asyncio.get_running_loop().call_later
+        self._timers = [
+            later(max(0.0, self._ttl * 2 / 3 - since), self._end_excess),
+            later(max(0.0, self._ttl * 4 / 3 - since), self._go_local),
+        ]
+
+    def _end_excess(self) -> None:
+        """End what runs here beyond this process's share (Redis granted it more), the
+        newest first; each frees its slot as it ends. ``fail_closed`` would end it all."""
+        for backend, part in zip(self.placement.backends, self._shares(), strict=True):
+            running = [t for t in self._held if t.backend is backend]
+            for ticket in running[part:]:
+                _, task = self._held[ticket]
+                if task is not None:
+                    task.cancel("beyond this process's share of the backend")
+
+    def _go_local(self) -> None:
+        """Schedule alone, on this process's share of each backend."""
+        self.mode = Mode.LOCAL
+        self._set_shares(local=True)
+        log.error(
+            "pool %s: Redis unreachable for the lease TTL: scheduling alone on %s", self.name,
+            ", ".join(f"{b.name} {b.limit}/{b.slots}" for b in self.placement.backends),
+        )  # fmt: skip
+        super().pump()
+
+    async def _adopt(self) -> None:
+        """Redis answers again: lease what runs here, in place of what Redis held of this
+        process; then settle for a TTL, unless nothing could have been decided alone."""
+        was_local = self.mode is Mode.LOCAL
+        self._set_shares()  # nothing starts here while the list is on its way
+        tickets = dict.fromkeys([*self._held, *self._local])
+        running = [(t, t.backend.name) for t in tickets if t.backend is not None]
+        try:
+            leases, calm_s = await self.dispatch.adopt(
+                self._ttl, [(backend, t.org, t.cls) for t, backend in running]
+            )
+            self._grant(await self._configure())  # a Redis that restarted knows no backend
+        except BaseException:
+            self._set_shares(local=was_local)
+            raise
+        self._renewed, self.reachable, self._joined = time.monotonic(), True, True
+        for timer in self._timers:
+            timer.cancel()
+        self._unreturned.clear()  # adopt handed back all of this process's old leases
+        for (ticket, _), lease in zip(running, leases, strict=True):
+            if ticket in self._held or ticket in self._local:
+                task = self._local.get(ticket) or self._held.get(ticket, ("", None))[1]
+                self._held[ticket] = (lease, task)
+            else:  # it ended while the call was on its way
+                self._later(self._finish(lease))
+        if was_local or calm_s < self._ttl:
+            self.mode, self._settled_at = Mode.SETTLING, time.monotonic() + self._ttl
+            log.warning("pool %s: Redis is back: settling for %.3g s", self.name, self._ttl)
+        else:
+            self._resume()
+
+    def _resume(self) -> None:
+        """Decide in Redis again: what waits here moves there, in the order it came."""
+        log.warning("pool %s: scheduling in the shared state again", self.name)
+        self.mode = Mode.SHARED
+        for ticket in list(self._queued_here):
+            if self.scheduler.cancel(ticket):
+                ticket.payload.set_exception(_Moved())
+        self.pump()
+
+    def _shares(self) -> list[int]:
+        """This process's share of each backend: an even split among the holders alive at
+        the last heartbeat."""
+        me, holders = self.dispatch.holder, self.dispatch.holders
+        ranked = holders if me in holders else sorted([*holders, me])
+        rank = ranked.index(me)
+        return [share(b.slots, i, len(ranked), rank) for i, b in enumerate(self.placement.backends)]
+
+    def _set_shares(self, *, local: bool = False) -> None:
+        """What this process's own scheduler may fill: its shares when ``local``, else
+        nothing at all."""
+        shares = self._shares() if local else [0] * len(self.placement.backends)
+        for backend, part in zip(self.placement.backends, shares, strict=True):
+            backend.share = part
+
+    def _start(self, tickets: list[Ticket]) -> None:
+        """The local scheduler dispatched these: they run under this process's share."""
+        for ticket in tickets:
+            self._local[ticket] = self._queued_here.get(ticket)
+        super()._start(tickets)
 
     def _down(self) -> list[str]:
         return [b.name for b in self.placement.backends if not b.healthy]

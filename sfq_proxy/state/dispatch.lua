@@ -33,7 +33,7 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- the pool's scalars (v, maxm, offset, queued, fence), read once per call and written back
+-- the pool's scalars (v, maxm, offset, queued, fence, born, reaped), read once per call and written back
 -- once at its end: most of a call's work would otherwise be these reads and writes
 local M, meta_changed = {}, false
 local function load_meta()
@@ -243,6 +243,20 @@ local function running(t, delta)
   refresh(t.o, t.c)
 end
 
+-- a slot on `backend` leased to holder h for a request of org o, class c. Lease numbers only
+-- grow, and start from Redis's clock (in µs-sized steps) when the pool's state is new: a
+-- Redis that lost its data never hands out a number a replica may still hold from before
+local function grant_lease(backend, h, o, c)
+  local lease = math.max(meta('fence'), now_ms() * 1000) + 1
+  set_meta('fence', lease)
+  lease = string.format('%.0f', lease)
+  redis.call('HSET', P .. 'lease', lease, cjson.encode({b = backend, h = h, o = o, c = c}))
+  redis.call('SADD', P .. 'hl:' .. h, lease)
+  add_inflight(backend, 1)
+  running({o = o, c = c}, 1)
+  return lease
+end
+
 -- dispatch while a ticket and a slot are there; grants of the caller's tickets are returned,
 -- the others' go to their holders' inboxes
 local function dispatch(down)
@@ -257,15 +271,10 @@ local function dispatch(down)
     end
     local backend = choose(down)
     if backend == nil then break end
-    add_inflight(backend, 1)
     if t.p == 1 then redis.call('LREM', P .. 'band', 1, id) else pop(t.f, t.cost) end
-    local lease = meta('fence') + 1
-    set_meta('fence', lease)
-    redis.call('HSET', P .. 'lease', lease, cjson.encode({t = id, b = backend, h = t.h, o = t.o, c = t.c}))
+    local lease = grant_lease(backend, t.h, t.o, t.c)
     redis.call('HDEL', P .. 'ticket', id)
     redis.call('SREM', P .. 'hq:' .. t.h, id)
-    redis.call('SADD', P .. 'hl:' .. t.h, lease)
-    running(t, 1)
     local grant = id .. ' ' .. lease .. ' ' .. backend
     if t.h == holder then
       mine[#mine + 1] = grant
@@ -276,10 +285,13 @@ local function dispatch(down)
   return mine
 end
 
-local function release(lease)
+-- a lease handed back by its holder h: one it no longer holds (reclaimed, handed back
+-- already, or never its own) frees nothing
+local function release(lease, h)
   local raw = redis.call('HGET', P .. 'lease', lease)
   if not raw then return nil end
   local l = cjson.decode(raw)
+  if l.h ~= h then return nil end
   redis.call('HDEL', P .. 'lease', lease)
   redis.call('SREM', P .. 'hl:' .. l.h, lease)
   add_inflight(l.b, -1)
@@ -300,14 +312,25 @@ local function cancel(id)
   return true
 end
 
--- a holder whose heartbeat stopped: its leases and queued tickets are given back
+-- everything a holder had in Redis given back: its leases, its queued tickets, its inbox
+local function forget(h)
+  for _, lease in ipairs(redis.call('SMEMBERS', P .. 'hl:' .. h)) do release(lease, h) end
+  for _, id in ipairs(redis.call('SMEMBERS', P .. 'hq:' .. h)) do cancel(id) end
+  redis.call('DEL', P .. 'hl:' .. h, P .. 'hq:' .. h, P .. 'inbox:' .. h)
+end
+
+-- the holders whose heartbeat stopped
 local function reap(now)
   for _, dead in ipairs(redis.call('ZRANGEBYSCORE', P .. 'holders', '-inf', now)) do
-    for _, lease in ipairs(redis.call('SMEMBERS', P .. 'hl:' .. dead)) do release(lease) end
-    for _, id in ipairs(redis.call('SMEMBERS', P .. 'hq:' .. dead)) do cancel(id) end
-    redis.call('DEL', P .. 'hl:' .. dead, P .. 'hq:' .. dead, P .. 'inbox:' .. dead)
+    forget(dead)
     redis.call('ZREM', P .. 'holders', dead)
+    set_meta('reaped', now)
   end
+end
+
+-- the holders alive now, in id order: what a replica divides slots by when Redis is lost
+local function live(now)
+  return redis.call('ZRANGEBYSCORE', P .. 'holders', '(' .. now, '+inf')
 end
 
 local function down_set(raw)
@@ -327,8 +350,23 @@ local function run(op)
     local now = now_ms()
     reap(now)
     if A[4] ~= '1' and not alive() then return {0} end  -- reclaimed: fenced
+    if meta('born') == 0 then set_meta('born', now) end
     redis.call('ZADD', P .. 'holders', now + tonumber(A[3]), holder)
-    return {1, dispatch(down_set(A[5]))}
+    local grants = dispatch(down_set(A[5]))
+    return {1, grants, live(now)}
+  end
+  if op == 'adopt' then  -- ttl_ms, the requests the caller runs [[backend, org, class], ...]
+    -- back after Redis was lost: the caller's leases become exactly what it runs now (some
+    -- granted here before, some started on its own meanwhile), its queued tickets go
+    local now = now_ms()
+    reap(now)
+    if meta('born') == 0 then set_meta('born', now) end
+    redis.call('ZADD', P .. 'holders', now + tonumber(A[3]), holder)
+    forget(holder)
+    local leases = {}
+    for _, r in ipairs(cjson.decode(A[4])) do leases[#leases + 1] = grant_lease(r[1], holder, r[2], r[3]) end
+    -- how long the pool has been calm: no holder reaped, no state lost (Redis restarted)
+    return {1, leases, now - math.max(meta('born'), meta('reaped'))}
   end
 
   if not alive() then return {-1} end  -- not registered, or reclaimed: nothing may be granted
@@ -368,8 +406,8 @@ local function run(op)
   elseif op == 'cancel' then  -- id
     return {cancel(A[3]) and 1 or 0}
   elseif op == 'finish' then  -- lease, down
-    local l = release(A[3])
-    if l == nil then return {0, {}} end  -- fenced: reclaimed, or released already
+    local l = release(A[3], holder)
+    if l == nil then return {0, {}} end  -- fenced: reclaimed, released already, or not its own
     return {1, dispatch(down_set(A[4]))}
   elseif op == 'pump' then  -- down
     return {1, dispatch(down_set(A[3]))}

@@ -70,6 +70,7 @@ class RedisDispatch:
         self.redis = redis
         self._prefix = pool_prefix(pool)
         self.holder = holder
+        self.holders: list[str] = [holder]  # the pool's live holders at the last heartbeat
 
     async def _call(self, op: str, *args: Any) -> Any:
         return await DISPATCH.call(self.redis, self._prefix, op, self.holder, *args)
@@ -78,12 +79,26 @@ class RedisDispatch:
         self, ttl_s: float, down: Iterable[str] = (), *, new: bool = False
     ) -> list[Grant]:
         """Renew this holder's leases for ``ttl_s`` (``new``: register it), reclaiming those
-        of holders whose own expired; raises Fenced when this holder's were reclaimed."""
+        of holders whose own expired; raises Fenced when this holder's were reclaimed.
+        Notes the pool's live holders (``holders``)."""
         ttl_ms = round(ttl_s * 1000)
         reply = await self._call("heartbeat", ttl_ms, "1" if new else "0", _names(down))
         if reply[0] == 0:
             raise Fenced(self.holder)
+        self.holders = sorted(_text(h) for h in reply[2])
         return _grants(reply[1])
+
+    async def adopt(
+        self, ttl_s: float, running: Iterable[tuple[str, str, str]]
+    ) -> tuple[list[str], float]:
+        """Back after Redis was lost: register this holder again with a lease for each
+        request it runs (backend, org, class), in place of whatever Redis still held of it.
+        Returns the leases, in order, and for how many seconds the pool has been calm (no
+        holder reclaimed, no state lost): under a TTL, others may still run unregistered
+        requests of their own."""
+        listed = json.dumps([list(r) for r in running])
+        reply = await self._call("adopt", round(ttl_s * 1000), listed)
+        return [_text(lease) for lease in reply[1]], int(reply[2]) / 1000
 
     async def configure(
         self,

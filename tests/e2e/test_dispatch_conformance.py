@@ -16,7 +16,10 @@ the same virtual time. What is proven that way:
    call, or found in the other holder's inbox) come in the order of one in-memory scheduler;
 5. fencing: a holder whose heartbeat stopped loses its leases and queued tickets to the next
    heartbeat of another, its late finish frees nothing, and its next call raises Fenced;
-6. equal meters are broken by flow id, and a drained pool starts its next period level.
+6. equal meters are broken by flow id, and a drained pool starts its next period level;
+7. a lease is handed back by its holder only, and never numbered twice, even by a Redis that
+   lost its data; ``adopt`` (back after Redis was lost) makes a holder's leases exactly what
+   it names.
 """
 
 from __future__ import annotations
@@ -460,5 +463,71 @@ async def test_a_stale_holder_is_fenced(redis_url: str) -> None:
         assert int(await client.hget(inflight, "b0")) == 1
         assert await late.finish(mail.lease) == []
         assert int(await client.hget(inflight, "b0")) == 0
+    finally:
+        await client.aclose()
+
+
+async def test_a_lease_is_freed_by_its_holder_only_and_never_numbered_twice(
+    redis_url: str,
+) -> None:
+    """Fencing names the exact lease: another holder's finish of it frees nothing, and a
+    Redis that lost its data (FLUSHALL, as a restart without persistence does) numbers its
+    new leases past every old one, so that a late finish of an old lease frees no new one."""
+    client = Redis.from_url(redis_url)
+    try:
+        pool = f"numbers-{uuid.uuid4().hex}"
+        inflight = pool_prefix(pool) + "inflight"
+        a, b = (RedisDispatch(client, pool, h) for h in ("a", "b"))
+        for holder in (a, b):
+            await holder.heartbeat(LONG_TTL_S, new=True)
+        await a.configure([("b0", 2)], {}, {})
+        (old,) = await a.submit("a1", SharedTicket("a", "x", 1.0, 1.0))
+        assert await b.finish(old.lease) == []  # not b's to hand back
+        assert int(await client.hget(inflight, "b0")) == 1
+
+        await client.flushall()
+        for holder in (a, b):
+            await holder.heartbeat(LONG_TTL_S, new=True)
+        await a.configure([("b0", 2)], {}, {})
+        (new,) = await b.submit("b1", SharedTicket("b", "x", 1.0, 1.0))
+        assert int(new.lease) > int(old.lease)
+        assert await a.finish(old.lease) == []
+        assert int(await client.hget(inflight, "b0")) == 1
+    finally:
+        await client.aclose()
+
+
+async def test_adopt_makes_a_holders_leases_what_it_runs(redis_url: str) -> None:
+    """Back after Redis was lost, a holder names what it runs: those become its leases,
+    counted against the slots even beyond them, its old leases and queued tickets go, and
+    the reply says for how long the pool has been calm (no holder reaped, no state lost)."""
+    client = Redis.from_url(redis_url)
+    try:
+        pool = f"adopt-{uuid.uuid4().hex}"
+        inflight = pool_prefix(pool) + "inflight"
+        a, b = (RedisDispatch(client, pool, h) for h in ("a", "b"))
+        for holder in (a, b):
+            await holder.heartbeat(LONG_TTL_S, new=True)
+        await a.heartbeat(LONG_TTL_S)
+        assert a.holders == ["a", "b"]  # the live ones, as the last heartbeat saw them
+        await a.configure([("b0", 2)], {}, {})
+        granted = [
+            g for i in range(2) for g in await a.submit(f"a{i}", SharedTicket("a", "x", 1.0, 1.0))
+        ]
+        assert len(granted) == 2
+        assert await a.submit("a2", SharedTicket("a", "x", 1.0, 1.0)) == []
+        assert await b.submit("b1", SharedTicket("b", "x", 1.0, 1.0)) == []
+
+        leases, calm_s = await a.adopt(LONG_TTL_S, [("b0", "a", "x")] * 3)  # 3 on 2 slots
+        assert len(leases) == 3 and 0 <= calm_s < 5
+        assert int(await client.hget(inflight, "b0")) == 3
+        assert await a.cancel("a2") is False  # its queued ticket went
+        for old in granted:
+            assert await a.finish(old.lease) == []  # freed by the adopt already
+        assert await a.finish(leases[0]) == []  # 2 run: b1 still waits
+        assert await a.finish(leases[1]) == []  # 1 runs: b1 goes, to b's inbox
+        (mail,) = await b.inbox(0.5)
+        assert (mail.ticket, mail.backend) == ("b1", "b0")
+        assert int(await client.hget(inflight, "b0")) == 2
     finally:
         await client.aclose()

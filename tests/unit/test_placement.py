@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sfq_proxy.config import BackendSpec
-from sfq_proxy.core.placement import Backend, Placement
+from sfq_proxy.core.placement import Backend, Placement, share
 
 
 def placement(*slots: int) -> Placement:
@@ -203,3 +205,39 @@ def test_the_threshold_can_change_on_a_reload() -> None:
     assert p.record_failure(a, until=1.0) is False
     p.failures_to_down = 2
     assert p.record_failure(a, until=1.0) is True  # the streak so far counts
+
+
+@given(slots=st.integers(1, 1000), index=st.integers(0, 50), holders=st.integers(1, 64))
+def test_the_shares_of_a_backend_add_up_to_its_slots_evenly(
+    slots: int, index: int, holders: int
+) -> None:
+    """Redis lost: every replica fills its share alone, so the shares must never add up to
+    more than the slots (nor, wasting them, less), and no replica gets more than one above
+    another."""
+    parts = [share(slots, index, holders, rank) for rank in range(holders)]
+    assert sum(parts) == slots
+    assert max(parts) - min(parts) <= 1
+
+
+def test_the_remainders_go_to_different_replicas_on_different_backends() -> None:
+    """Three 1-slot backends and three replicas: one each, not all to the first."""
+    assert [[share(1, i, 3, rank) for i in range(3)] for rank in range(3)] == [
+        [1, 0, 0],
+        [0, 1, 0],
+        [0, 0, 1],
+    ]
+
+
+def test_a_share_limits_choose_and_acquire() -> None:
+    """The local scheduler of a shared pool dispatches within its share: 0 is none."""
+    p = placement(4)
+    (b,) = p.backends
+    b.share = 0
+    assert p.choose() is None
+    b.share = 2
+    fill(p, b, 2)
+    assert p.choose() is None
+    with pytest.raises(RuntimeError):
+        p.acquire(b)
+    b.share = None  # all of its slots again
+    assert p.choose() is b

@@ -1,0 +1,142 @@
+"""Redis lost while serving, with ``when_unreachable: local``: the replicas go on alone,
+each on its share of every backend's slots, and form one fairness domain again once Redis
+is back. Run against a real Redis stopped and started again (empty, as a restart without
+persistence leaves it), behind real proxies and a real simulated backend that counts its
+concurrency; every client gets an answer or an error, and nothing is sent twice."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterator
+
+import openai
+import pytest
+import redis.asyncio as aioredis
+from proxy_lab import MODEL, Lab, Served, eventually, proxy_config
+from redis_server import RedisServer, queued_is
+
+from sfq_proxy.http.shared_pool import Mode, SharedPool
+from sfq_proxy.state.redis_dispatch import pool_prefix
+
+pytestmark = pytest.mark.redis
+CHAT = [{"role": "user", "content": "hi"}]
+TTL_S = 1.5
+
+
+@pytest.fixture(autouse=True)
+def redis_restarted(redis_server: RedisServer) -> Iterator[None]:
+    """A test that fails while Redis is stopped leaves it running for the next ones."""
+    yield
+    if not redis_server.pings():
+        redis_server.start()
+
+
+def pool(served: Served) -> SharedPool:
+    shared = served.state.pools["sim"]
+    assert isinstance(shared, SharedPool)
+    return shared
+
+
+async def outcome(lab: Lab, served: Served, user: str, tokens: int) -> str:
+    """A streamed request's fate: answered, cut mid-stream, or refused (status and code)."""
+    try:
+        reply = await lab.client(served, "A").chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=tokens, user=user, stream=True
+        )
+        async for _ in reply:
+            pass
+        return "answered"
+    except openai.APIStatusError as err:
+        return f"{err.status_code} {err.body and err.body.get('code')}"  # type: ignore[union-attr]
+    except openai.APIError:
+        return "cut"
+
+
+async def test_redis_lost_the_replicas_go_on_on_their_shares_and_join_again(
+    lab: Lab, redis_server: RedisServer, redis_url: str
+) -> None:
+    """Two replicas, one backend of 2 slots, both held by replica 0 when Redis stops. No
+    request is refused: the waiting move to their replica's own line. Replica 0 ends the
+    newer of its two (its share is 1), then each schedules alone on its 1 slot: the backend
+    never runs more than 2. Redis back: each registers what it runs, settles, and the lines
+    move back to Redis; a request then goes through the shared state again."""
+    sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=40.0, max_num_seqs=8)
+    shared = {"redis": redis_url, "lease_ttl_s": TTL_S, "when_unreachable": "local"}
+    proxies = [await lab.proxy(proxy_config([sim.url], slots=2, state=shared)) for _ in range(2)]
+    await eventually(lambda: all(len(pool(p).dispatch.holders) == 2 for p in proxies), within=5)
+
+    running = [asyncio.create_task(outcome(lab, proxies[0], f"run{i}", 160)) for i in range(2)]
+    await eventually(lambda: sim.stats.running == 2, within=10)
+    waiting = [
+        asyncio.create_task(outcome(lab, p, f"wait{j}.{i}", 5))
+        for j, p in enumerate(proxies)
+        for i in range(2)
+    ]
+    await eventually(lambda: queued_is(redis_url, 4), within=10)
+
+    redis_server.stop()
+    during = [asyncio.create_task(outcome(lab, p, f"down{j}", 5)) for j, p in enumerate(proxies)]
+    await eventually(lambda: all(pool(p).mode is Mode.LOCAL for p in proxies), within=3 * TTL_S)
+    http = await lab.http()
+    for served in proxies:
+        async with http.get(f"{served.url}/readyz") as r:
+            assert r.status == 200  # it serves: a load balancer keeps sending
+    assert [b.limit for p in proxies for b in pool(p).placement.backends] == [1, 1]
+    served_alone = await asyncio.wait_for(asyncio.gather(*waiting, *during), 20)
+    assert served_alone == ["answered"] * 6
+    assert sorted(await asyncio.gather(*running)) == ["answered", "cut"]
+
+    redis_server.start()
+    await eventually(lambda: all(pool(p).mode is Mode.SHARED for p in proxies), within=4 * TTL_S)
+    assert await asyncio.wait_for(outcome(lab, proxies[1], "after", 5), 20) == "answered"
+    admin = aioredis.Redis.from_url(redis_url)
+    try:  # Redis came back empty, and nothing ran when they registered: this lease (its
+        # number) is the one Redis granted "after"
+        assert await admin.hexists(pool_prefix("sim") + "meta", "fence")
+    finally:
+        await admin.aclose()
+    assert all(b.share == 0 for p in proxies for b in pool(p).placement.backends)
+
+    users = [r.user for r in sim.stats.log]
+    assert Counter(users).most_common(1)[0][1] == 1  # nothing sent twice
+    expected = {"run0", "run1", "after", "down0", "down1"}
+    assert set(users) == expected | {f"wait{j}.{i}" for j in range(2) for i in range(2)}
+    assert sim.stats.max_concurrent <= 2
+
+
+async def test_requests_wait_out_a_blip_and_go_through_redis(
+    lab: Lab, redis_server: RedisServer, redis_url: str
+) -> None:
+    """Redis gone for less than the time before anyone decides alone: the requests that
+    came meanwhile wait (no 503), nothing runs outside the shared state, and once Redis
+    answers they are dispatched by it."""
+    sim = await lab.backend(max_num_seqs=8)
+    shared = {"redis": redis_url, "lease_ttl_s": 3, "when_unreachable": "local"}
+    served = await lab.proxy(proxy_config([sim.url], slots=2, state=shared))
+    redis_server.stop()
+    blip = asyncio.create_task(outcome(lab, served, "blip", 5))
+    await eventually(lambda: pool(served).mode is Mode.HOLDING, within=3)
+    assert sim.stats.log == []  # waiting, not refused, not sent
+    redis_server.start()
+    assert await asyncio.wait_for(blip, 10) == "answered"
+    assert pool(served).mode is not Mode.LOCAL
+    assert [r.user for r in sim.stats.log] == ["blip"]
+
+
+async def test_an_orgs_rate_is_divided_among_the_replicas_while_redis_is_lost(
+    lab: Lab, redis_server: RedisServer, redis_url: str
+) -> None:
+    """rpm 4 shared by two replicas: with Redis lost each admits 2 (429 + Retry-After for
+    the third), so the org still gets at most its rate in all."""
+    sim = await lab.backend(max_num_seqs=8)
+    shared = {"redis": redis_url, "lease_ttl_s": TTL_S, "when_unreachable": "local"}
+    config = proxy_config([sim.url], slots=4, state=shared, orgs={"A": {"rpm": 4}})
+    proxies = [await lab.proxy(config) for _ in range(2)]
+    await eventually(lambda: all(len(pool(p).dispatch.holders) == 2 for p in proxies), within=5)
+    redis_server.stop()
+    answers = [
+        await outcome(lab, p, f"u{j}.{i}", 5) for j, p in enumerate(proxies) for i in range(3)
+    ]
+    assert answers == ["answered", "answered", "429 rate_limited"] * 2
+    redis_server.start()
