@@ -175,6 +175,7 @@ def test_check_config_says_where_the_state_is_and_never_its_password(tmp_path: P
     assert result.returncode == 0, result.stderr
     assert (
         "\nstate: redis redis://r.internal:6380/1: every process sharing it is one fairness "
-        "domain per pool; a dead one's slots back within 3 s\n"
+        "domain per pool; a dead one's slots back within 3 s; Redis unreachable: requests "
+        "refused (503)\n"
     ) in result.stdout
     assert "hunter2" not in result.stdout
