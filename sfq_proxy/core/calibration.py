@@ -24,6 +24,10 @@ Memory is bounded: a pool keeps at most ``max_orgs`` org ratios. When a new org 
 a full pool, the org with the fewest samples is dropped (the least recently observed among
 equals): the well-established ratios are the ones worth keeping, and a dropped org simply
 falls back to its pool's ratio, as a new one would.
+
+What several processes learned is combined exactly by :meth:`Calibration.merge`: a sum
+updated as S ← S·d + x, after n more observations counted from zero into B, is S·dⁿ + B
+(``sfq_proxy.http.shared_calibration`` shares calibration through Redis that way).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["MAX_TOKENS_PER_MESSAGE", "Calibration", "InputFit", "InputModel", "Ratio"]
 
@@ -273,6 +277,31 @@ class Calibration:
         state.orgs[org] = ratio
         return ratio
 
+    def merge(self, later: Calibration) -> None:
+        """Learn what ``later`` learned, as if its observations came here after all of ours.
+
+        ``later`` must have started from nothing, with our decay: each of its sums is then
+        B = Σ xᵢ·d^(n−i) over its n observations, and learning them here one by one would
+        have made ours S·dⁿ + B, which is what this computes. A group of sums decays only
+        when it learns, so n is each group's own count: the pool's input fit, its output
+        ratio, each org's ratio. The orgs ``later`` saw become the most recent, and a pool
+        over ``max_orgs`` drops its weakest, as ``observe`` would. ``later`` is not changed.
+
+        Exact but for rounding, unless orgs were dropped: an org that one-by-one learning
+        would have dropped and seen again from zero keeps its history here.
+        """
+        if later.decay != self.decay:
+            raise ValueError(f"cannot merge a decay of {later.decay} into one of {self.decay}")
+        for name, theirs in later._pools.items():
+            ours = self._pools.setdefault(name, _Pool())
+            _fold(ours.input, theirs.input, self.decay)
+            _fold(ours.output_ratio, theirs.output_ratio, self.decay)
+            for org, ratio in theirs.orgs.items():
+                mine = ours.orgs.pop(org, None) or Ratio()
+                _fold(mine, ratio, self.decay)
+                ours.orgs[org] = mine
+            _evict_weakest(ours.orgs, len(ours.orgs) - self.max_orgs)
+
     # -- estimates -------------------------------------------------------------------------
 
     def input_model(self, pool: str, default: InputModel) -> InputModel:
@@ -395,8 +424,21 @@ def _clamp(value: float, bounds: tuple[float, float]) -> float:
     return min(max(value, bounds[0]), bounds[1])
 
 
+_Sums = TypeVar("_Sums", InputFit, Ratio)
+
+
+def _fold(ours: _Sums, later: _Sums, decay: float) -> None:
+    """S ← S·dⁿ + B for every decayed sum, n being ``later``'s samples (see ``merge``)."""
+    aged = decay**later.samples
+    for f in fields(ours):
+        if f.name != "samples":
+            setattr(ours, f.name, getattr(ours, f.name) * aged + getattr(later, f.name))
+    ours.samples += later.samples
+
+
 def _evict_weakest(orgs: dict[str, Ratio], count: int) -> None:
-    """Drop the ``count`` orgs with the fewest samples; ties go to the least recent."""
+    """Drop the ``count`` orgs with the fewest samples (none if ``count`` ≤ 0); ties go to
+    the least recent."""
     ranked = heapq.nsmallest(count, enumerate(orgs.items()), key=lambda i: (i[1][1].samples, i[0]))
     for _, (org, _ratio) in ranked:
         del orgs[org]

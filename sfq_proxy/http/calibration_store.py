@@ -1,6 +1,7 @@
 """Calibration kept across restarts: an atomically replaced JSON file.
 
-The learning itself is sans-I/O (``sfq_proxy.core.calibration``); this is its file.
+The learning itself is sans-I/O (``sfq_proxy.core.calibration``); this is its file, and the
+decoding of its JSON, which the copy shared in Redis uses too (``shared_calibration``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 from ..core.calibration import Calibration
 
-__all__ = ["load", "save"]
+__all__ = ["decode", "load", "save"]
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,19 @@ def load(path: Path, **settings: Any) -> Calibration:
         log.warning("cannot read calibration state %s (%s); starting afresh", path, exc)
         return fresh
     try:
-        return Calibration.from_json(json.loads(text), **settings)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        return decode(text, **settings)
+    except ValueError as exc:
         log.warning("corrupt calibration state %s (%s); starting afresh", path, exc)
         return fresh
+
+
+def decode(text: str | bytes, **settings: Any) -> Calibration:
+    """The calibration a JSON text holds; a ValueError says what is wrong with it (as JSON,
+    JSONDecodeError is one; nested too deep for the parser, it is made one)."""
+    try:
+        return Calibration.from_json(json.loads(text), **settings)
+    except RecursionError as exc:
+        raise ValueError(f"nested too deeply ({exc})") from exc
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -21,6 +21,7 @@ from ..state.redis_dispatch import RedisDispatch
 from . import calibration_store, logs, shared_state
 from .metrics import Metrics
 from .pool_runtime import Pool
+from .shared_calibration import CalibrationSync, SharedCalibration
 from .shared_limits import SharedLimits
 from .shared_pool import SharedPool
 
@@ -40,6 +41,7 @@ class Proxy:
     clock: Clock
     calibration: Calibration | None = None
     limits: SharedLimits | None = None  # the org buckets and Idempotency-Keys, with Redis
+    calibration_sync: CalibrationSync | None = None  # calibration shared, with Redis
     config_path: Path | None = None  # what SIGHUP and POST /admin/reload read again
     session: aiohttp.ClientSession | None = None
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -49,6 +51,11 @@ class Proxy:
         _hide_upstream_keys(config)
         calibration = _load_calibration(config.calibration)
         redis, holder = shared_state.connect(config), shared_state.holder_id()
+        sync = None
+        if redis is not None:  # what any replica learns, every replica charges
+            shared = SharedCalibration(**_calibration_settings(config.calibration))
+            shared.adopt(calibration)  # until Redis has a calibration, the state file's
+            calibration, sync = shared, CalibrationSync(redis, shared)
         pools: dict[str, Pool] = {
             name: Pool(name, config, clock, calibration)
             if redis is None
@@ -64,6 +71,7 @@ class Proxy:
             clock=clock,
             calibration=calibration,
             limits=None if redis is None else SharedLimits(redis, config, _replicas(pools)),
+            calibration_sync=sync,
             config_path=config_path,
         )
 
@@ -111,7 +119,7 @@ class Proxy:
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
         """One pooled keep-alive session to the backends, the health probes, and the
-        calibration saved periodically and at shutdown."""
+        calibration saved periodically and at shutdown (and shared, with Redis)."""
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         # no cookie jar: one session serves every client, and a backend's cookie must not
         # ride on other orgs' requests
@@ -120,6 +128,8 @@ class Proxy:
         )
         shared = [p for p in self.pools.values() if isinstance(p, SharedPool)]
         await shared_state.start(self.config, shared)  # refuses to start without Redis
+        if self.calibration_sync is not None:
+            await self.calibration_sync.start()
         self._tasks = [
             asyncio.create_task(p.probe_forever(self.session)) for p in self.pools.values()
         ]
@@ -133,6 +143,8 @@ class Proxy:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.calibration_sync is not None:  # while its Redis client is open
+            await self.calibration_sync.stop()
         await shared_state.stop(shared, loops)
         await self.session.close()
         self.save_calibration()
@@ -178,13 +190,19 @@ class _CalibrationSettings(TypedDict):
     min_pool_samples: int
 
 
-def _load_calibration(spec: CalibrationSpec) -> Calibration:
-    """What was learned before, if a state file holds it; else start from the defaults."""
-    settings: _CalibrationSettings = {
+def _calibration_settings(spec: CalibrationSpec) -> _CalibrationSettings:
+    """Of every calibration the proxy makes: the one it loads, and with Redis the shared one,
+    its base and its deltas (whose merges need one decay)."""
+    return {
         "half_life_requests": spec.half_life_requests,
         "min_org_samples": spec.min_org_samples,
         "min_pool_samples": spec.min_org_samples,
     }
+
+
+def _load_calibration(spec: CalibrationSpec) -> Calibration:
+    """What was learned before, if a state file holds it; else start from the defaults."""
+    settings = _calibration_settings(spec)
     if spec.state_file:
         return calibration_store.load(Path(spec.state_file), **settings)
     return Calibration(**settings)

@@ -23,6 +23,7 @@ from redis_server import RedisClusterNode, RedisClusterNodes, queued_is, running
 from test_shared_state import CHAT, PER_ORG, out_of_bound, skewed_flood
 
 from sfq_proxy.config import Config, parse_config
+from sfq_proxy.http.shared_calibration import KEY as CALIBRATION_KEY
 from sfq_proxy.sim.server import SimBackend
 from sfq_proxy.state.redis_dispatch import pool_prefix
 
@@ -145,8 +146,11 @@ async def test_two_pools_on_two_shards_one_fairness_domain_across_two_proxies(
     assert len(other.stats.log) == 20
     assert other.stats.max_concurrent <= 2
 
-    where = {node.port: tags_on(node) for node in cluster.nodes}
+    # the shared calibration (its own key, its own slot) may be anywhere, but on its owner only
+    where = {node.port: tags_on(node) - {"calibration"} for node in cluster.nodes}
     assert where == {sim_owner.port: {"sim"}, other_owner.port: {"other"}, entry.port: set()}
+    calibration_owner = cluster.owner(CALIBRATION_KEY)
+    assert not any("calibration" in tags_on(n) for n in cluster.nodes if n is not calibration_owner)
     for owner, pool in ((sim_owner, "sim"), (other_owner, "other")):
         with owner.client() as client:
             assert client.zcard(pool_prefix(pool) + "holders") == 2  # both proxies joined

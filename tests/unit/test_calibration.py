@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -13,11 +14,13 @@ from typing import Any
 
 import pytest
 from hypothesis import assume, given
+from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from sfq_proxy.core.calibration import FORMAT_VERSION, Calibration, InputModel, Ratio
 from sfq_proxy.http import calibration_store as calibration_module
 from sfq_proxy.http.calibration_store import load, save
+from sfq_proxy.http.shared_calibration import SharedCalibration
 
 POOL = "llama-8b"
 HUGE_HALF_LIFE = 10**12  # decay ≈ 1 - 7e-13: a plain ratio of sums for any realistic test
@@ -535,6 +538,187 @@ def test_from_json_with_a_smaller_max_orgs_keeps_the_best_sampled() -> None:
             output(cal, 50, 100, org=org)
     restored = Calibration.from_json(cal.to_json(), half_life_requests=100, max_orgs=2)
     assert sorted(restored.snapshot()[POOL]["orgs"]) == ["b", "d"]
+
+
+# -- merging what several processes learned --------------------------------------------------
+
+Step = tuple[str, str, int, int, int | None, int, int | None]
+
+
+def or_none(counts: st.SearchStrategy[int]) -> st.SearchStrategy[int | None]:
+    """A count, or now and then none (a response without that usage)."""
+    return st.tuples(counts, st.integers(0, 4)).map(lambda pair: pair[0] if pair[1] else None)
+
+
+STEP = st.tuples(
+    st.sampled_from(["p", "q"]),  # pool
+    st.sampled_from("abc"),  # org
+    st.integers(0, 4000),  # chars (0: not all text)
+    st.integers(0, 12),  # messages
+    or_none(st.integers(0, 3000)),  # prompt tokens
+    st.integers(-1, 4096),  # max_tokens
+    or_none(st.integers(-1, 4096)),  # completion tokens
+)
+STEPS = st.lists(STEP, max_size=40)
+
+
+def learned_from(steps: list[Step], **settings: Any) -> Calibration:
+    cal = Calibration(**settings)
+    for step in steps:
+        observe(cal, *step)
+    return cal
+
+
+def merged_in_batches(steps: list[Step], cuts: set[int], **settings: Any) -> Calibration:
+    """Each batch learned from nothing by a calibration of its own, then merged in order, as
+    the shared calibration's deltas are; ``later`` is checked to come out unchanged."""
+    merged = Calibration(**settings)
+    bounds = [0, *sorted(cuts), len(steps)]
+    for start, end in itertools.pairwise(bounds):
+        batch = learned_from(steps[start:end], **settings)
+        before = batch.to_json()
+        merged.merge(batch)
+        assert batch.to_json() == before
+        for pool in merged.snapshot().values():
+            assert len(pool["orgs"]) <= merged.max_orgs
+    return merged
+
+
+def sums(cal: Calibration) -> dict[str, float]:
+    """Every decayed sum and count, by its path in the document."""
+    flat: dict[str, float] = {}
+
+    def walk(node: Any, path: str) -> None:
+        for key, value in node.items():
+            if isinstance(value, dict):
+                walk(value, f"{path}{key}.")
+            else:
+                flat[f"{path}{key}"] = value
+
+    walk(cal.to_json()["pools"], "")
+    return flat
+
+
+def estimates(cal: Calibration) -> dict[str, float]:
+    """What a cost model would use for every pool and org (and an org never seen)."""
+    prior = InputModel(5.0, 3.0)
+    found: dict[str, float] = {}
+    for pool in ("p", "q"):
+        model = cal.input_model(pool, prior)
+        found[f"{pool} a"], found[f"{pool} cpt"] = model.tokens_per_message, model.chars_per_token
+        for org in "abcz":
+            found[f"{pool} {org}"] = cal.output_ratio(pool, org, 0.3)
+    return found
+
+
+@given(
+    half_life=st.integers(1, 50),
+    min_pool_samples=st.integers(1, 3),
+    steps=STEPS,
+    data=st.data(),
+)
+def test_merging_batches_in_order_is_learning_them_in_one(
+    half_life: int, min_pool_samples: int, steps: list[Step], data: st.DataObject
+) -> None:
+    cuts = data.draw(st.sets(st.integers(0, len(steps)), min_size=1), label="cuts")
+    settings = {
+        "half_life_requests": half_life,
+        "min_pool_samples": min_pool_samples,
+        "min_org_samples": 2,  # orgs' own ratios are used, not only their pool's
+    }
+    whole = learned_from(steps, **settings)
+    merged = merged_in_batches(steps, cuts, **settings)
+    assert sums(merged) == pytest.approx(sums(whole), rel=1e-9)
+    assert estimates(merged) == pytest.approx(estimates(whole), rel=1e-9, abs=1e-9)
+    orgs = {name: list(pool["orgs"]) for name, pool in whole.snapshot().items()}
+    assert {name: list(pool["orgs"]) for name, pool in merged.snapshot().items()} == orgs
+
+
+@given(max_orgs=st.integers(1, 2), steps=STEPS, data=st.data())
+def test_a_merge_keeps_max_orgs_and_the_pools_own_sums_exact(
+    max_orgs: int, steps: list[Step], data: st.DataObject
+) -> None:
+    """Dropping orgs is not exact across batches (an org that one calibration drops and
+    sees again starts over; merged, it keeps its history), but the bound holds after every
+    merge, and the pools' own sums are those of learning in one."""
+    cuts = data.draw(st.sets(st.integers(0, len(steps)), min_size=1), label="cuts")
+    settings = {"half_life_requests": 3, "max_orgs": max_orgs}
+    whole = learned_from(steps, **settings)
+    merged = merged_in_batches(steps, cuts, **settings)
+
+    def pools_own(cal: Calibration) -> dict[str, float]:
+        return {path: value for path, value in sums(cal).items() if ".orgs." not in path}
+
+    assert pools_own(merged) == pytest.approx(pools_own(whole), rel=1e-9)
+
+
+def test_merge_ages_what_was_there_by_the_later_observations_of_the_same_sums() -> None:
+    """Half-life 1: what was there is halved once per later observation of its own group
+    (the pool's ratio twice, org b's not at all); as in the half-life test above."""
+    base = Calibration(half_life_requests=1, min_org_samples=1)
+    output(base, 10, 100, org="a")
+    output(base, 40, 100, org="b")
+    later = Calibration(half_life_requests=1, min_org_samples=1)
+    output(later, 50, 100, org="a")
+    output(later, 30, 60, org="a")
+    base.merge(later)
+    pool = base.to_json()["pools"][POOL]
+    # (10·½ + 40)·¼ + 50·½ + 30, (100·½ + 100)·¼ + 100·½ + 60
+    assert pool["output_ratio"] == {"num": 66.25, "den": 147.5, "samples": 4}
+    assert pool["orgs"] == {
+        "b": {"num": 40.0, "den": 100.0, "samples": 1},
+        "a": {"num": 57.5, "den": 135.0, "samples": 3},  # 10·¼ + 50·½ + 30; most recent
+    }
+
+
+def test_merge_copies_what_it_takes() -> None:
+    merged, later = Calibration(half_life_requests=4), learned_cal()
+    learned = later.to_json()
+    merged.merge(later)
+    observe(merged, "a", "x", 400, 1, 100, 100, 25)
+    assert later.to_json() == learned
+
+
+def test_merge_refuses_a_calibration_of_another_half_life() -> None:
+    with pytest.raises(ValueError, match="decay"):
+        Calibration(half_life_requests=4).merge(Calibration(half_life_requests=5))
+
+
+# -- shared through Redis: base ⊕ delta (sfq_proxy.http.shared_calibration) -----------------
+
+
+@hypothesis_settings(max_examples=300)  # a delta given back out of order fails 1 in 100
+@given(events=st.lists(STEP | st.sampled_from(["take", "pushed", "failed"]), max_size=60))
+def test_a_shared_calibration_prices_as_one_that_learned_everything(
+    events: list[Step | str],
+) -> None:
+    """Observations, and syncs that take the delta, then push it into the store (Redis, here
+    a Calibration) or fail and give it back, with observations arriving in between (the
+    round trip): the shared calibration always holds what one calibration learning every
+    observation would, and so does the store after a last sync."""
+    settings = {"half_life_requests": 5, "min_org_samples": 2}
+    shared, store = SharedCalibration(**settings), Calibration(**settings)
+    whole = Calibration(**settings)
+    taken = None
+    for event in [*events, "pushed", "take", "pushed"]:  # the last sync goes through
+        if isinstance(event, tuple):
+            observe(shared, *event)
+            observe(whole, *event)
+        elif event == "take" and taken is None:
+            taken = shared.take()
+        elif event == "failed" and taken is not None:
+            shared.give_back(taken)
+            taken = None
+        elif event == "pushed" and taken is not None:
+            store.merge(taken.learned)
+            merged = Calibration(**settings)
+            merged.merge(store)
+            shared.adopt(merged)
+            taken = None
+        assert sums(shared) == pytest.approx(sums(whole), rel=1e-9)
+        assert estimates(shared) == pytest.approx(estimates(whole), rel=1e-9, abs=1e-9)
+    assert sums(store) == pytest.approx(sums(whole), rel=1e-9)
+    assert shared.delta.observations == 0
 
 
 # -- settings --------------------------------------------------------------------------------
