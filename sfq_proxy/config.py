@@ -687,8 +687,8 @@ _SHARED_MAX_CHARGE = 2.0**31
 def _check_shared(
     pools: Mapping[str, PoolSpec], classes: Mapping[str, ClassSpec], orgs: Mapping[str, OrgSpec]
 ) -> _Errors:
-    """What the shared state needs: charges its Lua can count exactly, and no provider rate
-    (paced per process so far, it would multiply by the number of processes)."""
+    """What the shared state needs: charges its Lua can count exactly. (A provider pool's
+    rate is paced in Redis too, so every replica shares it: state/dispatch.lua.)"""
     weights = [c.weight for c in classes.values() if not c.priority] or [1.0]
     smallest = min(weights) * min([1.0, *(o.weight for o in orgs.values())])
     errors: _Errors = []
@@ -700,11 +700,6 @@ def _check_shared(
                 f"pools.{name}.cost.max_request_tokens",
                 f"with state: redis, c_max ({largest:g}) over the smallest flow weight "
                 f"({smallest:g}) must stay below 2^31: lower it, or raise that weight",
-            ))  # fmt: skip
-        if pool.rate is not None:
-            errors.append((
-                f"pools.{name}.rate",
-                "a provider rate is paced per process: not with state: redis (yet)",
             ))  # fmt: skip
     return errors
 

@@ -32,15 +32,19 @@ RECENT_DISPATCHES = 1000  # how many of the last dispatches /admin/state shows, 
 
 
 def pool_limits(
-    config: Config, spec: PoolSpec
+    config: Config, spec: PoolSpec, parts: int = 1
 ) -> tuple[dict[str, int], dict[str, int], Rate | None]:
-    """The pool's concurrency caps per org and per class, and its provider rate, if any."""
+    """The pool's concurrency caps per org and per class, and its provider rate, if any (one
+    of ``parts`` even shares of it: a replica alone while the shared state is lost)."""
     org_caps = {o: s.max_in_flight for o, s in config.orgs.items() if s.max_in_flight}
     class_caps = {c: s.max_in_flight for c, s in config.classes.items() if s.max_in_flight}
     rate = spec.rate
     # a provider's rate paces dispatch, so queued work waits instead of meeting its 429s;
     # providers enforce per-minute limits over seconds, so the burst is one second's worth
-    paced = Rate.of(rate.requests_per_minute, rate.tokens_per_minute, burst_s=1.0) if rate else None
+    paced = None
+    if rate is not None:
+        rpm, tpm = rate.requests_per_minute, rate.tokens_per_minute
+        paced = Rate.of(rpm and rpm / parts, tpm and tpm / parts, burst_s=1.0)
     return org_caps, class_caps, paced
 
 
@@ -156,21 +160,23 @@ class Pool:
         if not backend.healthy and health.mode == "passive":
             self._revive_later(backend)
 
-    def observe_answer(self, status: int, headers: Mapping[str, str], sent_at: float) -> None:
+    def observe_answer(self, status: int, headers: Mapping[str, str], sent_at: float) -> str | None:
         """An upstream answer's status and headers, as soon as they arrive: a 429 or a
         provider's exhausted rate limit holds the pool's dispatch (see ``core/throttle.py``);
-        the pool's next dispatch attempt arms the timer that ends the hold."""
+        the pool's next dispatch attempt arms the timer that ends the hold. Returns why
+        dispatch is now held, if it is."""
         now = self.clock()
         try:
             reason = self.throttle.observe(status, headers, sent_at, now)
         except Exception:  # a bug must not cost the answer (its connection is still open)
             log.exception("pool %s: the upstream's rate-limit headers were not read", self.name)
-            return
+            return None
         if reason is not None:
             log.info(
                 "pool %s: provider rate limit (%s): dispatch held for %.3f s, rate factor %.3g",
                 self.name, reason, self.throttle.wait(now), self.throttle.factor(now),
             )  # fmt: skip
+        return reason
 
     def report_success(self, backend: Backend) -> None:
         """A good probe or an answer that is not a failure: the failure streak ends."""

@@ -2,10 +2,13 @@
 and replica that shares it (docs/shared-state.md).
 
 It is the in-memory :class:`Pool` with the scheduler's calls replaced by ``RedisDispatch``
-calls: the handler waits in line, holds a slot and gives it back as before. Health, probes
-and the provider's feedback stay per process. Two loops keep it going: the heartbeat, which
-renews this process's leases (and reaps those of dead processes), and the inbox, which
-brings the grants that another process's call made for this one's requests.
+calls: the handler waits in line, holds a slot and gives it back as before. Health and
+probes stay per process; a provider pool's rate is paced in Redis, and what this process's
+``Throttle`` concludes from its provider's answers (a pause, a lower rate factor) is pushed
+there, so every replica holds off. Two loops keep it going: the heartbeat, which renews this
+process's leases (and reaps those of dead processes), and the inbox, which brings the grants
+that another process's call made for this one's requests; when pacing held a ticket back, a
+timer pumps the pool once it allows the next dispatch.
 
 With ``when_unreachable: local`` a process that loses Redis goes through four modes:
 
@@ -14,7 +17,8 @@ With ``when_unreachable: local`` a process that loses Redis goes through four mo
   starts (a blip costs a wait, never a slot decided twice);
 - ``local``: Redis has not answered for a lease TTL, so every replica's leases have lapsed:
   the process's own scheduler dispatches, on its share of each backend's slots (an even
-  split among the replicas alive at the last heartbeat: they add up to the slots);
+  split among the replicas alive at the last heartbeat: they add up to the slots) and of
+  the pool's rate;
 - ``settling``: Redis answers again and holds a lease for everything the process runs;
   nothing new starts for one TTL, the time the other replicas take to register theirs, so
   no decision made in Redis counts without them. Then the waiting requests move to Redis.
@@ -42,7 +46,7 @@ from ..core.fair_queue import FlowView
 from ..core.placement import Backend, share
 from ..core.scheduler import Ticket
 from ..state.library import shielded
-from ..state.redis_dispatch import Fenced, Grant, QueueFull, RedisDispatch, SharedTicket
+from ..state.redis_dispatch import Fenced, Grants, QueueFull, RedisDispatch, SharedTicket
 from .pool_runtime import Clock, Pool, pool_limits
 
 log = logging.getLogger(__name__)
@@ -186,7 +190,7 @@ class SharedPool(Pool):
         held = self._held.pop(ticket, None)
         self._stop_running(ticket, refund=refund)
         if held is not None:
-            self._later(self._finish(held[0]))
+            self._later(self._finish(held[0], ticket.tokens if refund else None))
             if self.mode is Mode.LOCAL:  # a slot Redis granted is this process's to fill
                 self.pump()
 
@@ -210,6 +214,17 @@ class SharedPool(Pool):
         self._config = config
         self._set_shares()
         self._later(self._call(self._configure()))
+
+    def observe_answer(self, status: int, headers: Mapping[str, str], sent_at: float) -> str | None:
+        """And what the ``Throttle`` concluded holds every replica's dispatch of the pool:
+        pushed to Redis in the background, never in the way of the answer."""
+        reason = super().observe_answer(status, headers, sent_at)
+        if reason is not None:
+            now, throttle = self.clock(), self.throttle
+            pause_s = max(0.0, throttle.paused_until - now)
+            call = self.dispatch.throttle(pause_s, throttle.factor(now), throttle.recover_per_s)
+            self._later(self._call(call))
+        return reason
 
     def virtual_time(self) -> float:
         return self._view[0]
@@ -302,6 +317,8 @@ class SharedPool(Pool):
         self._stop.set()
         for timer in self._timers:
             timer.cancel()
+        if self._timer is not None:  # a pump that pacing asked for
+            self._timer.cancel()
 
     async def _stopped_within(self, seconds: float) -> bool:
         with contextlib.suppress(TimeoutError):
@@ -369,23 +386,24 @@ class SharedPool(Pool):
             log.warning("pool %s: cancel in Redis failed: %s", self.name, err)
             return True
 
-    async def _finish(self, lease: str) -> None:
-        """Hand a lease back; one that cannot be (Redis unreachable) is tried again at each
-        heartbeat, else the heartbeat would keep its slot taken for as long as it beats."""
+    async def _finish(self, lease: str, refund: float | None = None) -> None:
+        """Hand a lease back (``refund``: its tokens go back to the pool's rate); one that
+        cannot be (Redis unreachable) is tried again at each heartbeat, else the heartbeat
+        would keep its slot taken for as long as it beats."""
         try:
-            self._grant(await self.dispatch.finish(lease, self._down()))
+            self._grant(await self.dispatch.finish(lease, self._down(), refund=refund))
         except RedisError as err:
             log.warning("pool %s: a lease could not be handed back yet: %s", self.name, err)
             self._unreturned.add(lease)
         except Fenced:  # Redis gave it back with the others: the heartbeat will find out
             pass
 
-    async def _configure(self) -> list[Grant]:
-        org_caps, class_caps, _ = pool_limits(self._config, self.spec)
+    async def _configure(self) -> Grants:
+        org_caps, class_caps, rate = pool_limits(self._config, self.spec)
         backends = [(b.name, b.slots) for b in self.placement.backends]
-        return await self.dispatch.configure(backends, org_caps, class_caps, self._down())
+        return await self.dispatch.configure(backends, org_caps, class_caps, self._down(), rate)
 
-    async def _call(self, work: Awaitable[list[Grant] | None]) -> None:
+    async def _call(self, work: Awaitable[Grants | None]) -> None:
         """A call whose failure only delays: the grants it made are carried out; if Redis is
         unreachable, the heartbeat deals with it."""
         try:
@@ -393,11 +411,15 @@ class SharedPool(Pool):
         except (RedisError, Fenced) as err:
             log.warning("pool %s: a call to Redis failed: %s", self.name, err)
             return
-        self._grant(grants or [])
+        if grants is not None:
+            self._grant(grants)
 
-    def _grant(self, grants: list[Grant]) -> None:
+    def _grant(self, grants: Grants) -> None:
         """Wake the requests given a slot; a grant that nobody waits for any more (its
-        client left, its deadline passed) is handed back at once."""
+        client left, its deadline passed) is handed back at once. When pacing held a ticket
+        back, pump the pool once it allows."""
+        if grants.wake_s is not None:
+            self._wake_in(grants.wake_s)
         for grant in grants:
             waiting = self._waiting.pop(grant.ticket, None)
             backend = next((b for b in self.placement.backends if b.name == grant.backend), None)
@@ -411,6 +433,16 @@ class SharedPool(Pool):
             self._held[ticket] = (grant.lease, task)
             self.recent.append((ticket.flow, backend.name))
             future.set_result(backend)
+
+    def _wake_in(self, delay_s: float) -> None:
+        """One pump, at the earliest wake asked for (the in-memory pool's timer): it
+        dispatches every holder's tickets, the others' to their inboxes."""
+        loop = asyncio.get_running_loop()
+        if self._timer is not None:
+            if self._timer.when() <= loop.time() + delay_s:
+                return
+            self._timer.cancel()
+        self._timer = loop.call_later(delay_s, self._on_timer)
 
     def _fence(self, why: str) -> None:
         """This process's leases are gone: fail what waits, and stop what runs, so that no
@@ -462,9 +494,13 @@ class SharedPool(Pool):
                     task.cancel("beyond this process's share of the backend")
 
     def _go_local(self) -> None:
-        """Schedule alone, on this process's share of each backend."""
+        """Schedule alone, on this process's share of each backend and of the rate."""
         self.mode = Mode.LOCAL
         self._set_shares(local=True)
+        self._set_rate(local=True)
+        if self._timer is not None:  # Redis's pacing asked for it: the scheduler sets its own
+            self._timer.cancel()
+            self._timer = None
         log.error(
             "pool %s: Redis unreachable for the lease TTL: scheduling alone on %s", self.name,
             ", ".join(f"{b.name} {b.limit}/{b.slots}" for b in self.placement.backends),
@@ -486,6 +522,7 @@ class SharedPool(Pool):
         except BaseException:
             self._set_shares(local=was_local)
             raise
+        self._set_rate(local=False)
         self._renewed, self.reachable, self._joined = time.monotonic(), True, True
         for timer in self._timers:
             timer.cancel()
@@ -511,12 +548,16 @@ class SharedPool(Pool):
                 ticket.payload.set_exception(_Moved())
         self.pump()
 
+    def _ranked(self) -> list[str]:
+        """The holders alive at the last heartbeat, this process among them."""
+        me, holders = self.dispatch.holder, self.dispatch.holders
+        return holders if me in holders else sorted([*holders, me])
+
     def _shares(self) -> list[int]:
         """This process's share of each backend: an even split among the holders alive at
         the last heartbeat."""
-        me, holders = self.dispatch.holder, self.dispatch.holders
-        ranked = holders if me in holders else sorted([*holders, me])
-        rank = ranked.index(me)
+        ranked = self._ranked()
+        rank = ranked.index(self.dispatch.holder)
         return [share(b.slots, i, len(ranked), rank) for i, b in enumerate(self.placement.backends)]
 
     def _set_shares(self, *, local: bool = False) -> None:
@@ -525,6 +566,12 @@ class SharedPool(Pool):
         shares = self._shares() if local else [0] * len(self.placement.backends)
         for backend, part in zip(self.placement.backends, shares, strict=True):
             backend.share = part
+
+    def _set_rate(self, *, local: bool) -> None:
+        """The local scheduler's pacing: when ``local``, this process's part of the pool's
+        rate (split as the slots are); else the whole rate, which it does not use."""
+        parts = len(self._ranked()) if local else 1
+        self.scheduler.set_limits(*pool_limits(self._config, self.spec, parts))
 
     def _start(self, tickets: list[Ticket]) -> None:
         """The local scheduler dispatched these: they run under this process's share."""

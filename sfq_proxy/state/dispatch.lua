@@ -15,6 +15,10 @@ where a script makes them again at every call (~15 µs). `sfq_dispatch` is the o
 every key of a pool starts with keys[1] ("sfq:{pool}:"), so one pool lives in one Redis
 Cluster slot; args[1] names the operation, args[2] is the calling replica (its holder id).
 Times are Redis's own (TIME), in milliseconds: one clock for every replica's leases.
+
+A provider pool's pacing is shared the same way: its rate's token buckets (core/limits.py)
+and its provider's feedback (core/throttle.py: the pause and the rate factor that any
+holder's 429s set) hold every replica's dispatch, as they hold one process's in memory.
 ]]
 
 -- the call being served: set by sfq_dispatch, as Redis runs one call at a time
@@ -192,6 +196,128 @@ local function refresh(org, cls)
   end
 end
 
+-- -- pacing: a provider pool's rate and its provider's feedback --------------------------------
+
+--[[ The pool's `pace` hash: the configured rate (rpm, tpm; absent when unset), each bucket's
+level and the ms it was last refilled (rl, ru; tl, tu), and the provider's feedback that the
+holders push (`throttle`): the end of the pause (pause), the rate factor f, which grows back
+by rec a second from fs on, and the spaced next dispatch while f < 1 (next_at). Times in
+ms of Redis's clock. Read at a call's first need, written back once at its end. ]]
+local pace, pace_changed
+local MAX_PAUSE_MS = 60000  -- core/throttle.py MAX_PAUSE_S: nothing holds a pool longer
+
+local function pacing()
+  if pace == nil then
+    pace, pace_changed = {}, false
+    local raw = redis.call('HGETALL', P .. 'pace')
+    for i = 1, #raw, 2 do pace[raw[i]] = tonumber(raw[i + 1]) end
+  end
+  return pace
+end
+local function set_pace(field, value)
+  pace[field], pace_changed = value, true
+end
+local function save_pace()
+  if not pace_changed then return end
+  local flat = {}
+  for field, value in pairs(pace) do
+    flat[#flat + 1] = field
+    flat[#flat + 1] = value
+  end
+  redis.call('DEL', P .. 'pace')
+  if #flat > 0 then redis.call('HSET', P .. 'pace', unpack(flat)) end
+end
+
+-- a bucket k ('r': requests, 't': tokens) is core/limits.py's TokenBucket with burst_s = 1, as
+-- pool_limits makes it: a second's worth, at least 1
+local function capacity(k) return math.max(1, pace[k .. 'pm'] / 60) end
+
+-- TokenBucket._refill, on Redis's clock; a bucket with no level yet starts full
+local function refill(k, now)
+  local level, updated = pace[k .. 'l'], pace[k .. 'u']
+  if level == nil then
+    set_pace(k .. 'l', capacity(k))
+    set_pace(k .. 'u', now)
+  elseif now > updated then
+    set_pace(k .. 'l', math.min(capacity(k), level + (now - updated) * pace[k .. 'pm'] / 60000))
+    set_pace(k .. 'u', now)
+  end
+end
+
+-- TokenBucket.wait, in ms rounded up (at that ms the bucket holds enough); more than a full
+-- bucket waits for a full one
+local function bucket_wait(k, amount, now)
+  if pace[k .. 'pm'] == nil then return 0 end
+  refill(k, now)
+  local missing = math.min(amount, capacity(k)) - pace[k .. 'l']
+  return math.max(0, math.ceil(missing * 60000 / pace[k .. 'pm']))
+end
+
+-- TokenBucket.take (a negative amount: it may leave the bucket in debt) and give_back (never
+-- above full)
+local function bucket_add(k, amount, now)
+  if pace[k .. 'pm'] == nil then return end
+  refill(k, now)
+  set_pace(k .. 'l', math.min(capacity(k), pace[k .. 'l'] + amount))
+end
+
+-- Rate.take (sign -1) and Rate.give_back (sign 1): a request, and its tokens
+local function rate_add(sign, tokens, now)
+  pacing()
+  bucket_add('r', sign, now)
+  bucket_add('t', sign * tokens, now)
+end
+
+-- Throttle.factor: the share of the rate dispatched at now, growing back to 1
+local function factor(now)
+  if pace.f == nil then return 1 end
+  return math.min(1, pace.f + pace.rec * math.max(0, now - pace.fs) / 1000)
+end
+
+-- the wait of Scheduler._dispatch, in ms: Rate.wait for the ticket, and Throttle.wait
+local function pace_wait(tokens, now)
+  local held = math.max((pace.pause or 0) - now, (pace.next_at or 0) - now)
+  return math.max(0, held, bucket_wait('r', 1, now), bucket_wait('t', tokens, now))
+end
+
+-- a dispatch: Rate.take, then Throttle.dispatched: below a factor of 1 the next dispatch
+-- waits one request's time or its tokens' time at the reduced rate, whichever is longer
+local function paced(tokens, now)
+  rate_add(-1, tokens, now)
+  local f = factor(now)
+  if f >= 1 or not (pace.rpm or pace.tpm) then return end
+  local spacing = 0
+  if pace.rpm then spacing = 60000 / pace.rpm end
+  if pace.tpm then spacing = math.max(spacing, tokens * 60000 / pace.tpm) end
+  set_pace('next_at', now + math.min(MAX_PAUSE_MS, math.ceil(spacing / f)))
+end
+
+-- a holder's Throttle concluded from its provider's answer: hold for pause_ms, at most
+-- MAX_PAUSE_MS, never shortening a pause (Throttle._pause); a factor at most f, growing back by
+-- recover_per_s a second from the end of the pause (Throttle._rate_limited; the holder's own
+-- Throttle halved it)
+local function throttle(pause_ms, f, recover_per_s, now)
+  pacing()
+  local pause = math.max(pace.pause or 0, now + math.min(MAX_PAUSE_MS, math.max(0, pause_ms)))
+  set_pace('pause', pause)
+  if f < factor(now) then
+    set_pace('f', f)
+    set_pace('fs', pause)
+    set_pace('rec', recover_per_s)
+  end
+end
+
+-- the rate's limit k from configure ('' when unset): one that changed starts a full bucket, as
+-- a reload makes new ones in memory; one that did not keeps its level, so that a replica that
+-- joins or reloads gives the provider no new burst
+local function set_rate(k, raw)
+  local per_minute = raw ~= '' and tonumber(raw) or nil
+  if pacing()[k .. 'pm'] == per_minute then return end
+  set_pace(k .. 'pm', per_minute)
+  set_pace(k .. 'l', nil)
+  set_pace(k .. 'u', nil)
+end
+
 -- -- tickets, backends and leases ---------------------------------------------------------------
 
 local function ticket(id)
@@ -257,10 +383,12 @@ local function grant_lease(backend, h, o, c)
   return lease
 end
 
--- dispatch while a ticket and a slot are there; grants of the caller's tickets are returned,
--- the others' go to their holders' inboxes
+-- dispatch while a ticket, a slot and the pool's pacing allow; grants of the caller's tickets
+-- are returned, the others' go to their holders' inboxes. Returned second: in how many ms
+-- pacing allows the next dispatch when it stopped this one, else -1
 local function dispatch(down)
-  local mine = {}
+  local mine, wake, now = {}, -1, nil
+  local paced_pool = next(pacing()) ~= nil
   while true do
     local id, t = band_next()
     if id == nil then
@@ -271,6 +399,15 @@ local function dispatch(down)
     end
     local backend = choose(down)
     if backend == nil then break end
+    if paced_pool then  -- as Scheduler._dispatch: decided once the ticket and backend are
+      now = now or now_ms()
+      local wait = pace_wait(t.tok, now)
+      if wait > 0 then
+        wake = wait
+        break
+      end
+      paced(t.tok, now)
+    end
     if t.p == 1 then redis.call('LREM', P .. 'band', 1, id) else pop(t.f, t.cost) end
     local lease = grant_lease(backend, t.h, t.o, t.c)
     redis.call('HDEL', P .. 'ticket', id)
@@ -282,7 +419,7 @@ local function dispatch(down)
       redis.call('RPUSH', P .. 'inbox:' .. t.h, grant)
     end
   end
-  return mine
+  return mine, wake
 end
 
 -- a lease handed back by its holder h: one it no longer holds (reclaimed, handed back
@@ -352,8 +489,8 @@ local function run(op)
     if A[4] ~= '1' and not alive() then return {0} end  -- reclaimed: fenced
     if meta('born') == 0 then set_meta('born', now) end
     redis.call('ZADD', P .. 'holders', now + tonumber(A[3]), holder)
-    local grants = dispatch(down_set(A[5]))
-    return {1, grants, live(now)}
+    local grants, wake = dispatch(down_set(A[5]))
+    return {1, grants, live(now), wake}
   end
   if op == 'adopt' then  -- ttl_ms, the requests the caller runs [[backend, org, class], ...]
     -- back after Redis was lost: the caller's leases become exactly what it runs now (some
@@ -371,7 +508,10 @@ local function run(op)
 
   if not alive() then return {-1} end  -- not registered, or reclaimed: nothing may be granted
 
-  if op == 'configure' then  -- backends [[name, slots], ...], org caps, class caps
+  -- the operations that dispatch reply {1, grants, wake} (dispatch's two values)
+  if op == 'configure' then  -- backends [[name, slots], ...], org caps, class caps, down, rpm, tpm
+    set_rate('r', A[7])
+    set_rate('t', A[8])
     redis.call('SET', P .. 'backends', A[3])
     backends = nil
     redis.call('DEL', P .. 'ocap', P .. 'ccap')
@@ -405,10 +545,14 @@ local function run(op)
     return {1, dispatch(down_set(A[6]))}
   elseif op == 'cancel' then  -- id
     return {cancel(A[3]) and 1 or 0}
-  elseif op == 'finish' then  -- lease, down
+  elseif op == 'finish' then  -- lease, down, tokens to give back ('': none)
     local l = release(A[3], holder)
     if l == nil then return {0, {}} end  -- fenced: reclaimed, released already, or not its own
+    if A[5] ~= '' then rate_add(1, tonumber(A[5]), now_ms()) end  -- Scheduler.refund
     return {1, dispatch(down_set(A[4]))}
+  elseif op == 'throttle' then  -- pause ms, factor, its growth a second
+    throttle(tonumber(A[3]), tonumber(A[4]), tonumber(A[5]), now_ms())
+    return {1}
   elseif op == 'pump' then  -- down
     return {1, dispatch(down_set(A[3]))}
   elseif op == 'view' then  -- v, offset, then per flow: id, meter, backlog, at a cap (1/0)
@@ -428,10 +572,11 @@ end
 
 local function sfq_dispatch(keys, args)
   P, holder, A = keys[1], args[2], args
-  backends, inflight = nil, nil
+  backends, inflight, pace, pace_changed = nil, nil, nil, false
   load_meta()
   local reply = run(args[1])
   save_meta()
+  save_pace()
   return reply
 end
 

@@ -5,11 +5,14 @@ The script holds the rules (the same as ``core/fair_queue.py`` and ``core/schedu
 this module only packs arguments and unpacks grants, so that the proxy and the conformance
 tests drive it the same way. Each process is a *holder*: its queued tickets and slot leases
 are its own, kept alive by its heartbeat, given back by Redis when the heartbeat stops.
+A provider pool's rate and its provider's feedback pace the dispatch in Redis too: a reply
+that dispatches says when pacing allows the next dispatch (``Grants.wake_s``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -18,6 +21,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from ..core.fair_queue import UNITS_PER_COST, FlowView
+from ..core.limits import Rate, TokenBucket
 from .library import DISPATCH
 
 
@@ -27,6 +31,15 @@ class Grant(NamedTuple):
     ticket: str
     lease: str
     backend: str
+
+
+class Grants(list[Grant]):
+    """The grants of a reply, and ``wake_s``: in how many seconds the pool's pacing (its rate,
+    its provider's pause) allows the next dispatch, when it held a ticket back; else None."""
+
+    def __init__(self, grants: Iterable[Grant] = (), wake_s: float | None = None) -> None:
+        super().__init__(grants)
+        self.wake_s = wake_s
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +90,7 @@ class RedisDispatch:
 
     async def heartbeat(
         self, ttl_s: float, down: Iterable[str] = (), *, new: bool = False
-    ) -> list[Grant]:
+    ) -> Grants:
         """Renew this holder's leases for ``ttl_s`` (``new``: register it), reclaiming those
         of holders whose own expired; raises Fenced when this holder's were reclaimed.
         Notes the pool's live holders (``holders``)."""
@@ -86,7 +99,7 @@ class RedisDispatch:
         if reply[0] == 0:
             raise Fenced(self.holder)
         self.holders = sorted(_text(h) for h in reply[2])
-        return _grants(reply[1])
+        return _grants(reply[1], reply[3])
 
     async def adopt(
         self, ttl_s: float, running: Iterable[tuple[str, str, str]]
@@ -106,16 +119,21 @@ class RedisDispatch:
         org_caps: Mapping[str, int],
         class_caps: Mapping[str, int],
         down: Iterable[str] = (),
-    ) -> list[Grant]:
-        """The pool's backends (in placement order, with their slots) and in-flight caps."""
-        reply = await self._call(
+        rate: Rate | None = None,
+    ) -> Grants:
+        """The pool's backends (in placement order, with their slots), in-flight caps, and
+        provider rate, whose buckets Redis keeps with a second's burst (``pool_limits``)."""
+        call = self._call(
             "configure",
             json.dumps([[name, slots] for name, slots in backends]),
             json.dumps(dict(org_caps)),
             json.dumps(dict(class_caps)),
             _names(down),
+            _per_minute(rate.requests if rate else None),
+            _per_minute(rate.tokens if rate else None),
         )
-        return _grants(_checked(reply)[1])
+        reply = _checked(await call)
+        return _grants(reply[1], reply[2])
 
     async def submit(
         self,
@@ -125,7 +143,7 @@ class RedisDispatch:
         front: bool = False,
         down: Iterable[str] = (),
         max_ahead: int | None = None,
-    ) -> list[Grant]:
+    ) -> Grants:
         """Queue ``ticket`` and dispatch what slots allow; raises QueueFull when its line
         already holds ``max_ahead`` requests (checked and queued in one step)."""
         fields = {
@@ -140,22 +158,35 @@ class RedisDispatch:
         )
         if reply[0] == 2:
             raise QueueFull(int(reply[1]))
-        return _grants(reply[1])
+        return _grants(reply[1], reply[2])
 
     async def cancel(self, ticket_id: str) -> bool:
         """Take a queued ticket out, uncharged; False if it was dispatched (or is unknown)."""
         return bool(_checked(await self._call("cancel", ticket_id))[0])
 
-    async def finish(self, lease: str, down: Iterable[str] = ()) -> list[Grant]:
-        """Hand a lease back and dispatch what it frees. A lease that Redis reclaimed (or
-        that was handed back already) frees nothing: the fencing that keeps a late release
-        from freeing a slot granted since."""
-        reply = _checked(await self._call("finish", lease, _names(down)))
-        return _grants(reply[1]) if reply[0] == 1 else []
+    async def finish(
+        self, lease: str, down: Iterable[str] = (), *, refund: float | None = None
+    ) -> Grants:
+        """Hand a lease back and dispatch what it frees; ``refund``: the tokens its request
+        gives back to the pool's rate (the upstream generated nothing). A lease that Redis
+        reclaimed (or that was handed back already) frees nothing: the fencing that keeps a
+        late release from freeing a slot granted since."""
+        tokens = "" if refund is None else f"{refund:.17g}"
+        reply = _checked(await self._call("finish", lease, _names(down), tokens))
+        return _grants(reply[1], reply[2]) if reply[0] == 1 else Grants()
 
-    async def pump(self, down: Iterable[str] = ()) -> list[Grant]:
-        """Dispatch what capacity allows now (a backend came back)."""
-        return _grants(_checked(await self._call("pump", _names(down)))[1])
+    async def pump(self, down: Iterable[str] = ()) -> Grants:
+        """Dispatch what capacity and pacing allow now (a backend came back, a wait ended)."""
+        reply = _checked(await self._call("pump", _names(down)))
+        return _grants(reply[1], reply[2])
+
+    async def throttle(self, pause_s: float, factor: float, recover_per_s: float) -> None:
+        """What this holder's ``Throttle`` concluded from its provider's answer, for every
+        holder: hold the pool's dispatch for ``pause_s`` (never shortening a pause), and
+        dispatch at ``factor`` of its rate at most, growing back by ``recover_per_s`` a
+        second from the end of the pause."""
+        pause_ms = math.ceil(pause_s * 1000)
+        _checked(await self._call("throttle", pause_ms, f"{factor:.17g}", f"{recover_per_s:.17g}"))
 
     async def view(self) -> tuple[float, list[FlowView]]:
         """The pool's virtual time and every flow Redis tracks, as ``FairQueue`` shows them
@@ -173,13 +204,13 @@ class RedisDispatch:
             flows.append(view)
         return (v + offset) / UNITS_PER_COST, sorted(flows, key=lambda view: view.flow)
 
-    async def inbox(self, timeout_s: float) -> list[Grant]:
+    async def inbox(self, timeout_s: float) -> Grants:
         """Grants of this holder's tickets that another holder's call dispatched: waits up to
         ``timeout_s`` for the first, then takes what else is there."""
         key = self._prefix + "inbox:" + self.holder
         first = await self.redis.blpop([key], timeout=timeout_s)
         if first is None:
-            return []
+            return Grants()
         rest = await self.redis.lpop(key, 1000) or []
         return _grants([first[1], *rest])
 
@@ -195,12 +226,17 @@ def _checked(reply: Any) -> Any:
     return reply
 
 
+def _per_minute(bucket: TokenBucket | None) -> str:
+    return "" if bucket is None else f"{bucket.per_minute:.17g}"
+
+
 def _text(item: bytes | str) -> str:
     return item.decode() if isinstance(item, bytes) else item
 
 
-def _grants(raw: Iterable[bytes | str]) -> list[Grant]:
-    grants = []
+def _grants(raw: Iterable[bytes | str], wake_ms: int = -1) -> Grants:
+    """A reply's grants, and its wake time (ms, -1: none)."""
+    grants = Grants(wake_s=None if wake_ms < 0 else wake_ms / 1000)
     for item in raw:
         ticket, lease, backend = _text(item).split(" ", 2)
         grants.append(Grant(ticket, lease, backend))

@@ -19,7 +19,11 @@ the same virtual time. What is proven that way:
 6. equal meters are broken by flow id, and a drained pool starts its next period level;
 7. a lease is handed back by its holder only, and never numbered twice, even by a Redis that
    lost its data; ``adopt`` (back after Redis was lost) makes a holder's leases exactly what
-   it names.
+   it names;
+8. a provider pool's pacing, on Redis's own clock: its buckets (a second's burst, a take
+   larger than the bucket leaves it in debt, a refund gives back), and the provider's
+   feedback that a holder pushes (a pause that is never shortened, a factor that only goes
+   down, and spacing below a factor of 1) hold every holder's dispatch.
 """
 
 from __future__ import annotations
@@ -35,9 +39,17 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from sfq_proxy.config import BackendSpec
+from sfq_proxy.core.limits import Rate
 from sfq_proxy.core.placement import Placement
 from sfq_proxy.core.scheduler import Scheduler, Ticket
-from sfq_proxy.state.redis_dispatch import Fenced, Grant, RedisDispatch, SharedTicket, pool_prefix
+from sfq_proxy.state.redis_dispatch import (
+    Fenced,
+    Grant,
+    Grants,
+    RedisDispatch,
+    SharedTicket,
+    pool_prefix,
+)
 
 pytestmark = pytest.mark.redis
 
@@ -519,7 +531,8 @@ async def test_adopt_makes_a_holders_leases_what_it_runs(redis_url: str) -> None
         assert await b.submit("b1", SharedTicket("b", "x", 1.0, 1.0)) == []
 
         leases, calm_s = await a.adopt(LONG_TTL_S, [("b0", "a", "x")] * 3)  # 3 on 2 slots
-        assert len(leases) == 3 and 0 <= calm_s < 5
+        assert len(leases) == 3
+        assert 0 <= calm_s < 5
         assert int(await client.hget(inflight, "b0")) == 3
         assert await a.cancel("a2") is False  # its queued ticket went
         for old in granted:
@@ -529,5 +542,99 @@ async def test_adopt_makes_a_holders_leases_what_it_runs(redis_url: str) -> None
         (mail,) = await b.inbox(0.5)
         assert (mail.ticket, mail.backend) == ("b1", "b0")
         assert int(await client.hget(inflight, "b0")) == 2
+    finally:
+        await client.aclose()
+
+
+# -- pacing: a provider pool's rate and its provider's feedback ---------------------------------
+
+TICK_S = 0.05  # what Redis's clock may have moved between two calls here
+
+
+def held_for(grants: Grants, expected_s: float) -> bool:
+    """A reply that granted nothing because pacing held its ticket back ``expected_s`` (as of
+    Redis's now, a little after ours)."""
+    wake_s = grants.wake_s
+    return grants == [] and wake_s is not None and expected_s - TICK_S <= wake_s <= expected_s
+
+
+async def paced_pool(client: Redis, rate: Rate | None, *holders: str) -> list[RedisDispatch]:
+    """A fresh pool of 8 slots at ``rate``, with ``holders`` registered."""
+    pool = f"paced-{uuid.uuid4().hex}"
+    dispatches = [RedisDispatch(client, pool, h) for h in holders]
+    for holder in dispatches:
+        await holder.heartbeat(LONG_TTL_S, new=True)
+    assert await dispatches[0].configure([("b0", 8)], {}, {}, rate=rate) == []
+    return dispatches
+
+
+def tokens(amount: float) -> SharedTicket:
+    """A request of flow a/x estimated at ``amount`` tokens."""
+    return SharedTicket("a", "x", 1.0, 1.0, tokens=amount)
+
+
+async def test_the_rate_paces_every_holder_on_redis_clock(redis_url: str) -> None:
+    """120 requests a minute, a second's burst: 2 go at once, the third waits half a second
+    whoever submits it. 600 tokens a minute (10 at once): a take of 25, more than the
+    bucket, waits for a full one and leaves it 15 in debt, so the next token waits 1.6 s.
+    60 requests a minute: a refund gives back what a refused request took."""
+    client = Redis.from_url(redis_url)
+    try:
+        a, b = await paced_pool(client, Rate.of(120, 600, burst_s=1.0), "a", "b")
+        first = await a.submit("a1", tokens(1))
+        second = await b.submit("b1", tokens(1))
+        assert len(first) == len(second) == 1
+        assert first.wake_s is second.wake_s is None
+        held = await b.submit("b2", tokens(1))
+        assert held_for(held, 0.5)
+        beat = await a.heartbeat(LONG_TTL_S)  # dispatches too: the same wait
+        assert held_for(beat, 0.5)
+        await asyncio.sleep(0.5)
+        assert await a.pump() == []  # b2 is b's: it goes to b's inbox
+        assert (await b.inbox(0.5))[0].ticket == "b2"
+
+        c, d = await paced_pool(client, Rate.of(None, 600, burst_s=1.0), "c", "d")
+        assert len(await c.submit("c1", tokens(5))) == 1  # 5 of 10 left
+        big = await d.submit("d1", tokens(25))  # more than the bucket: waits for a full one
+        assert held_for(big, 0.5)
+        await asyncio.sleep(0.5)
+        assert len(await d.pump()) == 1  # it goes, and leaves the bucket 15 in debt
+        small = await c.submit("c2", tokens(1))
+        assert held_for(small, 1.6)
+
+        e, f = await paced_pool(client, Rate.of(60, None, burst_s=1.0), "e", "f")
+        (ran,) = await e.submit("e1", tokens(1))
+        waits = await f.submit("f1", tokens(1))
+        assert held_for(waits, 1.0)
+        refunded = await e.finish(ran.lease, refund=1.0)  # its request goes back: f1 goes
+        assert refunded == []
+        assert refunded.wake_s is None
+        assert (await f.inbox(0.5))[0].ticket == "f1"
+    finally:
+        await client.aclose()
+
+
+async def test_a_holders_throttle_holds_every_holder(redis_url: str) -> None:
+    """Holder a's provider said 429 (retry in 0.4 s): a pushes the pause and its halved
+    factor. Holder b's ticket waits for the pause; a shorter pause or a higher factor pushed
+    later changes nothing. After the pause, at 60 requests a minute and a factor of 0.5,
+    dispatches are spaced 2 s apart although the bucket would allow one a second."""
+    client = Redis.from_url(redis_url)
+    try:
+        a, b = await paced_pool(client, Rate.of(60, None, burst_s=1.0), "a", "b")
+        await a.throttle(0.4, 0.5, 0.05)
+        await a.throttle(0.1, 0.8, 0.05)  # neither shortens the pause nor raises the factor
+        held = await b.submit("b1", tokens(1))
+        assert held_for(held, 0.4)
+        await asyncio.sleep(0.4)
+        (granted,) = await b.pump()
+        assert granted.ticket == "b1"
+        spaced = await a.submit("a1", tokens(1))
+        assert held_for(spaced, 2.0)  # 1 s at half the rate
+
+        unpaced = await paced_pool(client, None, "c")  # a pool without a rate: paused only
+        await unpaced[0].throttle(0.3, 0.5, 0.05)
+        paused = await unpaced[0].submit("c1", tokens(1))
+        assert held_for(paused, 0.3)
     finally:
         await client.aclose()

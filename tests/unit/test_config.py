@@ -985,6 +985,7 @@ def test_state_is_memory_unless_redis_is_given() -> None:
     assert config.redis_url() == "redis://r:6379/0"
     assert config.state is not None
     assert (config.state.lease_ttl_s, config.state.cluster) == (5.0, False)
+    assert config.state.when_unreachable == "fail_closed"  # never exceeds a slot
 
 
 def test_a_sentinel_password_comes_from_the_environment() -> None:
@@ -1024,6 +1025,10 @@ ONE_URL = "state: set exactly one of redis (a URL), redis_env or sentinel"
             "state: a Sentinel-managed Redis is not a cluster",
         ),
         ({"sentinel": {"hosts": ["s:1"], "service": "m"}, "redis": "redis://r"}, ONE_URL),
+        (
+            {"redis": "redis://r", "when_unreachable": "open"},
+            "state.when_unreachable: Input should be 'fail_closed' or 'local'",
+        ),
     ],
 )
 def test_a_bad_state_is_an_error_at_its_path(state: Any, line: str) -> None:
@@ -1032,9 +1037,10 @@ def test_a_bad_state_is_an_error_at_its_path(state: Any, line: str) -> None:
     assert error_lines(data) == [line]
 
 
-def test_shared_state_refuses_a_provider_rate_and_charges_redis_cannot_count() -> None:
-    """A pool's rate is paced per process (it would multiply by the replicas); a charge above
-    2^31 cost units (c_max over the smallest flow weight) loses meters' exactness in Lua."""
+def test_shared_state_takes_a_provider_rate_and_refuses_charges_redis_cannot_count() -> None:
+    """A pool's rate is paced in Redis (shared by the replicas), so it is taken; a charge
+    above 2^31 cost units (c_max over the smallest flow weight) loses meters' exactness in
+    Lua."""
     data = base()
     data["state"] = {"redis": "redis://r:6379/0"}
     data["pools"]["provider-a"]["rate"] = {"requests_per_minute": 600}
@@ -1043,7 +1049,6 @@ def test_shared_state_refuses_a_provider_rate_and_charges_redis_cannot_count() -
     assert error_lines(data) == [
         "pools.llama-8b.cost.max_request_tokens: with state: redis, c_max (1e+08) over the "
         "smallest flow weight (0.001) must stay below 2^31: lower it, or raise that weight",
-        "pools.provider-a.rate: a provider rate is paced per process: not with state: redis (yet)",
     ]
     del data["state"]
     assert parse(data).state is None  # in memory both are fine
