@@ -200,7 +200,9 @@ async def test_a_stream_outliving_its_request_bound_ends_with_a_deadline_event(
         events = (await r.read()).split(b"\n\n")
     assert not leftovers(served)
     assert double.finished == 0  # cut mid-way: the backend was still streaming
-    assert 3 <= len(events) - 3 < 100
+    # some of the 100 events came, never all: how many fit in 0.6 s depends on the machine's
+    # load (a CI run once saw 1), which is no business of this test
+    assert 1 <= len(events) - 3 < 100
     assert events[-2:] == [b"data: [DONE]", b""]
     error = json.loads(events[-3].removeprefix(b"data: "))["error"]
     assert (error["type"], error["code"]) == ("timeout_error", "deadline")
