@@ -37,26 +37,35 @@ local function now_ms()
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end
 
--- the pool's scalars (v, maxm, offset, queued, fence, born, reaped), read once per call and written back
--- once at its end: most of a call's work would otherwise be these reads and writes
+-- a hash of numbers read whole, and written back whole (a field set to nil goes)
+local function read_numbers(key)
+  local t = {}
+  local raw = redis.call('HGETALL', key)
+  for i = 1, #raw, 2 do t[raw[i]] = tonumber(raw[i + 1]) end
+  return t
+end
+local function write_numbers(key, t)
+  local flat = {}
+  for field, value in pairs(t) do
+    flat[#flat + 1] = field
+    flat[#flat + 1] = value
+  end
+  redis.call('DEL', key)
+  if #flat > 0 then redis.call('HSET', key, unpack(flat)) end
+end
+
+-- the pool's scalars (v, maxm, offset, queued, fence, born, reaped), read once per call and
+-- written back once at its end: most of a call's work would otherwise be these reads and writes
 local M, meta_changed = {}, false
 local function load_meta()
-  M, meta_changed = {}, false
-  local raw = redis.call('HGETALL', P .. 'meta')
-  for i = 1, #raw, 2 do M[raw[i]] = tonumber(raw[i + 1]) end
+  M, meta_changed = read_numbers(P .. 'meta'), false
 end
 local function meta(field) return M[field] or 0 end
 local function set_meta(field, value)
   M[field], meta_changed = value, true
 end
 local function save_meta()
-  if not meta_changed then return end
-  local flat = {}
-  for field, value in pairs(M) do
-    flat[#flat + 1] = field
-    flat[#flat + 1] = value
-  end
-  redis.call('HSET', P .. 'meta', unpack(flat))
+  if meta_changed then write_numbers(P .. 'meta', M) end
 end
 
 -- Python's round(): to the nearest integer, halves to the even one
@@ -207,25 +216,14 @@ local pace, pace_changed
 local MAX_PAUSE_MS = 60000  -- core/throttle.py MAX_PAUSE_S: nothing holds a pool longer
 
 local function pacing()
-  if pace == nil then
-    pace, pace_changed = {}, false
-    local raw = redis.call('HGETALL', P .. 'pace')
-    for i = 1, #raw, 2 do pace[raw[i]] = tonumber(raw[i + 1]) end
-  end
+  if pace == nil then pace, pace_changed = read_numbers(P .. 'pace'), false end
   return pace
 end
 local function set_pace(field, value)
   pace[field], pace_changed = value, true
 end
 local function save_pace()
-  if not pace_changed then return end
-  local flat = {}
-  for field, value in pairs(pace) do
-    flat[#flat + 1] = field
-    flat[#flat + 1] = value
-  end
-  redis.call('DEL', P .. 'pace')
-  if #flat > 0 then redis.call('HSET', P .. 'pace', unpack(flat)) end
+  if pace_changed then write_numbers(P .. 'pace', pace) end
 end
 
 -- a bucket k ('r': requests, 't': tokens) is core/limits.py's TokenBucket with burst_s = 1, as

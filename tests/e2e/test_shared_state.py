@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Coroutine
 from typing import Any
 
 import openai
@@ -47,6 +48,21 @@ async def skewed_flood(lab: Lab, sim: SimBackend, proxies: list[Served], queued:
     sim.release()
     await replies
     return [r.user for r in sim.stats.log]
+
+
+async def outcome(lab: Lab, served: Served, user: str, tokens: int) -> str:
+    """A streamed request's fate: answered, cut mid-stream, or refused (status and code)."""
+    try:
+        reply = await lab.client(served, "A").chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=tokens, user=user, stream=True
+        )
+        async for _ in reply:
+            pass
+        return "answered"
+    except openai.APIStatusError as err:
+        return f"{err.status_code} {err.body and err.body.get('code')}"  # type: ignore[union-attr]
+    except openai.APIError:
+        return "cut"
 
 
 def out_of_bound(order: list[str], skip: int) -> list[str]:
@@ -111,21 +127,10 @@ async def test_redis_lost_mid_run_fails_closed_and_every_client_hears(
     sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=40.0, max_num_seqs=8)
     shared = {"redis": redis_url, "lease_ttl_s": TTL_S}
     served = await lab.proxy(proxy_config([sim.url], slots=2, state=shared))
-    client = lab.client(served, "A")
     http = await lab.http()
 
-    async def one(user: str, tokens: int) -> str:
-        try:
-            reply = await client.chat.completions.create(
-                model=MODEL, messages=CHAT, max_tokens=tokens, user=user, stream=True
-            )
-            async for _ in reply:
-                pass
-            return "answered"
-        except openai.APIStatusError as err:
-            return f"{err.status_code} {err.body and err.body.get('code')}"  # type: ignore[union-attr]
-        except openai.APIError:
-            return "cut"
+    def one(user: str, tokens: int) -> Coroutine[Any, Any, str]:
+        return outcome(lab, served, user, tokens)
 
     running = [asyncio.create_task(one(f"run{i}", 2000)) for i in range(2)]
     await eventually(lambda: sim.stats.running == 2, within=10)

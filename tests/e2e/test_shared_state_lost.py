@@ -10,11 +10,11 @@ import asyncio
 from collections import Counter
 from collections.abc import Iterator
 
-import openai
 import pytest
 import redis.asyncio as aioredis
-from proxy_lab import MODEL, Lab, Served, eventually, proxy_config
+from proxy_lab import Lab, Served, eventually, proxy_config
 from redis_server import RedisServer, queued_is
+from test_shared_state import outcome
 
 from sfq_proxy.http.shared_pool import Mode, SharedPool
 from sfq_proxy.state.redis_dispatch import pool_prefix
@@ -36,21 +36,6 @@ def pool(served: Served) -> SharedPool:
     shared = served.state.pools["sim"]
     assert isinstance(shared, SharedPool)
     return shared
-
-
-async def outcome(lab: Lab, served: Served, user: str, tokens: int) -> str:
-    """A streamed request's fate: answered, cut mid-stream, or refused (status and code)."""
-    try:
-        reply = await lab.client(served, "A").chat.completions.create(
-            model=MODEL, messages=CHAT, max_tokens=tokens, user=user, stream=True
-        )
-        async for _ in reply:
-            pass
-        return "answered"
-    except openai.APIStatusError as err:
-        return f"{err.status_code} {err.body and err.body.get('code')}"  # type: ignore[union-attr]
-    except openai.APIError:
-        return "cut"
 
 
 async def test_redis_lost_the_replicas_go_on_on_their_shares_and_join_again(
