@@ -212,7 +212,9 @@ class SharedPool(Pool):
     def reconfigure(self, config: Config, cost: CostModel) -> None:
         super().reconfigure(config, cost)
         self._config = config
-        self._set_shares()
+        alone = self.mode is Mode.LOCAL  # a reload while Redis is lost keeps the split
+        self._set_shares(local=alone)
+        self._set_rate(local=alone)
         self._later(self._call(self._configure()))
 
     def observe_answer(self, status: int, headers: Mapping[str, str], sent_at: float) -> str | None:
