@@ -17,6 +17,7 @@ at the last heartbeat (the division of the slots), and Idempotency-Keys seen her
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import time
@@ -47,6 +48,7 @@ class SharedLimits:
         self._background: set[asyncio.Task[object]] = set()
         # while Redis is lost (when_unreachable: local): (org, rpm, tpm, replicas) → bucket
         self._alone: dict[tuple[str, str, str, int], Rate] = {}
+        self._lost = False  # the last call found Redis unreachable (logged once per outage)
 
     @property
     def _ttl_ms(self) -> int:
@@ -70,8 +72,6 @@ class SharedLimits:
             )
         except RedisError as err:
             reply = self._admit_alone(flow.org, tokens, digest, err)
-        else:
-            self._alone.clear()  # Redis is back: the next outage starts with full buckets
         if reply[0] == 409:
             raise ApiError(409, "A request with this Idempotency-Key is already queued or running.")
         if reply[0] == 429:
@@ -117,20 +117,29 @@ class SharedLimits:
             for org, digest in self._keys:
                 by_org.setdefault(org, []).append(digest)
             for org, digests in by_org.items():
-                try:
+                with contextlib.suppress(RedisError):  # the next beat tries again
                     await self._call(org, "renew", self._ttl_ms, *digests)
-                except RedisError as err:  # the next beat tries again
-                    log.warning("org limits in Redis unreachable: %s", err)
 
     async def _call(self, org: str, op: str, *args: object) -> list[int]:
+        """The call; an outage is logged once at its start and once at its end, not at
+        every request that meets it."""
         call = ADMISSION.call(self._redis, f"sfq:{{org:{org}}}:", op, *args)
-        reply: list[int] = await shielded(call)
+        try:
+            reply: list[int] = await shielded(call)
+        except RedisError as err:
+            if not self._lost:
+                self._lost = True
+                log.warning("org limits in Redis unreachable: %s", err)
+            raise
+        if self._lost:
+            self._lost = False
+            self._alone.clear()  # the next outage starts with full buckets
+            log.warning("org limits in Redis reachable again")
         return reply
 
     def _admit_alone(self, org: str, tokens: float, digest: str, err: RedisError) -> list[int]:
         """Redis did not answer: refuse (503), or decide here with this process's part of
         the org's rate; the reply as Redis would give it (200, 409, or 429 and the wait)."""
-        log.warning("org limits in Redis unreachable: %s", err)
         state = self.config.state
         if state is None or state.when_unreachable != "local":
             raise ApiError(
@@ -162,10 +171,8 @@ class SharedLimits:
 
     def _later(self, work: Awaitable[object]) -> None:
         async def quietly() -> None:
-            try:
+            with contextlib.suppress(RedisError):  # missed: the bucket refills, the key expires
                 await work
-            except RedisError as err:  # missed: the bucket refills, the key expires
-                log.warning("org limits in Redis unreachable: %s", err)
 
         task = asyncio.ensure_future(quietly())
         self._background.add(task)

@@ -116,10 +116,11 @@ async def test_requests_wait_out_a_blip_and_go_through_redis(
 
 
 async def test_an_orgs_rate_is_divided_among_the_replicas_while_redis_is_lost(
-    lab: Lab, redis_server: RedisServer, redis_url: str
+    lab: Lab, redis_server: RedisServer, redis_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """rpm 4 shared by two replicas: with Redis lost each admits 2 (429 + Retry-After for
-    the third), so the org still gets at most its rate in all."""
+    the third), so the org still gets at most its rate in all; each replica says so once,
+    not at every request."""
     sim = await lab.backend(max_num_seqs=8)
     shared = {"redis": redis_url, "lease_ttl_s": TTL_S, "when_unreachable": "local"}
     config = proxy_config([sim.url], slots=4, state=shared, orgs={"A": {"rpm": 4}})
@@ -130,4 +131,6 @@ async def test_an_orgs_rate_is_divided_among_the_replicas_while_redis_is_lost(
         await outcome(lab, p, f"u{j}.{i}", 5) for j, p in enumerate(proxies) for i in range(3)
     ]
     assert answers == ["answered", "answered", "429 rate_limited"] * 2
+    lost = [r for r in caplog.records if "org limits in Redis unreachable" in r.getMessage()]
+    assert len(lost) == 2
     redis_server.start()
