@@ -6,15 +6,13 @@ import asyncio
 import contextlib
 import io
 import json
-import os
-import shutil
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
 import redis
 from hypothesis import settings
 from proxy_lab import AccessLines, Lab
-from redis_server import RedisServer, running_redis
+from redis_server import RedisServer, need_redis_server, running_redis
 from server_process import running
 from vllm_backend import VllmServer
 
@@ -56,10 +54,7 @@ def vllm_servers() -> Iterator[list[VllmServer]]:
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """A real redis-server for the whole session (Debian's package, from `make tools`)."""
-    if shutil.which("redis-server") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("redis-server is missing: run make tools")
-        pytest.skip("redis-server is not on PATH: `make tools` installs it")
+    need_redis_server()
     with running_redis() as server:
         yield server
 

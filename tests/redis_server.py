@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import redis
 import redis.asyncio as aioredis
 from redis.crc import key_slot
@@ -228,6 +229,14 @@ def running_redis_cluster(size: int = 3) -> Iterator[RedisClusterNodes]:
         yield cluster
     finally:
         cluster.stop()
+
+
+def need_redis_server() -> None:
+    """Skip without Debian's redis-server (``make tools`` installs it); under CI, fail."""
+    if shutil.which("redis-server") is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("redis-server is missing: run make tools")
+        pytest.skip("redis-server is not on PATH: `make tools` installs it")
 
 
 @contextlib.contextmanager

@@ -479,6 +479,17 @@ async def test_a_stale_holder_is_fenced(redis_url: str) -> None:
         await client.aclose()
 
 
+async def joined(
+    client: Redis, pool: str, *holders: str, slots: int = 8, rate: Rate | None = None
+) -> list[RedisDispatch]:
+    """``holders`` registered on ``pool``, whose one backend has ``slots`` (at ``rate``)."""
+    dispatches = [RedisDispatch(client, pool, h) for h in holders]
+    for holder in dispatches:
+        await holder.heartbeat(LONG_TTL_S, new=True)
+    assert await dispatches[0].configure([("b0", slots)], {}, {}, rate=rate) == []
+    return dispatches
+
+
 async def test_a_lease_is_freed_by_its_holder_only_and_never_numbered_twice(
     redis_url: str,
 ) -> None:
@@ -489,18 +500,13 @@ async def test_a_lease_is_freed_by_its_holder_only_and_never_numbered_twice(
     try:
         pool = f"numbers-{uuid.uuid4().hex}"
         inflight = pool_prefix(pool) + "inflight"
-        a, b = (RedisDispatch(client, pool, h) for h in ("a", "b"))
-        for holder in (a, b):
-            await holder.heartbeat(LONG_TTL_S, new=True)
-        await a.configure([("b0", 2)], {}, {})
+        a, b = await joined(client, pool, "a", "b", slots=2)
         (old,) = await a.submit("a1", SharedTicket("a", "x", 1.0, 1.0))
         assert await b.finish(old.lease) == []  # not b's to hand back
         assert int(await client.hget(inflight, "b0")) == 1
 
         await client.flushall()
-        for holder in (a, b):
-            await holder.heartbeat(LONG_TTL_S, new=True)
-        await a.configure([("b0", 2)], {}, {})
+        a, b = await joined(client, pool, "a", "b", slots=2)
         (new,) = await b.submit("b1", SharedTicket("b", "x", 1.0, 1.0))
         assert int(new.lease) > int(old.lease)
         assert await a.finish(old.lease) == []
@@ -517,12 +523,9 @@ async def test_adopt_makes_a_holders_leases_what_it_runs(redis_url: str) -> None
     try:
         pool = f"adopt-{uuid.uuid4().hex}"
         inflight = pool_prefix(pool) + "inflight"
-        a, b = (RedisDispatch(client, pool, h) for h in ("a", "b"))
-        for holder in (a, b):
-            await holder.heartbeat(LONG_TTL_S, new=True)
+        a, b = await joined(client, pool, "a", "b", slots=2)
         await a.heartbeat(LONG_TTL_S)
         assert a.holders == ["a", "b"]  # the live ones, as the last heartbeat saw them
-        await a.configure([("b0", 2)], {}, {})
         granted = [
             g for i in range(2) for g in await a.submit(f"a{i}", SharedTicket("a", "x", 1.0, 1.0))
         ]
@@ -560,12 +563,7 @@ def held_for(grants: Grants, expected_s: float) -> bool:
 
 async def paced_pool(client: Redis, rate: Rate | None, *holders: str) -> list[RedisDispatch]:
     """A fresh pool of 8 slots at ``rate``, with ``holders`` registered."""
-    pool = f"paced-{uuid.uuid4().hex}"
-    dispatches = [RedisDispatch(client, pool, h) for h in holders]
-    for holder in dispatches:
-        await holder.heartbeat(LONG_TTL_S, new=True)
-    assert await dispatches[0].configure([("b0", 8)], {}, {}, rate=rate) == []
-    return dispatches
+    return await joined(client, f"paced-{uuid.uuid4().hex}", *holders, rate=rate)
 
 
 def tokens(amount: float) -> SharedTicket:

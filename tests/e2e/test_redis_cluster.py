@@ -8,8 +8,6 @@ its own shard; a shard that comes back empty is joined again."""
 from __future__ import annotations
 
 import asyncio
-import os
-import shutil
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +17,13 @@ import pytest
 import yaml
 from proxy_lab import MODEL, Lab, Served, config_yaml, eventually
 from redis.crc import key_slot
-from redis_server import RedisClusterNode, RedisClusterNodes, queued_is, running_redis_cluster
+from redis_server import (
+    RedisClusterNode,
+    RedisClusterNodes,
+    need_redis_server,
+    queued_is,
+    running_redis_cluster,
+)
 from test_shared_state import CHAT, PER_ORG, out_of_bound, skewed_flood
 
 from sfq_proxy.config import Config, parse_config
@@ -36,10 +40,7 @@ ORG_A = "sfq:{org:A}:"  # org A's admission keys
 @pytest.fixture(scope="module")
 def redis_cluster() -> Iterator[RedisClusterNodes]:
     """A real 3-primary Redis Cluster for this module (Debian's package, from `make tools`)."""
-    if shutil.which("redis-server") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("redis-server is missing: run make tools")
-        pytest.skip("redis-server is not on PATH: `make tools` installs it")
+    need_redis_server()
     with running_redis_cluster() as cluster:
         yield cluster
 
