@@ -54,8 +54,9 @@ local function write_numbers(key, t)
   if #flat > 0 then redis.call('HSET', key, unpack(flat)) end
 end
 
--- the pool's scalars (v, maxm, offset, queued, fence, born, reaped), read once per call and
--- written back once at its end: most of a call's work would otherwise be these reads and writes
+-- the pool's scalars (v, maxm, offset, queued, fence, born, reaped, paced), read once per
+-- call and written back once at its end: most of a call's work would otherwise be these
+-- reads and writes
 local M, meta_changed = {}, false
 local function load_meta()
   M, meta_changed = read_numbers(P .. 'meta'), false
@@ -219,8 +220,10 @@ local function pacing()
   if pace == nil then pace, pace_changed = read_numbers(P .. 'pace'), false end
   return pace
 end
+-- meta's `paced` says the pool ever had pacing: the others' calls never read the hash
 local function set_pace(field, value)
   pace[field], pace_changed = value, true
+  if value ~= nil and meta('paced') ~= 1 then set_meta('paced', 1) end
 end
 local function save_pace()
   if pace_changed then write_numbers(P .. 'pace', pace) end
@@ -386,7 +389,7 @@ end
 -- pacing allows the next dispatch when it stopped this one, else -1
 local function dispatch(down)
   local mine, wake, now = {}, -1, nil
-  local paced_pool = next(pacing()) ~= nil
+  local paced_pool = meta('paced') == 1 and next(pacing()) ~= nil
   while true do
     local id, t = band_next()
     if id == nil then
