@@ -51,6 +51,7 @@ class Proxy:
         _hide_upstream_keys(config)
         calibration = _load_calibration(config.calibration)
         redis, holder = shared_state.connect(config), shared_state.holder_id()
+        calls = None if redis is None else shared_state.calls(config, redis)
         sync = None
         if redis is not None:  # what any replica learns, every replica charges
             shared = SharedCalibration(**_calibration_settings(config.calibration))
@@ -59,7 +60,9 @@ class Proxy:
         pools: dict[str, Pool] = {
             name: Pool(name, config, clock, calibration)
             if redis is None
-            else SharedPool(name, config, clock, calibration, RedisDispatch(redis, name, holder))
+            else SharedPool(
+                name, config, clock, calibration, RedisDispatch(redis, name, holder, calls)
+            )
             for name in config.pools
         }
         return cls(
@@ -70,7 +73,7 @@ class Proxy:
             metrics=Metrics(pools, config.metrics.max_labelled_orgs, calibration),
             clock=clock,
             calibration=calibration,
-            limits=None if redis is None else SharedLimits(redis, config, _replicas(pools)),
+            limits=None if calls is None else SharedLimits(calls, config, _replicas(pools)),
             calibration_sync=sync,
             config_path=config_path,
         )

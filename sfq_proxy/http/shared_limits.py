@@ -23,23 +23,19 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from redis.asyncio import Redis
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from ..config import Config
 from ..core.errors import ApiError
 from ..core.flows import Flow
 from ..core.limits import Rate
-from ..state.library import ADMISSION, shielded
+from ..state.library import ADMISSION, Caller, shielded
 
 log = logging.getLogger(__name__)
 
 
 class SharedLimits:
-    def __init__(
-        self, redis: Redis | RedisCluster, config: Config, replicas: Callable[[], int]
-    ) -> None:
+    def __init__(self, redis: Caller, config: Config, replicas: Callable[[], int]) -> None:
         """``replicas``: how many share the state, as of the last heartbeat."""
         self._redis = redis
         self.config = config

@@ -14,6 +14,8 @@ from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisError
 
 from ..config import Config, ConfigError, without_credentials
+from ..state.library import Caller
+from ..state.resp import Pipe
 from .shared_pool import SharedPool
 
 CONNECT_TIMEOUT_S = 1.0
@@ -57,6 +59,16 @@ def connect(config: Config) -> Redis | RedisCluster | None:
     return Redis(connection_pool=pool)
 
 
+def calls(config: Config, redis: Redis | RedisCluster) -> Caller:
+    """Where the hot path's function calls go: a ``Pipe`` to a single Redis named by its
+    URL, else (Sentinel, Cluster, a URL with options) redis-py's client."""
+    url, state = config.redis_url(), config.state
+    if url is None or state is None or state.cluster:
+        return redis
+    pipe = Pipe.from_url(url, connect_timeout_s=CONNECT_TIMEOUT_S, timeout_s=SOCKET_TIMEOUT_S)
+    return redis if pipe is None else pipe
+
+
 def holder_id() -> str:
     """A proxy in Redis: readable by an operator (host and pid), unique across restarts."""
     return f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}"
@@ -80,7 +92,7 @@ async def stop(pools: list[SharedPool], loops: list[asyncio.Task[None]]) -> None
     await asyncio.gather(*loops, return_exceptions=True)
     for pool in pools:
         await pool.drain()
-    clients = {id(pool.dispatch.redis): pool.dispatch.redis for pool in pools}
+    clients = {id(c): c for pool in pools for c in (pool.dispatch.redis, pool.dispatch.calls)}
     for client in clients.values():
         await client.aclose()
 

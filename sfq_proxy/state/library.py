@@ -17,6 +17,11 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, ResponseError, SlotNotCoveredError
 
+from .resp import Pipe
+
+# where function calls go: a pipe to one server (the fast path), or redis-py's client
+Caller = Redis | RedisCluster | Pipe
+
 
 @dataclass(frozen=True)
 class Library:
@@ -28,7 +33,7 @@ class Library:
         code = resources.files(__package__).joinpath(self.filename).read_text()
         object.__setattr__(self, "code", code)
 
-    async def call(self, redis: Redis | RedisCluster, key: str, *args: Any) -> Any:
+    async def call(self, redis: Caller, key: str, *args: Any) -> Any:
         """The function on ``key`` (every key it touches shares its hash tag)."""
         try:
             return await _fcall(redis, self.function, key, *args)
@@ -39,18 +44,22 @@ class Library:
             await redis.execute_command(
                 "FUNCTION LOAD", "REPLACE", self.code, target_nodes=await _owner(redis, key)
             )
+        elif isinstance(redis, Pipe):
+            await redis.execute("FUNCTION", "LOAD", "REPLACE", self.code)
         else:
             await redis.function_load(self.code, replace=True)
         return await _fcall(redis, self.function, key, *args)
 
 
-async def _fcall(redis: Redis | RedisCluster, function: str, key: str, *args: Any) -> Any:
+async def _fcall(redis: Caller, function: str, key: str, *args: Any) -> Any:
     """FCALL on one key. redis-py's cluster client finds FCALL's keys by asking a node
     (COMMAND GETKEYS: FCALL's keys are movable) before each call: a round trip more, always
     to the same node. The key is known here, so the call goes to its slot's primary."""
     if isinstance(redis, RedisCluster):
         node = await _owner(redis, key)
         return await redis.execute_command("FCALL", function, 1, key, *args, target_nodes=node)
+    if isinstance(redis, Pipe):
+        return await redis.execute("FCALL", function, 1, key, *args)
     return await redis.fcall(function, 1, key, *args)
 
 

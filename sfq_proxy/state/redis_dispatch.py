@@ -22,7 +22,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from ..core.fair_queue import UNITS_PER_COST, FlowView
 from ..core.limits import Rate, TokenBucket
-from .library import DISPATCH
+from .library import DISPATCH, Caller
 
 
 class Grant(NamedTuple):
@@ -79,14 +79,19 @@ def pool_prefix(pool: str) -> str:
 class RedisDispatch:
     """The dispatch calls of one pool for one holder."""
 
-    def __init__(self, redis: Redis | RedisCluster, pool: str, holder: str) -> None:
+    def __init__(
+        self, redis: Redis | RedisCluster, pool: str, holder: str, calls: Caller | None = None
+    ) -> None:
+        """``redis`` serves the inbox's blocking reads; ``calls`` (a ``Pipe`` to the same
+        server, or by default ``redis``) the function calls."""
         self.redis = redis
+        self.calls = redis if calls is None else calls
         self._prefix = pool_prefix(pool)
         self.holder = holder
         self.holders: list[str] = [holder]  # the pool's live holders at the last heartbeat
 
     async def _call(self, op: str, *args: Any) -> Any:
-        return await DISPATCH.call(self.redis, self._prefix, op, self.holder, *args)
+        return await DISPATCH.call(self.calls, self._prefix, op, self.holder, *args)
 
     async def heartbeat(
         self, ttl_s: float, down: Iterable[str] = (), *, new: bool = False

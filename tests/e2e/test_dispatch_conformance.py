@@ -50,6 +50,7 @@ from sfq_proxy.state.redis_dispatch import (
     SharedTicket,
     pool_prefix,
 )
+from sfq_proxy.state.resp import Pipe
 
 pytestmark = pytest.mark.redis
 
@@ -211,12 +212,14 @@ class RedisSide:
     the order the script made them.
     """
 
-    def __init__(self, client: Redis, scenario: Scenario) -> None:
+    def __init__(self, client: Redis, scenario: Scenario, pipe: Pipe) -> None:
         self.client = client
         self.scenario = scenario
         self.pool = f"conf-{uuid.uuid4().hex}"
         self.prefix = pool_prefix(self.pool)
-        self.holders = [RedisDispatch(client, self.pool, f"h{i}") for i in range(scenario.holders)]
+        self.holders = [
+            RedisDispatch(client, self.pool, f"h{i}", pipe) for i in range(scenario.holders)
+        ]  # the function calls go through the proxy's own hot path
         self.owner: dict[str, int] = {}  # ticket id → holder index
         self.leases: dict[str, str] = {}  # running ticket id → lease
         self.running: Counter[str] = Counter()  # backend → leases held, from the grants
@@ -303,9 +306,10 @@ class Trace:
 async def conform(redis_url: str, scenario: Scenario) -> list[Dispatch]:
     """Apply the scenario's operations to both sides, comparing them after each one;
     returns every dispatch, in order."""
-    client = Redis.from_url(redis_url)
+    client, pipe = Redis.from_url(redis_url), Pipe.from_url(redis_url)
+    assert pipe is not None
     try:
-        memory, shared = MemorySide(scenario), RedisSide(client, scenario)
+        memory, shared = MemorySide(scenario), RedisSide(client, scenario, pipe)
         shared._backend_of = {}
         await shared.start()
         trace = Trace()
@@ -346,6 +350,7 @@ async def conform(redis_url: str, scenario: Scenario) -> list[Dispatch]:
         return everything
     finally:
         await client.aclose()
+        await pipe.aclose()
 
 
 def run(redis_url: str, scenario: Scenario) -> None:
