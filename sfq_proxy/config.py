@@ -20,12 +20,14 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
+from itertools import pairwise
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -38,10 +40,17 @@ from pydantic import (
     model_validator,
 )
 
+from .core.fair_queue import (
+    DEFAULT_MAX_OVERTAKEN,
+    MAX_OVERTAKEN,
+    MAX_SIZE_BUCKETS,
+    size_bucket,
+)
 from .core.inference_request import MAX_OUTPUT_TOKENS
 
 __all__ = [
     "NAME_PATTERN",
+    "AffinitySpec",
     "BackendSpec",
     "CalibrationSpec",
     "ClassSpec",
@@ -156,6 +165,22 @@ class KeySpec(StrictModel):
         return "sha256" if self.key_sha256 is not None else "plain"
 
 
+def _strictly_increasing(bounds: list[float]) -> list[float]:
+    if any(b <= a for a, b in pairwise(bounds)):
+        raise ValueError("must be strictly increasing")
+    return bounds
+
+
+# size buckets inside a flow (docs/design.md §3): ascending upper bounds of a request's cost,
+# finite and positive; and how often one request may be overtaken
+SizeBounds = Annotated[
+    list[PositiveFloat],
+    Field(min_length=1, max_length=MAX_SIZE_BUCKETS),
+    AfterValidator(_strictly_increasing),
+]
+MaxOvertaken = Annotated[int, Field(ge=0, le=MAX_OVERTAKEN)]
+
+
 class ClassSpec(StrictModel):
     """A workload class. Priority classes bypass SFQ (strict band, FIFO, capped).
 
@@ -174,6 +199,24 @@ class ClassSpec(StrictModel):
     # the answer starts, a ``deadline`` error event in a stream); X-Request-Timeout may
     # only shorten it
     max_request_s: Seconds | None = None
+    # size buckets inside a flow (docs/design.md §3): upper bounds of a request's cost for
+    # buckets 0, 1, …; within a flow a smaller bucket may overtake, each request at most
+    # max_overtaken times (Config checks the pair: _check_size_buckets); unset: the default
+    # (None, so that a config dumped without its None fields loads again)
+    size_buckets: SizeBounds | None = None
+    max_overtaken: MaxOvertaken | None = None
+
+    def overtaking(self, cost: float) -> tuple[int, int | None]:
+        """A request of ``cost``'s size bucket and ``max_overtaken`` in this class, or
+        ``(0, None)`` when its flows are FIFOs (no ``size_buckets``)."""
+        if self.size_buckets is None or self.priority:
+            return 0, None
+        return size_bucket(cost, self.size_buckets), self.overtaken_at_most
+
+    @property
+    def overtaken_at_most(self) -> int:
+        """``max_overtaken``, or its default."""
+        return DEFAULT_MAX_OVERTAKEN if self.max_overtaken is None else self.max_overtaken
 
 
 def default_classes() -> dict[str, ClassSpec]:
@@ -375,6 +418,45 @@ class RateSpec(StrictModel):
     tokens_per_minute: PerMinute | None = None
 
 
+# an HTTP field name (RFC 9110 token); never a credential, whose value has no business
+# deciding placement
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+
+
+class AffinitySpec(StrictModel):
+    """Prefix-cache-aware placement (docs/design.md §5, Affinity): a request goes to the
+    backend its key ranks first (rendezvous hashing) unless that would put more than
+    ``load_factor`` × the pool's average load on it. The key is a session's (the
+    ``session_header``, else the body's ``user`` with ``use_user_field``), else a digest of
+    the prompt's first ``prefix_chars`` characters (0: sessions only). Only digests are kept.
+    """
+
+    prefix_chars: int = Field(4096, ge=0, le=1_048_576)
+    session_header: str | None = None
+    use_user_field: bool = False
+    load_factor: float = Field(1.25, ge=1, le=100, allow_inf_nan=False)
+
+    @field_validator("session_header")
+    @classmethod
+    def _header_name(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        if not _HEADER_NAME.fullmatch(value):
+            raise ValueError("must be an HTTP header name")
+        if value.lower() in _CREDENTIAL_HEADERS:
+            raise ValueError("must not be a credential header")
+        return value
+
+    @model_validator(mode="after")
+    def _some_key(self) -> Self:
+        if self.prefix_chars == 0 and self.session_header is None and not self.use_user_field:
+            raise ValueError(
+                "with prefix_chars 0 no request has a key: set session_header or use_user_field"
+            )
+        return self
+
+
 class PoolSpec(StrictModel):
     """Backends serving the same models; one scheduler each (docs/design.md §1)."""
 
@@ -386,6 +468,7 @@ class PoolSpec(StrictModel):
     upstream_key_env: NonEmptyStr | None = None
     rate: RateSpec | None = None
     family: Family = "vllm"
+    affinity: AffinitySpec | None = None  # None: every request to the least loaded backend
 
     @model_validator(mode="before")
     @classmethod
@@ -565,6 +648,7 @@ class Config(StrictModel):
         errors += _check_backends(self.pools)
         errors += _check_key_classes(self.keys, self.classes)
         errors += _check_priority_band(self.keys, self.classes, self.pools)
+        errors += _check_size_buckets(self.classes)
         key_errors, self._resolved = _resolve_keys(self.keys, environ)
         errors += key_errors
         for name, pool in self.pools.items():
@@ -614,6 +698,11 @@ class Config(StrictModel):
         (an unknown model is refused later, with a 404)."""
         pool = self.pool_for_model(model)
         return pool is None or self.pools[pool].stream_usage
+
+    def affinity_for_model(self, model: str) -> AffinitySpec | None:
+        """The affinity settings of ``model``'s pool (None: off, or an unknown model)."""
+        pool = self.pool_for_model(model)
+        return None if pool is None else self.pools[pool].affinity
 
     def upstream_key(self, pool: str) -> str | None:
         """The key the proxy sends to ``pool``'s backends (from ``upstream_key_env``)."""
@@ -701,6 +790,22 @@ def _check_shared(
                 f"with state: redis, c_max ({largest:g}) over the smallest flow weight "
                 f"({smallest:g}) must stay below 2^31: lower it, or raise that weight",
             ))  # fmt: skip
+    return errors
+
+
+def _check_size_buckets(classes: Mapping[str, ClassSpec]) -> _Errors:
+    """Size buckets order a fair-queued flow: the band is a FIFO of its own, and a
+    ``max_overtaken`` without buckets would say something that never happens."""
+    errors: _Errors = []
+    for name, spec in classes.items():
+        if spec.priority and spec.size_buckets is not None:
+            errors.append((
+                f"classes.{name}.size_buckets",
+                "a priority class is served in the strict band, in arrival order: size "
+                "buckets order fair-queued classes only",
+            ))  # fmt: skip
+        if spec.size_buckets is None and spec.max_overtaken is not None:
+            errors.append((f"classes.{name}.max_overtaken", "only with size_buckets"))
     return errors
 
 

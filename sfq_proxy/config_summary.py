@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from pydantic import BaseModel
 
 from .config import (
+    AffinitySpec,
     ClassSpec,
     Config,
     CostSpec,
@@ -120,7 +121,11 @@ def _fmt_caps(spec: BaseModel, names: Iterable[str]) -> list[str]:
 def _class_summary(spec: ClassSpec) -> str:
     head = ["priority"] if spec.priority else [f"weight={_num(spec.weight)}"]
     caps = ("max_in_flight", "max_queue_age_s", "max_queue_len", "max_request_tokens")
-    return ", ".join(head + _fmt_caps(spec, caps))
+    sizes = []
+    if spec.size_buckets is not None:  # docs/design.md §3, Size buckets inside a flow
+        bounds = ", ".join(_num(b) for b in spec.size_buckets)
+        sizes = [f"size_buckets=[{bounds}] (cost), max_overtaken={spec.overtaken_at_most}"]
+    return ", ".join(head + _fmt_caps(spec, caps) + sizes)
 
 
 def _pct(share: float, *, up: bool) -> str:
@@ -167,6 +172,21 @@ def _injection(cost: CostSpec) -> str:
     return f"none asked: sent {field}={cost.default_max_tokens}"
 
 
+def _affinity_summary(affinity: AffinitySpec) -> str:
+    """Where a request goes when it has a key (docs/design.md §5, Affinity)."""
+    named = [f"header {affinity.session_header}"] if affinity.session_header else []
+    named += ["the body's user field"] if affinity.use_user_field else []
+    keys = [f"the session named by {' or '.join(named)}"] if named else []
+    if affinity.prefix_chars:
+        keys.append(
+            f"the prompt's first {affinity.prefix_chars} chars (chat: up to its first answer)"
+        )
+    return (
+        f"affinity: by {', else '.join(keys)}; a backend takes at most "
+        f"{_num(affinity.load_factor)}× the pool's average load, else the key's next"
+    )
+
+
 def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
     cost = pool.cost
     tokens = (
@@ -187,6 +207,8 @@ def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
     if not pool.stream_usage:
         lines.append("  streams: no usage reported; output tokens counted from their events")
     lines.append("  " + _health_summary(pool.health, keyed=pool.upstream_key_env is not None))
+    if pool.affinity is not None:
+        lines.append("  " + _affinity_summary(pool.affinity))
     if pool.rate is not None:
         lines.append(f"  rate: {', '.join(_fmt_caps(pool.rate, RateSpec.model_fields))}")
     if pool.upstream_key_env is not None:

@@ -12,6 +12,12 @@ Rules, from Goyal, Vin & Cheng (SIGCOMM 1996) as restated for LLM load balancers
    id), sets ``v = S`` and charges ``S += cost / weight``. Charges are final: no refunds.
 3. When nothing waits anywhere, ``v = max(v, max S)``: the next busy period starts level.
 
+Inside a flow, requests leave in arrival order, unless the flow has **size buckets**
+(docs/design.md §3, Size buckets inside a flow): then the next request of the flow is the
+oldest of its smallest non-empty bucket, unless the flow's oldest request has already been
+overtaken ``max_overtaken`` times, in which case the oldest goes. Which flow goes next, and
+what it is charged (the cost of the request actually dispatched), do not change.
+
 Meters are kept as integers in fixed-point units of ``1 / UNITS_PER_COST`` of a cost unit.
 Integer arithmetic makes ties exact, makes the order independent of float rounding, and
 makes renormalisation (subtracting ``v`` from everything) change no future decision.
@@ -20,19 +26,29 @@ makes renormalisation (subtracting ``v`` from everything) change no future decis
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import islice
 from typing import Generic, TypeVar
 
 __all__ = [
+    "DEFAULT_MAX_OVERTAKEN",
+    "DUE",
     "MAX_COST",
+    "MAX_OVERTAKEN",
+    "MAX_SIZE_BUCKETS",
     "MAX_WEIGHT",
     "MIN_WEIGHT",
     "UNITS_PER_COST",
+    "UNSIZED",
     "FairQueue",
     "FlowView",
     "check_cost",
+    "check_size",
     "check_weight",
+    "size_bucket",
 ]
 
 T = TypeVar("T")
@@ -49,6 +65,31 @@ MAX_WEIGHT = 1e9
 _RENORMALIZE_AT = 1 << 60
 """Internal virtual time above which meters are shifted down, to stay in machine-size ints."""
 
+DEFAULT_MAX_OVERTAKEN = 100
+"""How many times a request of a flow with size buckets may be overtaken by later, smaller
+ones when its class does not say. Large enough to let short requests pass the long ones of a
+busy flow (which wait while tens of short ones arrive), bounded so a long one waits at most
+that many short ones longer (docs/design.md §3, Size buckets inside a flow: why 100)."""
+MAX_OVERTAKEN = 1000
+MAX_SIZE_BUCKETS = 16
+"""At most this many bounds (so this many + 1 buckets) per class."""
+UNSIZED = 1 << 30
+"""The bucket of a request queued without size buckets into a flow that has some (a reload
+turned them on or off): after every bucket, so it never overtakes; it may be overtaken."""
+DUE = 1 << 30
+"""The overtaken count of a request put back at its flow's head (a retry) while the flow has
+size buckets: above any ``max_overtaken``, so it is its flow's next request, as without."""
+
+
+@dataclass(slots=True)
+class _Lanes:
+    """A flow's size buckets: present from its first push with ``max_overtaken`` until its
+    queue is empty. ``marks`` runs alongside the flow's queue, entry for entry."""
+
+    max_overtaken: int  # of the flow's latest push with size buckets
+    sizes: dict[int, int] = field(default_factory=dict)  # bucket → queued (UNSIZED not counted)
+    marks: deque[list[int]] = field(default_factory=deque)  # [bucket, times overtaken]
+
 
 @dataclass(slots=True)
 class _Flow(Generic[T]):
@@ -56,6 +97,7 @@ class _Flow(Generic[T]):
     weight: float = 1.0  # the flow's weight when it is next charged
     queue: deque[tuple[T, float]] = field(default_factory=deque)  # (item, cost)
     entry: int = -1  # sequence number of this flow's live heap entry; -1 when it has none
+    lanes: _Lanes | None = None  # None: the flow is a FIFO (no size buckets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +112,8 @@ class FlowView:
 
 
 class FairQueue(Generic[T]):
-    """SFQ over string-named flows, each a FIFO of opaque items with a positive cost.
+    """SFQ over string-named flows, each a FIFO of opaque items with a positive cost (or,
+    given size buckets, a line that lets smaller items overtake, boundedly).
 
     Every operation checks its arguments before it changes anything, so one that raises
     leaves the queue exactly as it was.
@@ -93,7 +136,15 @@ class FairQueue(Generic[T]):
     # -- the operations -------------------------------------------------------------------
 
     def push(
-        self, flow: str, item: T, cost: float, weight: float = 1.0, *, front: bool = False
+        self,
+        flow: str,
+        item: T,
+        cost: float,
+        weight: float = 1.0,
+        *,
+        front: bool = False,
+        bucket: int = 0,
+        max_overtaken: int | None = None,
     ) -> None:
         """Queue ``item`` in ``flow`` with its ``cost``; ``weight`` becomes the flow's weight.
 
@@ -102,15 +153,26 @@ class FairQueue(Generic[T]):
 
         ``front`` puts it at the head of its flow (a retry, which is its flow's oldest
         request); it still waits for its flow's turn by meter like any other.
+
+        ``max_overtaken`` (None: the flow is a FIFO) gives the flow size buckets, with
+        ``bucket`` this request's (``size_bucket`` of its cost): the flow's next request is
+        then the oldest of its smallest non-empty bucket, unless its oldest request was
+        overtaken ``max_overtaken`` times already (docs/design.md §3, Size buckets). It
+        becomes the flow's ``max_overtaken``, as ``weight`` its weight. A retry (``front``)
+        with buckets is due at once: it is its flow's next request, as without.
         """
         check_cost(cost)
         check_weight(weight)
+        if max_overtaken is not None:
+            check_size(bucket, max_overtaken)
         state = self._flows.get(flow)
         if state is None:
             state = self._flows[flow] = _Flow(meter=self._v)
         if not state.queue:
             state.meter = max(state.meter, self._v)
         state.weight = weight
+        if max_overtaken is not None or state.lanes is not None:
+            _mark(state, front, bucket, max_overtaken)
         if front:
             state.queue.appendleft((item, cost))
         else:
@@ -122,19 +184,25 @@ class FairQueue(Generic[T]):
     def peek(self) -> tuple[str, T] | None:
         """What ``pop`` would return now, changing nothing that can be observed."""
         head = self._head()
-        return None if head is None else (head[0], head[1].queue[0][0])
+        if head is None:
+            return None
+        state = head[1]
+        return head[0], state.queue[0 if state.lanes is None else _pick(state.lanes)][0]
 
     def pop(self) -> tuple[str, T] | None:
-        """Dispatch the head of the eligible flow with the smallest meter, charging it now."""
+        """Dispatch the next item (its head, or as its size buckets say) of the eligible flow
+        with the smallest meter, charging the flow that item's cost now."""
         head = self._head()
         if head is None:
             return None
         flow, state = head
         heap = self._heap
-        item, cost = state.queue[0]
-        charge = max(1, round(cost * UNITS_PER_COST / state.weight))  # finite: bounded inputs
+        lanes = state.lanes
+        # nothing below can raise (bounded inputs: the charge is finite), so taking it first
+        # changes nothing half-way
+        item, cost = state.queue.popleft() if lanes is None else _take(state.queue, lanes)
+        charge = max(1, round(cost * UNITS_PER_COST / state.weight))
         self._v = state.meter
-        state.queue.popleft()
         state.meter += charge
         self._max_meter = max(self._max_meter, state.meter)
         self._queued -= 1
@@ -144,6 +212,7 @@ class FairQueue(Generic[T]):
             heapq.heapreplace(heap, (state.meter, flow, self._seq))
         else:
             state.entry = -1
+            state.lanes = None
             heapq.heappop(heap)
             self._after_drain()
         if self._renormalize_at is not None and self._v >= self._renormalize_at:
@@ -158,12 +227,15 @@ class FairQueue(Generic[T]):
         for index, (queued, _) in enumerate(state.queue):
             if queued is item or queued == item:
                 del state.queue[index]
+                if state.lanes is not None:
+                    _unmark(state.lanes, index)
                 break
         else:
             return False
         self._queued -= 1
         if not state.queue:
             state.entry = -1
+            state.lanes = None
             self._after_drain()
         return True
 
@@ -274,6 +346,82 @@ class FairQueue(Generic[T]):
         for state in self._flows.values():
             state.meter -= shift
         self._heap = [(m - shift, f, s) for m, f, s in self._heap]  # order kept: heap intact
+
+
+def size_bucket(cost: float, bounds: Sequence[float]) -> int:
+    """The size bucket of a request of ``cost`` under a class's ``size_buckets``: the first
+    bucket whose bound (ascending upper bounds, inclusive) it does not exceed; above the last,
+    ``len(bounds)``. ``[500, 4000]``: 500 → 0, 501 → 1, 4001 → 2."""
+    return bisect_left(bounds, cost)
+
+
+def _mark(state: _Flow[T], front: bool, bucket: int, max_overtaken: int | None) -> None:
+    """Note a request about to be queued in ``state`` (at its head if ``front``) in its
+    flow's lanes, made when the flow gets size buckets: what was queued before counts as
+    UNSIZED and never overtaken (it was a FIFO)."""
+    lanes = state.lanes
+    if lanes is None:
+        assert max_overtaken is not None
+        lanes = state.lanes = _Lanes(max_overtaken)
+        lanes.marks.extend([UNSIZED, 0] for _ in state.queue)
+    if max_overtaken is None:
+        bucket = UNSIZED
+    else:
+        lanes.max_overtaken = max_overtaken
+        lanes.sizes[bucket] = lanes.sizes.get(bucket, 0) + 1
+    mark = [bucket, DUE if front else 0]
+    (lanes.marks.appendleft if front else lanes.marks.append)(mark)
+
+
+def _pick(lanes: _Lanes) -> int:
+    """Where in its flow's queue the flow's next request is: the oldest (0) when it was
+    overtaken ``max_overtaken`` times already, else the oldest of the smallest non-empty
+    bucket. Counts never grow from the oldest to the youngest (a dispatch raises everything
+    older than it; a newcomer starts at 0; a retry enters at the head, due), so the oldest
+    holds the largest count and checking it bounds everyone's."""
+    marks = lanes.marks
+    sizes = lanes.sizes
+    if not sizes or marks[0][1] >= lanes.max_overtaken:
+        return 0
+    smallest = min(sizes)
+    for index, mark in enumerate(marks):
+        if mark[0] == smallest:
+            return index
+    raise AssertionError("a counted bucket has no queued request")  # pragma: no cover
+
+
+def _take(queue: deque[tuple[T, float]], lanes: _Lanes) -> tuple[T, float]:
+    """Take the flow's next request out of its ``queue``, counting what it overtakes."""
+    index = _pick(lanes)
+    for mark in islice(lanes.marks, index):  # the older ones it overtakes
+        mark[1] += 1
+    taken = queue[index]
+    del queue[index]
+    _unmark(lanes, index)
+    return taken
+
+
+def _unmark(lanes: _Lanes, index: int) -> None:
+    """The request at ``index`` of its flow's queue left it (dispatched or removed)."""
+    bucket = lanes.marks[index][0]
+    del lanes.marks[index]
+    if bucket != UNSIZED:
+        left = lanes.sizes[bucket] - 1
+        if left:
+            lanes.sizes[bucket] = left
+        else:
+            del lanes.sizes[bucket]
+
+
+def check_size(bucket: int, max_overtaken: int) -> None:
+    """Raise ValueError unless ``bucket`` is an int in [0, MAX_SIZE_BUCKETS] and
+    ``max_overtaken`` one in [0, MAX_OVERTAKEN]."""
+    for name, value, high in (
+        ("bucket", bucket, MAX_SIZE_BUCKETS),
+        ("max_overtaken", max_overtaken, MAX_OVERTAKEN),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+            raise ValueError(f"{name} must be an integer in [0, {high}], got {value!r}")
 
 
 def check_cost(cost: float) -> None:

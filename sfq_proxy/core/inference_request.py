@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, TypeGuard
 
+from . import affinity
 from .errors import ApiError
 from .media import Media, media_part
 
@@ -54,6 +55,10 @@ class InferenceRequest:
     messages: int = 1  # texts the input is made of (chat messages, prompts, inputs)
     names_output: bool = False  # the body has a token field, be it only null
     media: tuple[Media, ...] = ()  # its image, audio, file and video parts, priced apart
+    # with its pool's affinity on: digests of its prompt's prefix and of its ``user`` field
+    # (core/affinity.py), never their text
+    affinity_prefix: str | None = None
+    affinity_user: str | None = None
 
 
 def _ask_for_usage(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
@@ -73,11 +78,20 @@ def _always(_model: str) -> bool:
     return True
 
 
+def _no_affinity(_model: str) -> affinity.Settings | None:
+    return None
+
+
 def parse(
-    kind: Kind, raw: bytes, reports_stream_usage: Callable[[str], bool] = _always
+    kind: Kind,
+    raw: bytes,
+    reports_stream_usage: Callable[[str], bool] = _always,
+    affinity_of: Callable[[str], affinity.Settings | None] = _no_affinity,
 ) -> InferenceRequest:
     """Parse and check ``raw``; a body the proxy cannot route or price is a 400. A stream
-    to a model whose server ``reports_stream_usage`` when asked is made to ask for it."""
+    to a model whose server ``reports_stream_usage`` when asked is made to ask for it. A
+    request for a model whose pool has affinity settings (``affinity_of``) gets the digests
+    its affinity key is made of."""
     body = _json_object(raw)
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -91,6 +105,8 @@ def parse(
     media: list[Media] = []
     texts, token_ids = _inputs(kind, body[field], field, media)
     messages = max(len(texts), 1)  # each text has its template overhead; tools do not
+    settings = affinity_of(model) if kind is not Kind.EMBEDDING else None
+    prefix, user = _affinity(kind, body, texts, settings) if settings else (None, None)
     texts += _tool_texts(body) if kind is Kind.CHAT else []
     max_tokens = _max_tokens(body)
     choices = max(_bounded_int(body, name, MAX_CHOICES) or 1 for name in _CHOICE_FIELDS)
@@ -112,7 +128,26 @@ def parse(
         messages=messages,
         names_output=any(name in body for name in _OUTPUT_FIELDS),
         media=tuple(media),
+        affinity_prefix=prefix,
+        affinity_user=user,
     )
+
+
+def _affinity(
+    kind: Kind, body: dict[str, Any], texts: list[str], settings: affinity.Settings
+) -> tuple[str | None, str | None]:
+    """The digests of the prompt's prefix (of a chat: its messages' roles and ``texts``) and,
+    when the pool reads it, of the ``user`` field."""
+    chars = settings.prefix_chars
+    if kind is Kind.CHAT:
+        roles = [m.get("role") for m in body["messages"]]
+        named = [(r if isinstance(r, str) else "", t) for r, t in zip(roles, texts, strict=True)]
+        prefix = affinity.chat_prefix(named, chars)
+    else:
+        prefix = affinity.prompt_prefix(body["prompt"], chars)
+    user = body.get("user") if settings.use_user_field else None
+    user_key = affinity.digest("u", user) if isinstance(user, str) and user else None
+    return affinity.prefix_key(prefix), user_key
 
 
 def with_output_limit(request: InferenceRequest, per_choice: int, field: str) -> InferenceRequest:

@@ -2,11 +2,18 @@
 
 Placement enforces each backend's concurrency slots and health; it never decides order,
 which is the fair queue's job. Times are plain numbers the caller reads from its clock.
+
+With affinity (a pool's ``affinity`` section, docs/design.md §5 "Affinity"), a request
+that carries a key goes to the first backend of that key's rendezvous order that has a free
+slot and stays within the bounded load; ``state/dispatch.lua`` ``choose`` applies the same
+rule, with the same hashes, in Redis.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
+from typing import Literal
 
 from ..config import BackendSpec, api_base
 
@@ -46,16 +53,45 @@ def share(slots: int, index: int, holders: int, rank: int) -> int:
     return base + (1 if (rank - index) % holders < extra else 0)
 
 
+Reason = Literal["affinity", "overflow", "fallback"]
+"""Why a request went where it did (``sfq_placement_total``): to its key's first choice, to
+a later backend of its key's order (the first was full or over the bounded load), or to the
+least loaded (no key, affinity off, or no backend of its order within the bound)."""
+
+
+def rank(key: str, name: str) -> int:
+    """The rendezvous (highest random weight) score of backend ``name`` for affinity ``key``:
+    the first 13 hex digits (52 bits, exact in Lua's doubles) of SHA-1 of the key, a newline
+    and the name. ``dispatch.lua`` computes the same with ``redis.sha1hex``."""
+    return int(hashlib.sha1(f"{key}\n{name}".encode()).hexdigest()[:13], 16)
+
+
+def key_order(key: str, backends: list[Backend]) -> list[Backend]:
+    """``backends`` in ``key``'s order: the highest score first, list order on ties. A
+    backend that leaves the list moves only the keys it came first for; one that joins takes
+    only the keys it now comes first for (consistent hashing)."""
+    return sorted(backends, key=lambda b: -rank(key, b.name))  # stable: list order on ties
+
+
 class Placement:
     """The backends of one pool and the rule for picking among them.
 
     ``failures_to_down`` is how many failures in a row take a backend out (the pool's
-    ``health.consecutive_failures``); the pool sets it again on a reload.
+    ``health.consecutive_failures``); ``load_factor`` is affinity's bound on a backend's
+    load over the pool's average (``affinity.load_factor``; None: affinity off). The pool
+    sets both again on a reload.
     """
 
-    def __init__(self, specs: list[BackendSpec], *, failures_to_down: int = 1) -> None:
+    def __init__(
+        self,
+        specs: list[BackendSpec],
+        *,
+        failures_to_down: int = 1,
+        load_factor: float | None = None,
+    ) -> None:
         self.backends = [Backend(name=s.name or s.url, url=s.url, slots=s.slots) for s in specs]
         self.failures_to_down = failures_to_down
+        self.load_factor = load_factor
 
     def update(self, specs: list[BackendSpec]) -> None:
         """A config reload: keep the backends still listed (their in-flight requests and
@@ -72,13 +108,33 @@ class Placement:
             backends.append(backend)
         self.backends = backends
 
-    def choose(self) -> Backend | None:
-        """The least loaded healthy backend with a free slot (first listed on ties)."""
+    def choose(self, key: str | None = None) -> Backend | None:
+        """The healthy backend with a free slot that a request of affinity ``key`` goes to
+        (see ``place``); None when every healthy backend is full."""
+        placed = self.place(key)
+        return None if placed is None else placed[0]
+
+    def place(self, key: str | None = None) -> tuple[Backend, Reason] | None:
+        """Where a request goes, and why. With a ``key`` and affinity on: the first backend
+        of the key's order among the healthy ones that has a free slot and whose load after
+        placing stays within the bound, ``in_flight + 1 ≤ ⌈load_factor · (R + 1) · slots /
+        S⌉`` (R requests in flight on the healthy backends, S their slots: consistent
+        hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam). Otherwise, or when
+        no backend of the order is within it, the least loaded healthy backend with a free
+        slot (in-flight ÷ slots; the first listed on ties)."""
+        if key is not None and self.load_factor is not None:
+            healthy = [b for b in self.backends if b.healthy]
+            total = sum(b.limit for b in healthy)
+            bound = self.load_factor * (sum(b.in_flight for b in healthy) + 1)
+            for i, b in enumerate(key_order(key, healthy)):
+                # in_flight + 1 ≤ ⌈x⌉ ⇔ in_flight < x, multiplied out as dispatch.lua does
+                if b.in_flight < b.limit and b.in_flight * total < bound * b.limit:
+                    return b, "affinity" if i == 0 else "overflow"
         best = None
         for b in self.backends:
             if b.healthy and b.in_flight < b.limit and (best is None or b.load < best.load):
                 best = b
-        return best
+        return None if best is None else (best, "fallback")
 
     def acquire(self, backend: Backend) -> None:
         if backend.in_flight >= backend.limit:

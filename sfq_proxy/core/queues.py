@@ -8,8 +8,9 @@ count, and Deficit Round Robin. No I/O, no clock; everything is deterministic.
 
 What every implementation guarantees (``tests/unit/test_queues.py`` checks it over all five):
 
-* each flow is a FIFO (``front`` puts a retry at its flow's head); nothing is lost or
-  duplicated; ``remove`` takes a queued item out uncharged;
+* each flow is a FIFO (``front`` puts a retry at its flow's head), unless ``FairQueue`` is
+  given size buckets (``max_overtaken``: docs/design.md §3), which the baselines ignore;
+  nothing is lost or duplicated; ``remove`` takes a queued item out uncharged;
 * ``pop`` returns exactly what ``peek`` said, and ``peek`` changes nothing observable;
 * an ineligible flow is never popped and keeps its queue and its place;
 * a cost outside (0, MAX_COST] or a weight outside [MIN_WEIGHT, MAX_WEIGHT] raises
@@ -53,9 +54,18 @@ class DispatchQueue(Protocol[T]):
     """Flows of queued items with costs; which flow goes next is the implementation's rule."""
 
     def push(
-        self, flow: str, item: T, cost: float, weight: float = 1.0, *, front: bool = False
+        self,
+        flow: str,
+        item: T,
+        cost: float,
+        weight: float = 1.0,
+        *,
+        front: bool = False,
+        bucket: int = 0,
+        max_overtaken: int | None = None,
     ) -> None:
-        """Queue ``item`` in ``flow`` (at its head if ``front``); ``weight`` becomes the flow's."""
+        """Queue ``item`` in ``flow`` (at its head if ``front``); ``weight`` becomes the flow's.
+        ``bucket`` and ``max_overtaken``: the flow's size buckets, for a queue that has them."""
         ...
 
     def peek(self) -> tuple[str, T] | None:
@@ -115,7 +125,15 @@ class _Baseline(Generic[T]):
     # -- the operations ---------------------------------------------------------------------
 
     def push(
-        self, flow: str, item: T, cost: float, weight: float = 1.0, *, front: bool = False
+        self,
+        flow: str,
+        item: T,
+        cost: float,
+        weight: float = 1.0,
+        *,
+        front: bool = False,
+        bucket: int = 0,  # size buckets: a baseline keeps every flow a FIFO
+        max_overtaken: int | None = None,
     ) -> None:
         check_cost(cost)
         check_weight(weight)

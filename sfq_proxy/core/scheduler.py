@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fair_queue import MAX_COST, FairQueue, check_cost, check_weight
+from .fair_queue import MAX_COST, FairQueue, check_cost, check_size, check_weight
 from .flows import flow_id, org_and_class
 from .limits import Rate
-from .placement import Backend, Placement
+from .placement import Backend, Placement, Reason
 from .queues import DispatchQueue
 from .throttle import Throttle
 
@@ -42,9 +42,17 @@ class Ticket:
     weight: float = 1.0
     tokens: float = 0.0  # estimated tokens, for a provider pool's tokens-per-minute pacing
     priority: bool = False  # in the strict band: FIFO before every SFQ flow, never charged
+    # its class's size buckets (docs/design.md §3): its bucket (``size_bucket`` of its cost)
+    # and how often it may be overtaken inside its flow; None: the flow is a FIFO
+    bucket: int = 0
+    max_overtaken: int | None = None
     payload: Any = None
     backend: Backend | None = field(default=None, repr=False)
     dispatches: int = 0  # how many times it was sent (a retry is sent again, charged again)
+    # where it would rather go: its affinity key (a digest, never text of the request), and
+    # why its last dispatch went where it did (docs/design.md §5, Affinity)
+    affinity: str | None = None
+    placed: Reason = "fallback"
     # the flow's name in the fair queue; its order breaks ties between equal meters
     flow: str = field(init=False)
 
@@ -54,6 +62,8 @@ class Ticket:
         tokens = self.tokens
         if isinstance(tokens, bool) or not (0 <= tokens <= MAX_COST):  # NaN fails too
             raise ValueError(f"tokens must be a number in [0, {MAX_COST:g}], got {tokens!r}")
+        if self.max_overtaken is not None:
+            check_size(self.bucket, self.max_overtaken)
         self.flow = flow_id(self.org, self.cls)
 
 
@@ -61,8 +71,9 @@ class Scheduler:
     """Dispatch one request at a time while a healthy backend has a free slot.
 
     The next request is the oldest of the strict band whose class is under its cap, else
-    the head of the fairest eligible flow. It waits for a slot (or for the pool's rate)
-    rather than letting another overtake it: the order is always the one the meters explain.
+    the fairest eligible flow's next one (its head, or as its size buckets say). It waits
+    for a slot (or for the pool's rate) rather than letting another overtake it: the order
+    is always the one the meters explain.
     """
 
     def __init__(
@@ -113,10 +124,16 @@ class Scheduler:
 
     def submit(self, ticket: Ticket, now: float, *, front: bool = False) -> list[Ticket]:
         """Queue ``ticket`` (at its flow's head if ``front``); returns what got dispatched."""
-        if ticket.priority:
+        if ticket.priority:  # the band is a FIFO: size buckets order fair-queued flows only
             (self.band.appendleft if front else self.band.append)(ticket)
-        else:
+        elif ticket.max_overtaken is None:
             self.queue.push(ticket.flow, ticket, ticket.cost, ticket.weight, front=front)
+            self._track(ticket)
+        else:
+            self.queue.push(
+                ticket.flow, ticket, ticket.cost, ticket.weight, front=front,
+                bucket=ticket.bucket, max_overtaken=ticket.max_overtaken,
+            )  # fmt: skip
             self._track(ticket)
         return self._dispatch(now)
 
@@ -170,9 +187,10 @@ class Scheduler:
         self.wake_at = None
         dispatched = []
         while (ticket := self._band_next() or _item(self.queue.peek())) is not None:
-            backend = self.placement.choose()
-            if backend is None:
+            placed = self.placement.place(ticket.affinity)
+            if placed is None:
                 break
+            backend, reason = placed
             wait = self._rate.wait(ticket.tokens, now) if self._rate is not None else 0.0
             if self.throttle is not None:
                 wait = max(wait, self.throttle.wait(now))
@@ -188,7 +206,7 @@ class Scheduler:
                 self.band.remove(ticket)
             else:
                 self.queue.pop()
-            ticket.backend = backend
+            ticket.backend, ticket.placed = backend, reason
             ticket.dispatches += 1
             self.running += 1
             self.flow_running[ticket.flow] += 1

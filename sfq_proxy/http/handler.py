@@ -26,6 +26,8 @@ from functools import partial
 
 from aiohttp import web
 
+from ..config import AffinitySpec
+from ..core.affinity import request_key
 from ..core.cost import Estimate
 from ..core.errors import ApiError
 from ..core.flows import CLASS_HEADER, Flow, classify
@@ -105,7 +107,8 @@ async def _admit_and_serve(
     key = proxy.auth.identify(request.headers.get("Authorization"))
     record.org = key.org
     raw = await _read_body(request, proxy.config.limits.max_body_bytes)
-    inference = parse(kind, raw, proxy.config.reports_stream_usage)
+    config = proxy.config
+    inference = parse(kind, raw, config.reports_stream_usage, config.affinity_for_model)
     record.model = inference.model
     flow = classify(proxy.config, key, request.headers.get(CLASS_HEADER), inference.model)
     record.cls, record.pool = flow.cls, flow.pool
@@ -117,6 +120,7 @@ async def _admit_and_serve(
     cls = proxy.config.classes[flow.cls]
     inference, estimate = pool.cost.price(inference, flow.org, cls.max_request_tokens)
     inference = replace(inference, text=None)  # queued, it holds its body, not its prompt twice
+    bucket, max_overtaken = cls.overtaking(estimate.cost)  # size buckets (design.md §3)
     ticket = Ticket(
         org=flow.org,
         cls=flow.cls,
@@ -124,6 +128,9 @@ async def _admit_and_serve(
         weight=proxy.config.flow_weight(flow.org, flow.cls),
         tokens=estimate.input_tokens + estimate.max_tokens,
         priority=cls.priority,
+        affinity=_affinity_key(pool.spec.affinity, flow.org, request, inference),
+        bucket=bucket,
+        max_overtaken=max_overtaken,
     )
     record.cost = estimate.cost
     queued = pool.waiting(ticket)
@@ -172,6 +179,7 @@ async def _serve(
         record.queue_wait_s += waited
         record.backend = backend.name
         metrics.observe(key, "queue_wait_seconds", waited)
+        metrics.placed(flow.pool, backend.name, ticket.placed)
         if not ticket.priority:
             metrics.count(key, "cost_charged", amount=ticket.cost)  # the cost, not cost/weight
         relayed, generated = None, True
@@ -332,6 +340,16 @@ def _backoff(attempt: int, base: float, cap: float, relayed: Relayed | None) -> 
     if after is not None:
         delay = max(delay, min(MAX_PAUSE_S, after))
     return delay
+
+
+def _affinity_key(
+    spec: AffinitySpec | None, org: str, request: web.Request, inference: InferenceRequest
+) -> str | None:
+    """The ticket's affinity key (docs/design.md §5, Affinity): a digest, never the text."""
+    if spec is None:
+        return None
+    header = request.headers.get(spec.session_header) if spec.session_header else None
+    return request_key(org, header, inference.affinity_user, inference.affinity_prefix)
 
 
 def _client_timeout(request: web.Request) -> float | None:

@@ -119,6 +119,7 @@ class Metrics(Collector):
         self._orgs: OrderedDict[str, None] = OrderedDict()  # labelled orgs, least recent first
         self._series: dict[Key, _Series] = {}
         self._first_byte: dict[tuple[str, str], _Histogram] = {}
+        self._placements: Counter[tuple[str, str, str]] = Counter()  # (pool, backend, reason)
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -141,6 +142,11 @@ class Metrics(Collector):
         if hist is None:
             hist = self._first_byte[(pool, backend)] = _Histogram(LATENCY_BUCKETS)
         hist.observe(seconds)
+
+    def placed(self, pool: str, backend: str, reason: str) -> None:
+        """A dispatch went to ``backend``: to its key's first choice (``affinity``), further
+        down its key's order (``overflow``), or to the least loaded (``fallback``)."""
+        self._placements[(pool, backend, reason)] += 1
 
     def totals(self, name: str) -> dict[Key, float]:
         """Counter ``name`` summed per labelled flow (over its extra label)."""
@@ -298,6 +304,14 @@ class Metrics(Collector):
         first_byte = HistogramMetricFamily(
             "sfq_upstream_first_byte_seconds", "Send to response headers", labels=labels
         )
+        placements = CounterMetricFamily(
+            "sfq_placement",
+            "Dispatches per backend, by why placement chose it: affinity (the key's first "
+            "choice), overflow (later in the key's order), fallback (no key: least loaded)",
+            labels=[*labels, "reason"],
+        )
+        for (pool_name, backend, reason), n in sorted(self._placements.items()):
+            placements.add_metric([pool_name, backend, reason], n)
         for pool_name, pool in self._pools.items():
             for b in pool.placement.backends:
                 slots.add_metric([pool_name, b.name], b.slots)
@@ -306,4 +320,4 @@ class Metrics(Collector):
                 hist = self._first_byte.get((pool_name, b.name))
                 if hist is not None:
                     first_byte.add_metric([pool_name, b.name], hist.cumulative(), hist.total)
-        yield from (slots, busy, healthy, first_byte)
+        yield from (slots, busy, healthy, first_byte, placements)

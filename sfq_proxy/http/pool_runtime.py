@@ -55,7 +55,11 @@ class Pool:
         self.name = name
         self.spec = spec = config.pools[name]
         self.clock = clock
-        self.placement = Placement(spec.backends, failures_to_down=spec.health.consecutive_failures)
+        self.placement = Placement(
+            spec.backends,
+            failures_to_down=spec.health.consecutive_failures,
+            load_factor=spec.affinity.load_factor if spec.affinity else None,
+        )
         org_caps, class_caps, rate = pool_limits(config, spec)
         self.throttle = Throttle()  # the provider's own 429s and rate-limit headers
         self.scheduler = Scheduler(
@@ -81,6 +85,8 @@ class Pool:
         self.spec = config.pools[self.name]
         self.placement.update(self.spec.backends)
         self.placement.failures_to_down = self.spec.health.consecutive_failures
+        affinity = self.spec.affinity
+        self.placement.load_factor = affinity.load_factor if affinity else None
         self.scheduler.set_limits(*pool_limits(config, self.spec))
         for view in self.scheduler.queue.flows():
             org, cls = org_and_class(view.flow)

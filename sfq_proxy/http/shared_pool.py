@@ -354,8 +354,9 @@ class SharedPool(Pool):
         """Queue the ticket, and carry out what the call dispatched (this ticket's grant or
         others'), even when the request that asked has left meanwhile."""
         shared = SharedTicket(
-            ticket.org, ticket.cls, ticket.cost, ticket.weight, ticket.tokens, ticket.priority
-        )
+            ticket.org, ticket.cls, ticket.cost, ticket.weight, ticket.tokens, ticket.priority,
+            ticket.affinity, bucket=ticket.bucket, max_overtaken=ticket.max_overtaken,
+        )  # fmt: skip
         cls = self._config.classes.get(ticket.cls)
         cap = cls.max_queue_len if cls is not None else None
         try:
@@ -403,7 +404,9 @@ class SharedPool(Pool):
     async def _configure(self) -> Grants:
         org_caps, class_caps, rate = pool_limits(self._config, self.spec)
         backends = [(b.name, b.slots) for b in self.placement.backends]
-        return await self.dispatch.configure(backends, org_caps, class_caps, self._down(), rate)
+        return await self.dispatch.configure(
+            backends, org_caps, class_caps, self._down(), rate, self.placement.load_factor
+        )
 
     async def _call(self, work: Awaitable[Grants | None]) -> None:
         """A call whose failure only delays: the grants it made are carried out; if Redis is
@@ -430,7 +433,7 @@ class SharedPool(Pool):
                 continue
             ticket, future, task = waiting
             backend.in_flight += 1  # this process's share, for its metrics and state
-            ticket.backend = backend
+            ticket.backend, ticket.placed = backend, grant.reason
             ticket.dispatches += 1
             self._held[ticket] = (grant.lease, task)
             self.recent.append((ticket.flow, backend.name))

@@ -14,20 +14,22 @@ import asyncio
 import contextlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from ..config import Config, parse_config
+from ..core.fair_queue import check_size
 from ..core.flows import flow_id
 from ..http.runtime import PROXY, Proxy
 from ..http.server import bound_url, running
 from ..sim.server import SimBackend, SimConfig
 from . import report
 from .loadgen import run_load
-from .policies import DEFAULT_PRIORITY_ORDER, POLICY_NAMES, make_policy
-from .scenario import Scenario, Served, load_scenario
+from .policies import DEFAULT_PRIORITY_ORDER, POLICY_NAMES, SFQ_FIFO, make_policy
+from .scenario import Scenario, Served, Team, load_scenario
 from .simulator import POOL, cost_of, simulate
 
 MODEL = "lab"
@@ -39,14 +41,26 @@ def default_quantum(scenario: Scenario) -> float:
     return max((cost_of(r, scenario.pool) for r in scenario.requests), default=1.0)
 
 
+def default_policies(scenario: Scenario) -> list[str]:
+    """Every policy, and ``sfq-fifo`` before ``sfq`` when a class of the scenario has size
+    buckets (what they change, on the same run)."""
+    names = [name for name in POLICY_NAMES if name != SFQ_FIFO]
+    if any(team.size_buckets is not None for team in scenario.teams):
+        names.insert(names.index("sfq"), SFQ_FIFO)
+    return names
+
+
 def simulate_all(
     scenario: Scenario,
-    policies: Sequence[str] = POLICY_NAMES,
+    policies: Sequence[str] | None = None,
     *,
     quantum: float | None = None,
     priority_order: Sequence[str] = DEFAULT_PRIORITY_ORDER,
 ) -> dict[str, list[Served]]:
+    """Each policy's run (``default_policies`` when not given)."""
     quantum = quantum or default_quantum(scenario)
+    if policies is None:
+        policies = default_policies(scenario)
     return {
         name: simulate(scenario, make_policy(name, quantum=quantum, priority_order=priority_order))
         for name in policies
@@ -58,8 +72,9 @@ def team_keys(scenario: Scenario) -> dict[str, str]:
 
 
 def proxy_config(scenario: Scenario, backend_urls: Sequence[str]) -> Config:
-    """The proxy's config for ``scenario``: its flows' weights, and nothing the simulator
-    does not model (no caps, rate limits, queue limits or deadlines)."""
+    """The proxy's config for ``scenario``: its flows' weights and its classes' size buckets,
+    and nothing the simulator does not model (no caps, rate limits, queue limits or
+    deadlines)."""
     org_weights: dict[str, float] = {}
     for team in scenario.teams:
         if org_weights.setdefault(team.org, team.weight) != team.weight:
@@ -69,7 +84,7 @@ def proxy_config(scenario: Scenario, backend_urls: Sequence[str]) -> Config:
     data: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "keys": [{"key": keys[t.name], "org": t.org, "classes": [t.cls]} for t in scenario.teams],
-        "classes": {team.cls: {"weight": 1} for team in scenario.teams},
+        "classes": {team.cls: _class_section(team) for team in scenario.teams},
         "orgs": {org: {"weight": weight} for org, weight in org_weights.items()},
         "pools": {
             POOL: {
@@ -86,6 +101,15 @@ def proxy_config(scenario: Scenario, backend_urls: Sequence[str]) -> Config:
         "retry": {"budget_ratio": 0},
     }
     return parse_config(yaml.safe_dump(data), environ={})
+
+
+def _class_section(team: Team) -> dict[str, Any]:
+    """A team's class in the proxy's config: weight 1 (the org carries the team's weight),
+    and its size buckets."""
+    if team.size_buckets is None:
+        return {"weight": 1}
+    buckets = list(team.size_buckets)
+    return {"weight": 1, "size_buckets": buckets, "max_overtaken": team.max_overtaken}
 
 
 async def run_real(
@@ -137,6 +161,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--priority-order", default=",".join(DEFAULT_PRIORITY_ORDER),
         help="classes for strict priority, highest first",
     )  # fmt: skip
+    p.add_argument(
+        "--max-overtaken", type=int, metavar="K",
+        help="override max_overtaken of every class with size buckets (try several K)",
+    )  # fmt: skip
     p.set_defaults(func=_simulate_command)
 
     p = sub.add_parser("loadgen", help="drive a scenario against a running proxy")
@@ -155,11 +183,21 @@ def _scenario_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-plots", action="store_true", help="tables only")
 
 
+def with_max_overtaken(scenario: Scenario, k: int) -> Scenario:
+    """``scenario`` with ``max_overtaken`` = ``k`` in every class that has size buckets."""
+    check_size(0, k)
+    teams = tuple(
+        t if t.size_buckets is None else replace(t, max_overtaken=k) for t in scenario.teams
+    )
+    return replace(scenario, teams=teams)
+
+
 def _simulate_command(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario, duration_s=args.duration)
+    if args.max_overtaken is not None:
+        scenario = with_max_overtaken(scenario, args.max_overtaken)
     runs = simulate_all(
-        scenario, args.policy or POLICY_NAMES, quantum=args.quantum,
-        priority_order=args.priority_order.split(","),
+        scenario, args.policy, quantum=args.quantum, priority_order=args.priority_order.split(","),
     )  # fmt: skip
     _report(args, scenario, runs)
     return 0
@@ -181,6 +219,9 @@ def _report(args: argparse.Namespace, scenario: Scenario, runs: dict[str, list[S
     table = report.rows(runs, scenario.teams)
     print(report.format_table(table))
     print(report.LEGEND)
+    buckets = report.size_buckets_table(table)
+    if buckets:
+        print(buckets)
     checks = [
         c for name, run in runs.items() for c in report.bound_checks(run, scenario.teams, name)
     ]

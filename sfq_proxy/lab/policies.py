@@ -5,7 +5,8 @@ They live in the core (``core/queues.py``): each is an implementation of the
 through that scheduler. SFQ *is* the proxy's ``FairQueue``; the others are the baselines the
 [FAIR-GPU] article (docs/design.md) measures it against: a global FIFO, strict priority by
 class, round robin by request count, and Deficit Round Robin with a quantum. All are
-deterministic.
+deterministic. ``sfq-fifo`` is SFQ with every flow a strict FIFO whatever its class's size
+buckets (docs/design.md §3): what the buckets change, on the same run.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ from ..core.scheduler import Ticket
 __all__ = [
     "DEFAULT_PRIORITY_ORDER",
     "POLICY_NAMES",
+    "SFQ_FIFO",
     "Drr",
     "Fifo",
     "Policy",
     "RoundRobin",
     "Sfq",
+    "SfqFifoFlows",
     "StrictPriority",
     "make_policy",
 ]
@@ -40,10 +43,30 @@ __all__ = [
 Policy = DispatchQueue[Ticket]
 """What ``simulate`` takes: a fresh queue of scheduler tickets."""
 Sfq = FairQueue
-POLICY_NAMES = QUEUE_NAMES
+SFQ_FIFO = "sfq-fifo"
+POLICY_NAMES = (*QUEUE_NAMES, SFQ_FIFO)
+
+
+class SfqFifoFlows(FairQueue[Ticket]):
+    """SFQ with every flow a strict FIFO: a ticket's size bucket is ignored."""
+
+    def push(
+        self,
+        flow: str,
+        item: Ticket,
+        cost: float,
+        weight: float = 1.0,
+        *,
+        front: bool = False,
+        bucket: int = 0,
+        max_overtaken: int | None = None,
+    ) -> None:
+        super().push(flow, item, cost, weight, front=front)
 
 
 def make_policy(name: str, *, quantum: float, priority_order: Sequence[str]) -> Policy:
     """A fresh policy by name (one of ``POLICY_NAMES``)."""
+    if name == SFQ_FIFO:
+        return SfqFifoFlows()
     queue: Policy = make_queue(name, quantum=quantum, priority_order=priority_order)
     return queue

@@ -29,11 +29,13 @@ Definitions (all times in seconds from the scenario start):
   no slot) and the running difference ``D = W_i/w_i − W_j/w_j`` of their charged cost over
   weight.  The largest gap ``max D − min D`` (D starting at 0) over every such interval is
   compared with ``c_i,max/w_i + c_j,max/w_j``, ``c_max`` being each team's largest single
-  charge in the run (docs/design.md §3).  SFQ keeps every gap within its bound; the other
-  policies need not.  ``table.json`` carries what it takes to check this from the report
-  alone: per team ``weight``, ``cost_max``, ``backlogged_intervals`` and ``charged_series``
-  (``[start_s, cumulative charged cost]`` after each of its dispatches), and ``bound`` (per
-  other team: the largest gap and the bound).
+  charge in the run (docs/design.md §3).  Teams of one org and class are one flow to SFQ (a
+  team's short and long requests): the check takes them together, named ``short+long``.
+  SFQ keeps every gap within its bound; the other policies need not.  ``table.json`` carries
+  what it takes to check this from the report alone: per team ``weight``, ``cost_max``,
+  ``backlogged_intervals`` and ``charged_series`` (``[start_s, cumulative charged cost]``
+  after each of its dispatches), and ``bound`` (per other flow: the largest gap and the
+  bound).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
 from itertools import accumulate
@@ -63,10 +65,12 @@ __all__ = [
     "bound_checks",
     "bound_table",
     "charged_series",
+    "flow_names",
     "format_table",
     "markdown_table",
     "percentile",
     "rows",
+    "size_buckets_table",
     "write_report",
 ]
 
@@ -140,10 +144,15 @@ def backlogged_intervals(served: Sequence[Served], team: str) -> list[tuple[floa
     Each request that waited contributes ``[time_s, start_s]``; overlapping or touching
     intervals are merged.  Requests started the instant they arrived contribute nothing.
     """
+    return _backlog(served, {team})
+
+
+def _backlog(served: Sequence[Served], teams: Collection[str]) -> list[tuple[float, float]]:
+    """``backlogged_intervals`` of the requests of any of ``teams``."""
     spans = sorted(
         (s.request.time_s, s.start_s)
         for s in served
-        if s.request.team == team and s.start_s > s.request.time_s
+        if s.request.team in teams and s.start_s > s.request.time_s
     )
     merged: list[tuple[float, float]] = []
     for lo, hi in spans:
@@ -199,34 +208,46 @@ def _intersect(
     return out
 
 
+def flow_names(teams: Sequence[Team]) -> dict[str, str]:
+    """Each team's flow as the bound check names it: the team's own name, or its flow's
+    teams joined by ``+`` when several teams share an org and class (one flow to SFQ)."""
+    members: dict[tuple[str, str], list[str]] = {}
+    for t in teams:
+        members.setdefault((t.org, t.cls), []).append(t.name)
+    return {t.name: "+".join(members[t.org, t.cls]) for t in teams}
+
+
 def bound_checks(served: Sequence[Served], teams: Sequence[Team], policy: str) -> list[PairCheck]:
-    """The SFQ bound check of every pair of teams in one run (see the module docstring)."""
+    """The SFQ bound check of every pair of flows in one run (see the module docstring)."""
     events = sorted(served, key=lambda s: s.start_s)  # stable: dispatch order within ties
     times = [s.start_s for s in events]
-    weight = {t.name: t.weight for t in teams}
-    cmax = {t.name: 0.0 for t in teams}
+    flow_of = flow_names(teams)
+    flows = list(dict.fromkeys(flow_of.values()))
+    members = {f: {t for t, of in flow_of.items() if of == f} for f in flows}
+    weight = {flow_of[t.name]: t.weight for t in teams}
+    cmax = dict.fromkeys(flows, 0.0)
     for s in served:
-        if s.request.team in cmax:
-            cmax[s.request.team] = max(cmax[s.request.team], s.cost)
-    backlog = {t.name: backlogged_intervals(served, t.name) for t in teams}
+        if (f := flow_of.get(s.request.team)) is not None:
+            cmax[f] = max(cmax[f], s.cost)
+    backlog = {f: _backlog(served, members[f]) for f in flows}
     out: list[PairCheck] = []
-    for k, a in enumerate(teams):
-        for b in teams[k + 1 :]:
+    for k, a in enumerate(flows):
+        for b in flows[k + 1 :]:
             gap, count = 0.0, 0
-            for lo, hi in _intersect(backlog[a.name], backlog[b.name]):
+            for lo, hi in _intersect(backlog[a], backlog[b]):
                 count += 1
                 d = low = high = 0.0
                 for s in events[bisect.bisect_right(times, lo) : bisect.bisect_right(times, hi)]:
-                    if s.request.team == a.name:
-                        d += s.cost / a.weight
-                    elif s.request.team == b.name:
-                        d -= s.cost / b.weight
+                    if s.request.team in members[a]:
+                        d += s.cost / weight[a]
+                    elif s.request.team in members[b]:
+                        d -= s.cost / weight[b]
                     else:
                         continue
                     low, high = min(low, d), max(high, d)
                 gap = max(gap, high - low)
-            bound = cmax[a.name] / weight[a.name] + cmax[b.name] / weight[b.name]
-            out.append(PairCheck(policy, a.name, b.name, gap, bound, count))
+            bound = cmax[a] / weight[a] + cmax[b] / weight[b]
+            out.append(PairCheck(policy, a, b, gap, bound, count))
     return out
 
 
@@ -241,6 +262,7 @@ def rows(runs: Mapping[str, Sequence[Served]], teams: Sequence[Team]) -> list[Ro
     out: list[Row] = []
     names = [t.name for t in teams]
     weights = {t.name: t.weight for t in teams}
+    flow_of = flow_names(teams)
     for policy, served in runs.items():
         shares = _shares(served, names)
         total = math.fsum(s.cost for s in served)  # exactly rounded: order-independent
@@ -254,7 +276,7 @@ def rows(runs: Mapping[str, Sequence[Served]], teams: Sequence[Team]) -> list[Ro
             waits = sorted(s.start_s - s.request.time_s for s in mine)
             dones = sorted(s.end_s - s.request.time_s for s in mine)
             charged = math.fsum(s.cost for s in mine)
-            own = [p for p in pairs if name in (p.team_a, p.team_b) and p.intervals]
+            own = [p for p in pairs if flow_of[name] in (p.team_a, p.team_b) and p.intervals]
             tightest = min(own, key=lambda p: (p.bound - p.gap, p.team_a, p.team_b), default=None)
             out.append(
                 Row(
@@ -409,6 +431,45 @@ def bound_table(checks: Sequence[PairCheck]) -> str:
     return "\n".join(lines) + "\n"
 
 
+SIZE_BUCKETS_LEGEND = """\
+size buckets (docs/design.md §3): sfq-fifo is the same SFQ with every flow a strict FIFO;
+sfq lets a flow's smaller requests overtake its larger ones, each at most max_overtaken times.
+"""
+
+
+def size_buckets_table(rows: Sequence[Row]) -> str:
+    """Each team's wait p50 and p99 under ``sfq-fifo`` and ``sfq``, and their ratio: what size
+    buckets change. Empty unless ``rows`` hold both runs."""
+    fifo = {r.team: r for r in rows if r.policy == "sfq-fifo"}
+    sized = {r.team: r for r in rows if r.policy == "sfq"}
+    if not fifo or not sized:
+        return ""
+    head = ("team", "wait p50 sfq-fifo", "wait p50 sfq", "wait p99 sfq-fifo", "wait p99 sfq",
+            "p99 sfq ÷ sfq-fifo")  # fmt: skip
+    body = [
+        (name, _fmt_seconds(f.wait_p50), _fmt_seconds(sized[name].wait_p50),
+         _fmt_seconds(f.wait_p99), _fmt_seconds(sized[name].wait_p99),
+         _fmt_ratio(sized[name].wait_p99, f.wait_p99))
+        for name, f in fifo.items()
+        if name in sized
+    ]  # fmt: skip
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
+    lines = [
+        "  ".join(
+            c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in (head, *body)
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n" + SIZE_BUCKETS_LEGEND
+
+
+def _fmt_ratio(new: float, old: float) -> str:
+    if math.isnan(new) or math.isnan(old) or old <= 0:
+        return "-"
+    return f"{new / old:.3g}"
+
+
 BOUND_LEGEND = """\
 SFQ bound: over every interval in which both teams of a pair had requests waiting, the
 largest |W_i/w_i - W_j/w_j| of their charged cost W over weight w, against
@@ -453,8 +514,10 @@ def _json_text(
     bound check needs: ``backlogged_intervals``, ``charged_series`` (both to six decimals)
     and ``bound``. One row per line, so the long series stay readable in a diff."""
     records = []
+    flow_of = flow_names(teams)
     for row in rows:
         served = runs.get(row.policy, [])
+        flow = flow_of.get(row.team, row.team)
         record = _row_dict(row)
         record["backlogged_intervals"] = [
             [_r6(lo), _r6(hi)] for lo, hi in backlogged_intervals(served, row.team)
@@ -462,8 +525,8 @@ def _json_text(
         record["charged_series"] = [[_r6(t), _r6(w)] for t, w in charged_series(served, row.team)]
         bound: dict[str, dict[str, float | int]] = {}
         for c in checks:
-            if c.policy == row.policy and row.team in (c.team_a, c.team_b):
-                other = c.team_b if c.team_a == row.team else c.team_a
+            if c.policy == row.policy and flow in (c.team_a, c.team_b):
+                other = c.team_b if c.team_a == flow else c.team_a
                 bound[other] = {"gap": c.gap, "bound": c.bound, "intervals": c.intervals}
         record["bound"] = bound
         records.append(json.dumps(record, separators=(",", ":"), allow_nan=False))
@@ -588,11 +651,14 @@ def write_report(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     checks = [c for policy, served in runs.items() for c in bound_checks(served, teams, policy)]
+    buckets = size_buckets_table(rows)
     texts = {
         "table.txt": f"Scenario: {scenario_name}\n\n{format_table(rows)}\n{LEGEND}"
-        f"\n{bound_table(checks)}\n{BOUND_LEGEND}",
+        + (f"\n{buckets}" if buckets else "")
+        + f"\n{bound_table(checks)}\n{BOUND_LEGEND}",
         "table.md": f"### Scenario: {scenario_name}\n\n{markdown_table(rows)}\n"
         + "".join(f"{line}  \n" for line in LEGEND.splitlines())
+        + (f"\n#### Size buckets\n\n```\n{buckets}```\n" if buckets else "")
         + f"\n#### SFQ bound check\n\n{_bound_markdown(checks)}\n{BOUND_LEGEND}",
         "table.csv": _csv_text(rows),
         "table.json": _json_text(rows, runs, teams, checks),

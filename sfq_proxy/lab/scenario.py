@@ -21,8 +21,8 @@ import operator
 import random
 import re
 from bisect import bisect_right
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime
 from functools import reduce
 from pathlib import Path
@@ -33,16 +33,19 @@ from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 from ..config import (
     NAME_PATTERN,
     ConfigError,
+    MaxOvertaken,
     Name,
     NonEmptyStr,
     NonNegativeFloat,
     PositiveFloat,
     PositiveInt,
+    SizeBounds,
     StrictModel,
     WeightedCost,
     config_error,
     read_yaml,
 )
+from ..core.fair_queue import DEFAULT_MAX_OVERTAKEN
 from ..sim.engine import EngineModel  # the one engine model, shared with the simulated server
 
 __all__ = [
@@ -74,12 +77,17 @@ class PoolModel:
 
 @dataclass(frozen=True, slots=True)
 class Team:
-    """A source of requests, all of one flow: ``weight`` = class weight × org weight."""
+    """A source of requests, all of one flow: ``weight`` = class weight × org weight. Several
+    teams of one org and class are one flow (a team mixing short and long requests is two
+    teams, so the report shows each kind). ``size_buckets`` and ``max_overtaken`` are its
+    class's (docs/design.md §3, Size buckets inside a flow); None: the flow is a FIFO."""
 
     name: str
     org: str
     cls: str
     weight: float
+    size_buckets: tuple[float, ...] | None = None
+    max_overtaken: int = DEFAULT_MAX_OVERTAKEN
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +369,13 @@ class WeightSpec(StrictModel):
     weight: PositiveFloat = 1.0
 
 
+class ClassSection(WeightSpec):
+    """A class: its weight, and its size buckets as in the proxy's config (``classes``)."""
+
+    size_buckets: SizeBounds | None = None
+    max_overtaken: MaxOvertaken = DEFAULT_MAX_OVERTAKEN
+
+
 class ScenarioSpec(StrictModel):
     """The whole file. ``duration_s`` may be omitted only with a trace (it then ends just
     after the trace's last request)."""
@@ -369,7 +384,7 @@ class ScenarioSpec(StrictModel):
     seed: int
     duration_s: PositiveFloat | None = None
     pool: PoolSection
-    classes: dict[Name, WeightSpec] = Field(default_factory=dict)
+    classes: dict[Name, ClassSection] = Field(default_factory=dict)
     orgs: dict[Name, WeightSpec] = Field(default_factory=dict)
     teams: dict[NonEmptyStr, TeamSpec] = Field(default_factory=dict)
     trace: TraceSpec | None = None
@@ -445,6 +460,7 @@ def _build(spec: ScenarioSpec, base_dir: Path, override: float | None) -> Scenar
         teams.append(Team(name, org, team.cls, weight(org, team.cls)))
         rows += _generate(spec.seed, name, order, team, duration)
     rows += _trace_team_rows(trace_rows, spec, teams, weight)
+    teams = [_sized(team, spec) for team in teams]  # synthetic and trace teams alike
     if len(rows) > MAX_REQUESTS:
         raise ConfigError([("", f"generates more than {MAX_REQUESTS} requests")])
     rows.sort(key=lambda r: r[:3])
@@ -459,9 +475,17 @@ def _build(spec: ScenarioSpec, base_dir: Path, override: float | None) -> Scenar
     return Scenario(spec.name, spec.seed, duration, pool, tuple(teams), requests)
 
 
-def _weight(section: dict[str, WeightSpec], name: str) -> float:
+def _weight(section: Mapping[str, WeightSpec], name: str) -> float:
     entry = section.get(name)
     return 1.0 if entry is None else entry.weight
+
+
+def _sized(team: Team, spec: ScenarioSpec) -> Team:
+    """``team`` with its class's size buckets, if the class has some."""
+    cls = spec.classes.get(team.cls)
+    if cls is None or cls.size_buckets is None:
+        return team
+    return replace(team, size_buckets=tuple(cls.size_buckets), max_overtaken=cls.max_overtaken)
 
 
 def _cross_check(spec: ScenarioSpec) -> list[tuple[str, str]]:
@@ -473,6 +497,11 @@ def _cross_check(spec: ScenarioSpec) -> list[tuple[str, str]]:
     for name, team in spec.teams.items():
         if team.org is None and not _NAME_RE.fullmatch(name):
             errors.append((f"teams.{name}.org", "required: the team name is not an org name"))
+    errors += [  # as the proxy's config says it
+        (f"classes.{name}.max_overtaken", "only with size_buckets")
+        for name, cls in spec.classes.items()
+        if cls.size_buckets is None and "max_overtaken" in cls.model_fields_set
+    ]
     trace = spec.trace
     if trace is not None and trace.format != "azure":
         azure_only = {"orgs": "orgs", "zipf_s": "zipf_s", "cls": "class"}

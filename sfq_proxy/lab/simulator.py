@@ -12,8 +12,10 @@ Only time is simulated: arrivals and completions are events in a heap, and the t
 passed to the scheduler. A request's service time comes from the one engine model
 (``sim/engine.py``), fixed when it starts from the batch it joins on its backend. Requests
 arriving at the same instant are submitted interleaved across teams
-(``Scenario.arrival_order``). Same scenario and policy in, same records out: there is no
-randomness here.
+(``Scenario.arrival_order``). A team whose class has size buckets gets tickets with its
+bucket and ``max_overtaken``, as the proxy's handler makes them (docs/design.md §3); a
+policy may ignore them (``sfq-fifo``, the baselines). Same scenario and policy in, same
+records out: there is no randomness here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from ..config import BackendSpec, CalibrationSpec, CostSpec
 from ..core.calibration import Calibration
 from ..core.cost import CostModel, Estimate
+from ..core.fair_queue import size_bucket
 from ..core.inference_request import InferenceRequest, Kind
 from ..core.placement import Placement
 from ..core.queues import DispatchQueue
@@ -110,7 +113,7 @@ def simulate(
     ]
     scheduler = Scheduler(Placement(specs), queue=policy)
     costs = cost_model(cost_spec(pool))
-    weights = {team.name: team.weight for team in scenario.teams}
+    teams = {team.name: team for team in scenario.teams}
     heap: list[tuple[float, int, int, Ticket | None]] = []
     seq = 0
     for request in scenario.arrival_order():
@@ -154,12 +157,16 @@ def simulate(
         else:
             request = next(arrivals)
             estimate = costs.estimate(inference_request(request), request.org)
+            team = teams[request.team]
+            bounds = team.size_buckets
             new = Ticket(
                 org=request.org,
                 cls=request.cls,
                 cost=estimate.cost,
-                weight=weights[request.team],
+                weight=team.weight,
                 tokens=float(estimate.input_tokens + estimate.max_tokens),
+                bucket=0 if bounds is None else size_bucket(estimate.cost, bounds),
+                max_overtaken=None if bounds is None else team.max_overtaken,
                 payload=_Job(request, estimate),
             )
             if events is not None:

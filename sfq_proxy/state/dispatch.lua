@@ -6,9 +6,10 @@ The same rules as sfq_proxy/core/fair_queue.py and scheduler.py, line for line w
 decide: join at max(S, v), charge at dispatch, ties by flow id (a sorted set orders equal
 scores by member, bytewise: flow ids are ASCII), global-idle reset; the band FIFO before
 every flow, a class under its cap; the least loaded healthy backend with a free slot, the
-first listed on ties. Meters are integers in units of 1/2^20 of a cost, exact in Lua's
-doubles below 2^53: the config keeps one charge below 2^51 (c_max / smallest weight) and
-meters are shifted down once v reaches 2^51.
+first listed on ties, or with affinity the first of the ticket's key's rendezvous order within
+the bounded load (Placement.place). Meters are integers in units of 1/2^20 of a cost, exact in
+Lua's doubles below 2^53: the config keeps one charge below 2^51 (c_max / smallest weight)
+and meters are shifted down once v reaches 2^51.
 
 A function library (FUNCTION LOAD), not a script: its functions are made once, at load,
 where a script makes them again at every call (~15 µs). `sfq_dispatch` is the one entry:
@@ -54,7 +55,7 @@ local function write_numbers(key, t)
   if #flat > 0 then redis.call('HSET', key, unpack(flat)) end
 end
 
--- the pool's scalars (v, maxm, offset, queued, fence, born, reaped, paced), read once per
+-- the pool's scalars (v, maxm, offset, queued, fence, born, reaped, paced, alf), read once per
 -- call and written back once at its end: most of a call's work would otherwise be these
 -- reads and writes
 local M, meta_changed = {}, false
@@ -90,7 +91,56 @@ local function after_drain()
   local v = math.max(meta('v'), meta('maxm'))
   set_meta('v', v)
   set_meta('maxm', v)
-  redis.call('DEL', P .. 'meter', P .. 'weight', P .. 'ready')
+  redis.call('DEL', P .. 'meter', P .. 'weight', P .. 'ready', P .. 'ovt')
+end
+
+--[[ Size buckets inside a flow (docs/design.md §3; fair_queue.py _mark, _pick, _unmark). A flow
+with size buckets has the hash ob:<flow> from its first ticket with buckets (`k` in the
+ticket) until its line is empty: k, its max_overtaken (of its latest such ticket), and per
+bucket how many of its tickets wait. A ticket's bucket is its `b` (none: UNSIZED, after every
+bucket); ovt holds how often each queued ticket of such a flow was overtaken (none: 0). A
+flow without ob is a FIFO, as before: one HGETALL more per dispatch, nothing else. ]]
+local UNSIZED = 2 ^ 30  -- fair_queue.UNSIZED
+local DUE = 2 ^ 30  -- fair_queue.DUE: a ticket put back at its flow's head goes next in it
+
+-- which queued ticket of `flow` goes next (_pick): its oldest, `first`, unless the flow has
+-- size buckets, that oldest was overtaken fewer than k times, and a smaller bucket waits:
+-- then the oldest ticket of the smallest bucket. Returns it, whether the flow has size
+-- buckets, and the older tickets it overtakes, oldest first. Changes nothing.
+local function pick(flow, first)
+  local raw = redis.call('HGETALL', P .. 'ob:' .. flow)
+  if #raw == 0 then return first, false, {} end
+  local k, smallest = 0, nil
+  for i = 1, #raw, 2 do
+    if raw[i] == 'k' then
+      k = tonumber(raw[i + 1])
+    elseif smallest == nil or tonumber(raw[i]) < smallest then
+      smallest = tonumber(raw[i])
+    end
+  end
+  if smallest == nil or num(redis.call('HGET', P .. 'ovt', first), 0) >= k then
+    return first, true, {}
+  end
+  local q, passed, at = P .. 'q:' .. flow, {}, 0
+  while true do  -- what it passes is what it overtakes: at most k times each, amortised
+    local ids = redis.call('LRANGE', q, at, at + 15)
+    if #ids == 0 then error('size buckets of ' .. flow .. ' out of step with its line') end
+    local raw_tickets = redis.call('HMGET', P .. 'ticket', unpack(ids))
+    for i, id in ipairs(ids) do
+      local b = raw_tickets[i] and cjson.decode(raw_tickets[i]).b or UNSIZED
+      if b == smallest then return id, true, passed end
+      passed[#passed + 1] = id
+    end
+    at = at + 16
+  end
+end
+
+-- ticket `id` (of bucket b, nil: UNSIZED) left the line of a flow with size buckets
+local function unsize(flow, id, b)
+  redis.call('HDEL', P .. 'ovt', id)
+  if b == nil then return end
+  local ob = P .. 'ob:' .. flow
+  if redis.call('HINCRBY', ob, b, -1) <= 0 then redis.call('HDEL', ob, b) end
 end
 
 local function renormalize()
@@ -106,29 +156,45 @@ local function renormalize()
   end
 end
 
-local function push(flow, id, weight, front)
+local function push(flow, id, weight, front, k, b)
   local v = meta('v')
   local meter = meter_of(flow) or v
   if backlog(flow) == 0 then meter = math.max(meter, v) end
   redis.call('HSET', P .. 'meter', flow, meter)
   redis.call('HSET', P .. 'weight', flow, weight)
   redis.call(front and 'LPUSH' or 'RPUSH', P .. 'q:' .. flow, id)
+  local ob = P .. 'ob:' .. flow  -- size buckets (_mark): k, b of a ticket that has them
+  if k ~= nil then
+    redis.call('HSET', ob, 'k', k)
+    redis.call('HINCRBY', ob, b, 1)
+    if front then redis.call('HSET', P .. 'ovt', id, DUE) end
+  elseif front and redis.call('EXISTS', ob) == 1 then
+    redis.call('HSET', P .. 'ovt', id, DUE)
+  end
   set_meta('queued', meta('queued') + 1)
   if redis.call('SISMEMBER', P .. 'inel', flow) == 0 then enter(flow, meter) end
 end
 
+-- the flow with the smallest meter, and what pick() says of its line
 local function head()
   local top = redis.call('ZRANGE', P .. 'ready', 0, 0)
   if #top == 0 then return nil end
-  return top[1], redis.call('LINDEX', P .. 'q:' .. top[1], 0)
+  return top[1], pick(top[1], redis.call('LINDEX', P .. 'q:' .. top[1], 0))
 end
 
-local function pop(flow, cost)
+-- dispatch ticket `id` of `flow` (bucket b), as head() chose it: charged its own cost
+local function pop(flow, cost, id, b, sized, passed)
   local meter = meter_of(flow)
   local weight = tonumber(redis.call('HGET', P .. 'weight', flow))
   local charge = math.max(1, round_half_even(cost * UNITS / weight))
   set_meta('v', meter)
-  redis.call('LPOP', P .. 'q:' .. flow)
+  if #passed == 0 then
+    redis.call('LPOP', P .. 'q:' .. flow)
+  else
+    for _, older in ipairs(passed) do redis.call('HINCRBY', P .. 'ovt', older, 1) end
+    redis.call('LREM', P .. 'q:' .. flow, 1, id)
+  end
+  if sized then unsize(flow, id, b) end
   meter = meter + charge
   redis.call('HSET', P .. 'meter', flow, meter)
   set_meta('maxm', math.max(meta('maxm'), meter))
@@ -137,16 +203,20 @@ local function pop(flow, cost)
     enter(flow, meter)
   else
     redis.call('ZREM', P .. 'ready', flow)
+    if sized then redis.call('DEL', P .. 'ob:' .. flow) end
     after_drain()
   end
   if meta('v') >= RENORMALIZE_AT then renormalize() end
 end
 
-local function remove(flow, id)
+local function remove(flow, id, b)
   if redis.call('LREM', P .. 'q:' .. flow, 1, id) == 0 then return false end
   set_meta('queued', meta('queued') - 1)
+  local sized = redis.call('EXISTS', P .. 'ob:' .. flow) == 1
+  if sized then unsize(flow, id, b) end
   if backlog(flow) == 0 then
     redis.call('ZREM', P .. 'ready', flow)
+    if sized then redis.call('DEL', P .. 'ob:' .. flow) end
     after_drain()
   end
   return true
@@ -350,9 +420,39 @@ local function add_inflight(backend, delta)
   redis.call('HINCRBY', P .. 'inflight', backend, delta)
 end
 
--- the least loaded backend with a free slot that the caller does not hold down
-local function choose(down)
+-- core/placement.py rank: a backend's rendezvous score for an affinity key, 52 bits of SHA-1
+local function rank(key, name)
+  return tonumber(string.sub(redis.sha1hex(key .. '\n' .. name), 1, 13), 16)
+end
+
+-- where a ticket of affinity `key` goes among the backends the caller does not hold down, and
+-- why (Placement.place): with a key and the pool's load factor (meta alf, set by configure),
+-- the first of the key's order with a free slot and within the bounded load; else the least
+-- loaded with a free slot (first listed on ties)
+local function choose(down, key)
   if backends == nil then load_backends() end
+  local factor = meta('alf')
+  if key and factor > 0 then
+    local order, total, busy = {}, 0, 0
+    for i, b in ipairs(backends) do
+      if not down[b[1]] then
+        order[#order + 1] = {b[1], b[2], rank(key, b[1]), i}
+        total = total + b[2]
+        busy = busy + (inflight[b[1]] or 0)
+      end
+    end
+    table.sort(order, function(x, y)
+      if x[3] ~= y[3] then return x[3] > y[3] end
+      return x[4] < y[4]
+    end)
+    local bound = factor * (busy + 1)
+    for at, b in ipairs(order) do
+      local running = inflight[b[1]] or 0
+      if running < b[2] and running * total < bound * b[2] then
+        return b[1], at == 1 and 'affinity' or 'overflow'
+      end
+    end
+  end
   local best, best_load
   for _, b in ipairs(backends) do
     if not down[b[1]] then
@@ -361,7 +461,7 @@ local function choose(down)
       if running < b[2] and (best == nil or load < best_load) then best, best_load = b[1], load end
     end
   end
-  return best
+  return best, 'fallback'
 end
 
 local function running(t, delta)
@@ -392,13 +492,14 @@ local function dispatch(down)
   local paced_pool = meta('paced') == 1 and next(pacing()) ~= nil
   while true do
     local id, t = band_next()
+    local sized, passed
     if id == nil then
       local flow
-      flow, id = head()
+      flow, id, sized, passed = head()
       if flow == nil then break end
       t = ticket(id)
     end
-    local backend = choose(down)
+    local backend, reason = choose(down, t.a)
     if backend == nil then break end
     if paced_pool then  -- as Scheduler._dispatch: decided once the ticket and backend are
       now = now or now_ms()
@@ -409,11 +510,15 @@ local function dispatch(down)
       end
       paced(t.tok, now)
     end
-    if t.p == 1 then redis.call('LREM', P .. 'band', 1, id) else pop(t.f, t.cost) end
+    if t.p == 1 then
+      redis.call('LREM', P .. 'band', 1, id)
+    else
+      pop(t.f, t.cost, id, t.b, sized, passed)
+    end
     local lease = grant_lease(backend, t.h, t.o, t.c)
     redis.call('HDEL', P .. 'ticket', id)
     redis.call('SREM', P .. 'hq:' .. t.h, id)
-    local grant = id .. ' ' .. lease .. ' ' .. backend
+    local grant = id .. ' ' .. lease .. ' ' .. reason .. ' ' .. backend
     if t.h == holder then
       mine[#mine + 1] = grant
     else
@@ -443,7 +548,7 @@ local function cancel(id)
   if t.p == 1 then
     redis.call('LREM', P .. 'band', 1, id)
   else
-    remove(t.f, id)
+    remove(t.f, id, t.b)
   end
   redis.call('HDEL', P .. 'ticket', id)
   redis.call('SREM', P .. 'hq:' .. t.h, id)
@@ -510,9 +615,11 @@ local function run(op)
   if not alive() then return {-1} end  -- not registered, or reclaimed: nothing may be granted
 
   -- the operations that dispatch reply {1, grants, wake} (dispatch's two values)
-  if op == 'configure' then  -- backends [[name, slots], ...], org caps, class caps, down, rpm, tpm
+  if op == 'configure' then  -- backends [[name, slots], ...], org caps, class caps, down, rpm,
+    -- tpm, affinity's load factor ('': affinity off)
     set_rate('r', A[7])
     set_rate('t', A[8])
+    set_meta('alf', A[9] and A[9] ~= '' and tonumber(A[9]) or nil)
     redis.call('SET', P .. 'backends', A[3])
     backends = nil
     redis.call('DEL', P .. 'ocap', P .. 'ccap')
@@ -540,7 +647,7 @@ local function run(op)
     if t.p == 1 then
       redis.call(A[5] == '1' and 'LPUSH' or 'RPUSH', P .. 'band', id)
     else
-      push(t.f, id, t.w, A[5] == '1')
+      push(t.f, id, t.w, A[5] == '1', t.k, t.b)
       track(t)
     end
     return {1, dispatch(down_set(A[6]))}

@@ -8,6 +8,7 @@ library is loaded on the primary that said it lacks it (tests/e2e/test_redis_clu
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from importlib import resources
@@ -25,13 +26,25 @@ Caller = Redis | RedisCluster | Pipe
 
 @dataclass(frozen=True)
 class Library:
+    """A library and its entry point, both named after the code's digest
+    (``sfq_dispatch_<digest>``): during a rolling update two versions of the proxy share a
+    Redis, and each calls the code it ships. With one name, the first call of the new
+    version to load its library would swap the code under the old one's running calls."""
+
     filename: str
-    function: str  # its entry point
+    function: str  # its entry point, as the file registers it; its digest is added
     code: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         code = resources.files(__package__).joinpath(self.filename).read_text()
-        object.__setattr__(self, "code", code)
+        version = hashlib.sha1(code.encode()).hexdigest()[:10]
+        header, _, body = code.partition("\n")
+        registered = f"redis.register_function('{self.function}',"
+        if not header.startswith("#!lua name=") or registered not in body:
+            raise ValueError(f"{self.filename}: no library name or no {self.function}")
+        body = body.replace(registered, f"redis.register_function('{self.function}_{version}',")
+        object.__setattr__(self, "code", f"{header}_{version}\n{body}")
+        object.__setattr__(self, "function", f"{self.function}_{version}")
 
     async def call(self, redis: Caller, key: str, *args: Any) -> Any:
         """The function on ``key`` (every key it touches shares its hash tag)."""

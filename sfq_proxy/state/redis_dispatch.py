@@ -15,22 +15,25 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 
 from ..core.fair_queue import UNITS_PER_COST, FlowView
 from ..core.limits import Rate, TokenBucket
+from ..core.placement import Reason
 from .library import DISPATCH, Caller
 
 
 class Grant(NamedTuple):
-    """A ticket given a slot: the lease (its fencing token) that must be handed back."""
+    """A ticket given a slot: the lease (its fencing token) that must be handed back, and
+    why placement chose that backend (``core/placement.py`` ``Reason``)."""
 
     ticket: str
     lease: str
     backend: str
+    reason: Reason = "fallback"
 
 
 class Grants(list[Grant]):
@@ -52,6 +55,10 @@ class SharedTicket:
     weight: float
     tokens: float = 0.0
     priority: bool = False
+    affinity: str | None = None  # its affinity key: a digest (core/affinity.py)
+    # its size bucket and max_overtaken (docs/design.md §3); None: its flow is a FIFO
+    bucket: int = 0
+    max_overtaken: int | None = None
 
     @property
     def flow(self) -> str:
@@ -125,9 +132,11 @@ class RedisDispatch:
         class_caps: Mapping[str, int],
         down: Iterable[str] = (),
         rate: Rate | None = None,
+        load_factor: float | None = None,
     ) -> Grants:
-        """The pool's backends (in placement order, with their slots), in-flight caps, and
-        provider rate, whose buckets Redis keeps with a second's burst (``pool_limits``)."""
+        """The pool's backends (in placement order, with their slots), in-flight caps,
+        provider rate, whose buckets Redis keeps with a second's burst (``pool_limits``), and
+        affinity's load factor (None: affinity off, every ticket goes to the least loaded)."""
         call = self._call(
             "configure",
             json.dumps([[name, slots] for name, slots in backends]),
@@ -136,6 +145,7 @@ class RedisDispatch:
             _names(down),
             _per_minute(rate.requests if rate else None),
             _per_minute(rate.tokens if rate else None),
+            "" if load_factor is None else f"{load_factor:.17g}",
         )
         reply = _checked(await call)
         return _grants(reply[1], reply[2])
@@ -156,6 +166,10 @@ class RedisDispatch:
             "w": ticket.weight, "tok": ticket.tokens, "p": int(ticket.priority),
             "h": self.holder,
         }  # fmt: skip
+        if ticket.affinity is not None:
+            fields["a"] = ticket.affinity
+        if ticket.max_overtaken is not None:  # size buckets inside its flow
+            fields["b"], fields["k"] = ticket.bucket, ticket.max_overtaken
         limit = -1 if max_ahead is None else max_ahead
         flags = "1" if front else "0"
         reply = _checked(
@@ -243,6 +257,6 @@ def _grants(raw: Iterable[bytes | str], wake_ms: int = -1) -> Grants:
     """A reply's grants, and its wake time (ms, -1: none)."""
     grants = Grants(wake_s=None if wake_ms < 0 else wake_ms / 1000)
     for item in raw:
-        ticket, lease, backend = _text(item).split(" ", 2)
-        grants.append(Grant(ticket, lease, backend))
+        ticket, lease, reason, backend = _text(item).split(" ", 3)
+        grants.append(Grant(ticket, lease, backend, cast(Reason, reason)))
     return grants

@@ -23,7 +23,10 @@ the same virtual time. What is proven that way:
 8. a provider pool's pacing, on Redis's own clock: its buckets (a second's burst, a take
    larger than the bucket leaves it in debt, a refund gives back), and the provider's
    feedback that a holder pushes (a pause that is never shortened, a factor that only goes
-   down, and spacing below a factor of 1) hold every holder's dispatch.
+   down, and spacing below a factor of 1) hold every holder's dispatch;
+9. size buckets inside a flow (docs/design.md §3): the same request of a flow overtakes the
+   same older ones, at most K times each, with retries due at once, cancels, caps, the band
+   and two holders mixed in, and flows whose buckets a reload turned on or off.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 
 from sfq_proxy.config import BackendSpec
+from sfq_proxy.core.affinity import digest
+from sfq_proxy.core.fair_queue import size_bucket
 from sfq_proxy.core.limits import Rate
 from sfq_proxy.core.placement import Placement
 from sfq_proxy.core.scheduler import Scheduler, Ticket
@@ -68,6 +73,7 @@ class Flow:
     org: str
     cls: str
     weight: float
+    max_overtaken: int | None = None  # size buckets (of BOUNDS) inside the flow; None: a FIFO
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,14 @@ class Submit:
     front: bool = False
     priority: bool = False
     holder: int = 0
+    key: str | None = None  # its affinity key
+    plain: bool = False  # without its flow's size buckets, as after a reload that dropped them
+
+    def sizes(self, flow: Flow) -> dict[str, int | None]:
+        """The ticket's ``bucket`` and ``max_overtaken``."""
+        if self.plain or self.priority or flow.max_overtaken is None:
+            return {}
+        return {"bucket": size_bucket(self.cost, BOUNDS), "max_overtaken": flow.max_overtaken}
 
 
 @dataclass(frozen=True)
@@ -89,7 +103,12 @@ class Cancel:
     pick: int  # which queued ticket (modulo how many wait); any known one if none waits
 
 
-Op = Submit | Finish | Cancel
+@dataclass(frozen=True)
+class Toggle:
+    pick: int  # which backend (modulo how many) goes down, or comes back up
+
+
+Op = Submit | Finish | Cancel | Toggle
 
 
 @dataclass(frozen=True)
@@ -100,6 +119,7 @@ class Scenario:
     org_caps: dict[str, int] = field(default_factory=dict)
     class_caps: dict[str, int] = field(default_factory=dict)
     holders: int = 1
+    load_factor: float | None = None  # affinity's, None: off
 
 
 COSTS = st.one_of(
@@ -107,26 +127,45 @@ COSTS = st.one_of(
     st.floats(min_value=0.001, max_value=1e4, allow_nan=False, allow_infinity=False),
 )
 WEIGHTS = st.sampled_from([0.5, 1.0, 2.0, 4.0])
+BOUNDS = [2.0, 50.0]  # size buckets: cost ≤ 2, ≤ 50, above
+KS = st.sampled_from([None, 0, 1, 2, 8])
+SIZED_COSTS = st.one_of(st.sampled_from([1.0, 2.0, 7.0, 50.0, 100.0]), COSTS)
 ORGS = ["a", "b", "c", "d", "e"]
 CLASSES = ["x", "y"]
 PRIORITY_CLASS = "p"
+AFFINITY_KEYS = [digest("p", f"conversation {i}") for i in range(5)]
+# factors whose products with (R + 1) round in binary: both sides must round them alike
+LOAD_FACTORS = st.one_of(
+    st.sampled_from([1.0, 1.1, 1.25, 2.0]),
+    st.floats(min_value=1.0, max_value=4.0, allow_nan=False, allow_infinity=False),
+)
 
 
 @st.composite
 def scenarios(
-    draw: st.DrawFn, *, caps: bool = False, priority: bool = False, holders: int = 1
+    draw: st.DrawFn,
+    *,
+    caps: bool = False,
+    priority: bool = False,
+    holders: int = 1,
+    affinity: bool = False,
+    sized: bool = False,
 ) -> Scenario:
-    slots = draw(st.lists(st.integers(1, 3), min_size=1, max_size=3))
+    """``affinity``: the pool's load factor set, submits with keys (a few, or none), and
+    backends going down and up (the caller's ``down``)."""
+    slots = draw(st.lists(st.integers(1, 3), min_size=1, max_size=4 if affinity else 3))
+    if sized:  # few slots and flows, costs of every bucket: lines form and overtake
+        slots = draw(st.lists(st.integers(1, 2), min_size=1, max_size=2))
     backends = [(f"b{i}", n) for i, n in enumerate(slots)]
     pairs = draw(
         st.lists(
             st.tuples(st.sampled_from(ORGS), st.sampled_from(CLASSES)),
             min_size=2,
-            max_size=5,
+            max_size=3 if sized else 5,
             unique=True,
         )
     )
-    flows = [Flow(org, cls, draw(WEIGHTS)) for org, cls in pairs]
+    flows = [Flow(org, cls, draw(WEIGHTS), draw(KS) if sized else None) for org, cls in pairs]
     if priority:  # the band's own class, one priority "flow" per org that has any flow
         flows += [Flow(org, PRIORITY_CLASS, 1.0) for org in sorted({o for o, _ in pairs})]
     org_caps: dict[str, int] = {}
@@ -138,29 +177,41 @@ def scenarios(
     if priority:
         class_caps[PRIORITY_CLASS] = draw(st.integers(1, 2))
 
-    def submit(index: int, cost: float, front: bool, holder: int) -> Submit:
-        return Submit(index, cost, front, flows[index].cls == PRIORITY_CLASS, holder)
+    def submit(
+        index: int, cost: float, front: bool, holder: int, key: str | None, plain: bool
+    ) -> Submit:
+        priority = flows[index].cls == PRIORITY_CLASS
+        return Submit(index, cost, front, priority, holder, key, plain)
 
     submits = st.builds(
         submit,
-        st.integers(0, len(flows) - 1),
-        COSTS,
-        st.sampled_from([False, False, False, True]),  # front now and then
+        # with size buckets, mostly one flow: its line grows, and overtakes in it
+        st.sampled_from([0, 0, 0, *range(len(flows))]) if sized else st.integers(0, len(flows) - 1),
+        SIZED_COSTS if sized else COSTS,
+        st.sampled_from([False] * (7 if sized else 3) + [True]),  # front now and then
         st.integers(0, holders - 1),
+        st.sampled_from([*AFFINITY_KEYS, None]) if affinity else st.none(),
+        st.sampled_from([False] * 9 + [True]) if sized else st.just(False),  # a reload's
     )
     ops = st.one_of(
         submits,
         submits,
         st.builds(Finish, st.integers(0, 1000)),
         st.builds(Cancel, st.integers(0, 1000)),
+        *([st.builds(Toggle, st.integers(0, 1000))] if affinity else []),
     )
+    if sized:  # four submits to two finishes and a cancel, so that lines grow
+        kinds = {"s": submits, "f": st.builds(Finish, st.integers(0, 1000)),
+                 "c": st.builds(Cancel, st.integers(0, 1000))}  # fmt: skip
+        ops = st.sampled_from("ssssffc").flatmap(kinds.__getitem__)
     return Scenario(
         backends=backends,
         flows=flows,
-        ops=draw(st.lists(ops, min_size=1, max_size=40)),
+        ops=draw(st.lists(ops, min_size=10 if affinity or sized else 1, max_size=40)),
         org_caps=org_caps,
         class_caps=class_caps,
         holders=holders,
+        load_factor=draw(LOAD_FACTORS) if affinity else None,
     )
 
 
@@ -173,13 +224,19 @@ class MemorySide:
     def __init__(self, scenario: Scenario) -> None:
         specs = [BackendSpec(url=f"http://{n}:8000", slots=s, name=n) for n, s in scenario.backends]
         self.scheduler = Scheduler(
-            Placement(specs), org_caps=scenario.org_caps, class_caps=scenario.class_caps
+            Placement(specs, load_factor=scenario.load_factor),
+            org_caps=scenario.org_caps,
+            class_caps=scenario.class_caps,
         )
         self.tickets: dict[str, Ticket] = {}
         self.ids: dict[int, str] = {}  # id(Ticket) → ticket id
+        self.reasons: dict[str, str] = {}  # ticket id → why its last dispatch went where it did
 
     async def submit(self, tid: str, flow: Flow, op: Submit) -> list[Dispatch]:
-        ticket = Ticket(flow.org, flow.cls, op.cost, flow.weight, priority=op.priority)
+        ticket = Ticket(
+            flow.org, flow.cls, op.cost, flow.weight, priority=op.priority, affinity=op.key,
+            **op.sizes(flow),
+        )  # fmt: skip
         self.tickets[tid] = ticket
         self.ids[id(ticket)] = tid
         return self._named(self.scheduler.submit(ticket, 0.0, front=op.front))
@@ -189,6 +246,16 @@ class MemorySide:
 
     async def cancel(self, tid: str) -> bool:
         return self.scheduler.cancel(self.tickets[tid])
+
+    async def toggle(self, index: int) -> list[Dispatch]:
+        """Backend ``index`` goes down, or comes back up; then what capacity allows."""
+        placement = self.scheduler.placement
+        backend = placement.backends[index]
+        if backend.healthy:
+            placement.mark_down(backend, until=0.0)
+        else:
+            placement.mark_up(backend, now=0.0)
+        return self._named(self.scheduler.pump(0.0))
 
     async def queued(self) -> int:
         return self.scheduler.queued()
@@ -201,6 +268,7 @@ class MemorySide:
         for ticket in dispatched:
             assert ticket.backend is not None
             out.append((self.ids[id(ticket)], ticket.backend.name))
+            self.reasons[self.ids[id(ticket)]] = ticket.placed
         return out
 
 
@@ -226,20 +294,34 @@ class RedisSide:
         self.class_running: Counter[str] = Counter()
         self.classes: dict[str, str] = {}  # ticket id → class
         self.backend_of: dict[str, str] = {}  # granted ticket id → backend
+        self.reasons: dict[str, str] = {}  # ticket id → why its last grant went where it did
+        self.down: set[str] = set()  # the backends every caller holds down
 
     async def start(self) -> None:
         for holder in self.holders:
             assert await holder.heartbeat(LONG_TTL_S, new=True) == []
         s = self.scenario
-        assert await self.holders[0].configure(s.backends, s.org_caps, s.class_caps) == []
+        grants = await self.holders[0].configure(
+            s.backends, s.org_caps, s.class_caps, load_factor=s.load_factor
+        )
+        assert grants == []
 
     async def submit(self, tid: str, flow: Flow, op: Submit) -> list[Dispatch]:
         self.owner[tid] = op.holder
         self.classes[tid] = flow.cls
-        shared = SharedTicket(flow.org, flow.cls, op.cost, flow.weight, priority=op.priority)
+        shared = SharedTicket(
+            flow.org, flow.cls, op.cost, flow.weight, priority=op.priority, affinity=op.key,
+            **op.sizes(flow),
+        )  # fmt: skip
+        submit = self.holders[op.holder].submit
         return await self._granted(
-            op.holder, await self.holders[op.holder].submit(tid, shared, front=op.front)
+            op.holder, await submit(tid, shared, front=op.front, down=sorted(self.down))
         )
+
+    async def toggle(self, index: int) -> list[Dispatch]:
+        name = self.scenario.backends[index][0]
+        self.down ^= {name}
+        return await self._granted(0, await self.holders[0].pump(sorted(self.down)))
 
     async def finish(self, tid: str) -> list[Dispatch]:
         holder = self.owner[tid]
@@ -247,7 +329,8 @@ class RedisSide:
         # the backend and class it ran on are freed before the call's own grants count
         self.running[self.backend_of[tid]] -= 1
         self.class_running[self.classes[tid]] -= 1
-        return await self._granted(holder, await self.holders[holder].finish(lease))
+        finish = self.holders[holder].finish
+        return await self._granted(holder, await finish(lease, sorted(self.down)))
 
     async def cancel(self, tid: str) -> bool:
         return await self.holders[self.owner[tid]].cancel(tid)
@@ -276,6 +359,7 @@ class RedisSide:
         for grant in grants:
             self.leases[grant.ticket] = grant.lease
             self.backend_of[grant.ticket] = grant.backend
+            self.reasons[grant.ticket] = grant.reason
             self.running[grant.backend] += 1
             self.class_running[self.classes[grant.ticket]] += 1
         slots = dict(self.scenario.backends)
@@ -330,6 +414,11 @@ async def conform(redis_url: str, scenario: Scenario) -> list[Dispatch]:
                 expected = await memory.finish(tid)
                 got = await shared.finish(tid)
                 trace.log.append(f"finish {tid} -> {expected}")
+            elif isinstance(op, Toggle):
+                index = op.pick % len(scenario.backends)
+                expected = await memory.toggle(index)
+                got = await shared.toggle(index)
+                trace.log.append(f"toggle {scenario.backends[index][0]} -> {expected}")
             else:
                 pool = trace.waiting or trace.known
                 if not pool:
@@ -342,6 +431,7 @@ async def conform(redis_url: str, scenario: Scenario) -> list[Dispatch]:
                     trace.waiting.remove(tid)
                 continue
             assert got == expected, (*trace.log, f"redis dispatched {got}")
+            assert shared.reasons == memory.reasons, trace.log  # affinity, overflow, fallback
             trace.dispatched(expected)
             everything += expected
             assert await shared.inflight() == {b: n for b, n in shared.running.items() if n}
@@ -386,6 +476,41 @@ def test_two_holders_are_one_fairness_domain(redis_url: str, scenario: Scenario)
     run(redis_url, scenario)
 
 
+@PROPERTY
+@given(scenario=scenarios(affinity=True))
+def test_affinity_places_alike(redis_url: str, scenario: Scenario) -> None:
+    """Keys, load factors (odd floats too), backends going down and up: the same backend,
+    for the same reason, on both sides."""
+    run(redis_url, scenario)
+
+
+@PROPERTY
+@given(scenario=scenarios(caps=True, priority=True, holders=2, affinity=True))
+def test_affinity_with_caps_band_and_two_holders_places_alike(
+    redis_url: str, scenario: Scenario
+) -> None:
+    run(redis_url, scenario)
+
+
+SIZED = settings(
+    max_examples=3 * EXAMPLES, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)  # overtakes need lines that grow: more examples find the cases at the edge of K
+
+
+@SIZED
+@given(scenario=scenarios(sized=True))
+def test_size_buckets_conform(redis_url: str, scenario: Scenario) -> None:
+    run(redis_url, scenario)
+
+
+@SIZED
+@given(scenario=scenarios(sized=True, caps=True, priority=True, holders=2))
+def test_size_buckets_with_caps_band_and_two_holders_conform(
+    redis_url: str, scenario: Scenario
+) -> None:
+    run(redis_url, scenario)
+
+
 # -- targeted examples ------------------------------------------------------------------------
 
 
@@ -411,6 +536,35 @@ async def test_tie_by_flow_id_and_global_idle_reset(redis_url: str) -> None:
     scenario = Scenario(backends=[("b0", 1)], flows=flows, ops=ops)
     dispatches = await conform(redis_url, scenario)
     assert [tid for tid, _ in dispatches] == ["t0", "t2", "t1", "t6", "t8", "t7"]
+
+
+async def test_short_requests_overtake_long_ones_of_their_flow_at_most_k_times(
+    redis_url: str,
+) -> None:
+    """One slot, flow a with size buckets and K = 2: two long requests queue behind the
+    blocker, then three short ones. The first two short ones go before both long ones,
+    which are then due; a retry put back at the head goes before everything of its flow.
+    Both sides agree, dispatch by dispatch."""
+    flows = [Flow("a", "x", 1.0, max_overtaken=2), Flow("b", "x", 1.0)]
+    a, b = 0, 1
+    ops: list[Op] = [
+        Submit(b, 1.0),  # t0 takes the slot
+        Submit(a, 100.0),  # t1 long
+        Submit(a, 100.0),  # t2 long
+        Submit(a, 1.0),  # t3 short
+        Submit(a, 1.0),  # t4 short
+        Submit(a, 1.0),  # t5 short
+        Finish(0),  # t0 done: t3 overtakes t1 and t2
+        Finish(0),  # t3 done: t4 overtakes them again (twice each now)
+        Submit(a, 100.0, front=True),  # t8: a retry, due at once
+        Finish(0),  # t4 done: t8
+        Finish(0),  # t8 done: t1 (overtaken twice: due)
+        Finish(0),  # t1 done: t2 (due too)
+        Finish(0),  # t2 done: t5
+    ]
+    scenario = Scenario(backends=[("b0", 1)], flows=flows, ops=ops)
+    dispatches = await conform(redis_url, scenario)
+    assert [tid for tid, _ in dispatches] == ["t0", "t3", "t4", "t8", "t1", "t2", "t5"]
 
 
 async def test_a_cost_keeps_every_digit(redis_url: str) -> None:

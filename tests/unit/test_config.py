@@ -1052,3 +1052,66 @@ def test_shared_state_takes_a_provider_rate_and_refuses_charges_redis_cannot_cou
     ]
     del data["state"]
     assert parse(data).state is None  # in memory both are fine
+
+
+# --- size buckets inside a flow (docs/design.md §3) --------------------------------------
+
+
+def with_buckets(**interactive: Any) -> dict[str, Any]:
+    """base() with the default classes, ``interactive`` given ``interactive``'s settings."""
+    data = base()
+    data["classes"] = {"interactive": {"weight": 6, **interactive}, "batch": {}}
+    return data
+
+
+def test_size_buckets_are_off_by_default_and_shown_by_check_config_when_set() -> None:
+    plain = parse(base())
+    assert all(c.size_buckets is None for c in plain.classes.values())
+    assert plain.classes["interactive"].overtaking(5000.0) == (0, None)
+    config = parse(with_buckets(size_buckets=[500, 4000], max_overtaken=12))
+    interactive = config.classes["interactive"]
+    assert interactive.size_buckets == [500, 4000]
+    assert [interactive.overtaking(c) for c in (500, 501, 4001)] == [(0, 12), (1, 12), (2, 12)]
+    assert parse(with_buckets(size_buckets=[2000])).classes["interactive"].overtaken_at_most == 100
+    text = summary(config)
+    assert "interactive: weight=6, size_buckets=[500, 4000] (cost), max_overtaken=12" in text
+    assert "batch: weight=1\n" in text  # no buckets: nothing said
+
+
+@pytest.mark.parametrize(
+    ("settings", "line"),
+    [
+        ({"size_buckets": [500, 400]}, "size_buckets: must be strictly increasing"),
+        ({"size_buckets": [500, 500]}, "size_buckets: must be strictly increasing"),
+        ({"size_buckets": []}, "size_buckets: must not be empty"),
+        ({"size_buckets": [0, 4]}, "size_buckets[0]: must be > 0"),
+        ({"size_buckets": [-1]}, "size_buckets[0]: must be > 0"),
+        ({"size_buckets": [5, float("inf")]}, "size_buckets[1]: must be a finite number"),
+        ({"size_buckets": [float("nan")]}, "size_buckets[0]: must be a finite number"),
+        ({"size_buckets": ["500"]}, "size_buckets[0]: expected a number"),
+        ({"size_buckets": 500}, "size_buckets: expected a list"),
+        ({"size_buckets": [5], "max_overtaken": -1}, "max_overtaken: must be >= 0"),
+        ({"size_buckets": [5], "max_overtaken": 1001}, "max_overtaken: must be <= 1000"),
+        ({"size_buckets": [5], "max_overtaken": 2.5}, "max_overtaken: expected an integer"),
+        ({"size_buckets": [5], "max_overtaken": True}, "max_overtaken: expected an integer"),
+        ({"max_overtaken": 3}, "max_overtaken: only with size_buckets"),
+    ],
+)
+def test_bad_size_buckets_fail_at_their_path(settings: dict[str, Any], line: str) -> None:
+    assert error_lines(with_buckets(**settings)) == [f"classes.interactive.{line}"]
+
+
+def test_seventeen_bounds_are_too_many_and_zero_overtakes_is_arrival_order() -> None:
+    lines = error_lines(with_buckets(size_buckets=list(range(1, 18))))
+    assert len(lines) == 1
+    assert lines[0].startswith("classes.interactive.size_buckets: ")
+    config = parse(with_buckets(size_buckets=list(range(1, 17)), max_overtaken=0))
+    assert config.classes["interactive"].overtaking(100.0) == (16, 0)
+
+
+def test_a_priority_class_has_no_size_buckets() -> None:
+    data = with_band(system={**SYSTEM, "size_buckets": [100]})
+    assert error_lines(data) == [
+        "classes.system.size_buckets: a priority class is served in the strict band, in "
+        "arrival order: size buckets order fair-queued classes only"
+    ]

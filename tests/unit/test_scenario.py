@@ -532,3 +532,18 @@ def test_load_scenario_names_the_file_in_errors(tmp_path: Path) -> None:
     assert str(info.value) == "teams.A.arrivals.per_s: must be > 0"
     with pytest.raises(ConfigError, match="cannot read"):
         load_scenario(tmp_path / "absent.yaml")
+
+
+def test_a_class_may_have_size_buckets_as_in_the_proxys_config() -> None:
+    data = base(A=team({"kind": "at_start", "count": 1}, **{"class": "interactive"}), B=team(
+        {"kind": "at_start", "count": 1}))  # fmt: skip
+    data["classes"] = {"interactive": {"weight": 2, "size_buckets": [500], "max_overtaken": 4}}
+    a, b = build(data).teams
+    assert (a.size_buckets, a.max_overtaken, a.weight) == ((500.0,), 4, 2.0)
+    assert b.size_buckets is None  # batch: a FIFO in each flow
+    data["classes"]["interactive"]["size_buckets"] = [500, 100]
+    assert errors_of(data) == [("classes.interactive.size_buckets", "must be strictly increasing")]
+    data["classes"]["interactive"] = {"max_overtaken": -1}
+    assert errors_of(data) == [("classes.interactive.max_overtaken", "must be >= 0")]
+    data["classes"]["interactive"] = {"max_overtaken": 4}
+    assert errors_of(data) == [("classes.interactive.max_overtaken", "only with size_buckets")]
