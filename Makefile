@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-unit fuzz vllm llamacpp tools lint bench bench-proxy soak clean
+.PHONY: run test test-fast test-unit fuzz vllm llamacpp tools lint lock bench bench-proxy soak clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -56,6 +56,25 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+
+# requirements.lock: the image's runtime dependencies (pyproject.toml's [project] dependencies,
+# no extras) pinned with their hashes, by pip-tools' pip-compile in a throwaway venv. Resolves
+# the newest versions pyproject.toml allows, then checks that the lock installs, every hash
+# checked, from wheels alone on the image's Python (LOCK_PYTHON) for x86_64 and aarch64.
+LOCK_VENV ?= /tmp/sfq-lock-venv
+LOCK_PYTHON ?= 3.12
+lock:
+	python3 -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/pip install --quiet 'pip-tools==7.6.2'
+	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile --quiet --upgrade \
+	  --generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links \
+	  --output-file requirements.lock pyproject.toml
+	for arch in x86_64 aarch64; do \
+	  $(LOCK_VENV)/bin/pip install --quiet --dry-run --ignore-installed --no-cache-dir \
+	    --target $(LOCK_VENV)/target --python-version $(LOCK_PYTHON) --only-binary=:all: \
+	    --platform manylinux_2_17_$$arch --platform manylinux_2_28_$$arch \
+	    --require-hashes -r requirements.lock || exit 1; \
+	done
 
 bench: $(STAMP)
 	$(PY) bench/sfq_core.py

@@ -383,7 +383,7 @@ def kib(size: float) -> str:
 
 
 async def bench(args: argparse.Namespace, work: Path, log: IO[str], nginx: list[str]) -> None:
-    access_log.configure(log)
+    access_log.configure(log, fmt="json")  # as `serve` writes it to a file or a pipe
     async with Driver.started() as driver, Driver.started() as floor:
         yaml_text = proxy_config(
             driver.backend, nginx or [driver.backend], args.slots, args.requests

@@ -9,12 +9,15 @@ what to install instead of failing on an import.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
+from importlib import metadata
 from pathlib import Path
 
 from .config import Config, ConfigError, default_config, load_config
 from .config_summary import summary
+from .http import logs
 from .http.server import run, serve
 from .http.workers import serve_workers
 
@@ -25,10 +28,23 @@ MISSING_LAB = (
 )
 
 
+LOG_LEVEL_ENV = "SFQ_LOG_LEVEL"
+LOG_FORMAT_ENV = "SFQ_LOG_FORMAT"
+
+
+def version() -> str:
+    """The installed package's version (its metadata, as pip installed it)."""
+    try:
+        return metadata.version("sfq-proxy")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="sfq-proxy", description="Fair-share reverse proxy for OpenAI-compatible LLM servers."
     )
+    parser.add_argument("--version", action="version", version=f"sfq-proxy {version()}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     p = sub.add_parser("serve", help="run the proxy")
@@ -37,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--workers", type=int, default=1, metavar="N",
         help="processes sharing the port (needs state: redis, one fairness domain for all)",
     )  # fmt: skip
+    _add_log_options(p)
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("check-config", help="validate a configuration and summarise it")
@@ -51,12 +68,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scenario", help="run a scenario through the proxy instead (see simulate)")
     p.add_argument("--time-scale", type=float, default=20.0, help="with --scenario: speed-up")
     p.add_argument("--duration", type=float, help="with --scenario: its first N seconds")
+    _add_log_options(p)
     p.set_defaults(func=_demo)
 
     _add_lab_parsers(sub)
     args = parser.parse_args(argv)
+    if "log_level" in args:
+        _choose_logs(args)
     code: int = args.func(args)
     return code
+
+
+def _add_log_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log-level", type=str.lower, choices=list(logs.LEVELS), metavar="LEVEL",
+        help=f"the proxy's own log lines (stderr) at LEVEL and above: {', '.join(logs.LEVELS)} "
+        f"(default: ${LOG_LEVEL_ENV}, else warning; the access log is always on)",
+    )  # fmt: skip
+    p.add_argument(
+        "--log-format", type=str.lower, choices=logs.FORMATS, metavar="FORMAT",
+        help=f"both logs (stderr, and stdout's access log): json or text (default: "
+        f"${LOG_FORMAT_ENV}, else text when stdout and stderr are terminals, json otherwise)",
+    )  # fmt: skip
+    p.set_defaults(parser=p)
+
+
+def _choose_logs(args: argparse.Namespace) -> None:
+    """Both logs' level and format: the flag, else the environment, else the default; a bad
+    value in the environment is a usage error, as a bad flag is."""
+    parser: argparse.ArgumentParser = args.parser
+    chosen: dict[str, str | None] = {}
+    for option, env, allowed in (
+        ("log_level", LOG_LEVEL_ENV, list(logs.LEVELS)),
+        ("log_format", LOG_FORMAT_ENV, list(logs.FORMATS)),
+    ):
+        value = getattr(args, option)
+        if value is None and os.environ.get(env, "").strip():
+            value = os.environ[env].strip().lower()
+            if value not in allowed:
+                parser.error(
+                    f"environment variable {env}: invalid choice: {os.environ[env]!r} "
+                    f"(choose from {', '.join(allowed)})"
+                )
+        chosen[option] = value
+    level = logs.LEVELS[chosen["log_level"] or "warning"]
+    logs.choose(level, next((f for f in logs.FORMATS if f == chosen["log_format"]), None))
+    logs.configure()
 
 
 def _add_lab_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

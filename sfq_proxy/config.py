@@ -77,6 +77,7 @@ __all__ = [
     "config_error",
     "default_classes",
     "default_config",
+    "expand_env",
     "load_config",
     "parse_config",
     "read_yaml",
@@ -132,6 +133,7 @@ class KeySpec(StrictModel):
 
     Exactly one of ``key_env`` (environment variable, read at load time), ``key``
     (plain text, for local use) or ``key_sha256`` (hex digest of the key) is given.
+    ``name`` is what the access log calls it (default ``<org>#<index in keys>``).
     """
 
     key_env: NonEmptyStr | None = None
@@ -139,6 +141,7 @@ class KeySpec(StrictModel):
     key_sha256: str | None = None
     org: Name
     classes: list[Name] = Field(min_length=1)
+    name: Name | None = None
 
     @field_validator("key_sha256")
     @classmethod
@@ -588,6 +591,8 @@ class ResolvedKey:
     org: str
     classes: tuple[str, ...]
     digest: bytes = field(repr=False)
+    # the access log's name for it: keys[i].name, else "<org>#<i>"
+    name: str = field(default="", compare=False)
 
 
 _Errors = list[tuple[str, str]]
@@ -890,7 +895,10 @@ def _resolve_keys(
     errors: _Errors = []
     resolved: list[ResolvedKey] = []
     first_index: dict[bytes, int] = {}
+    named: dict[str, int] = {}
     for i, key in enumerate(keys):
+        if key.name is not None and (same := named.setdefault(key.name, i)) != i:
+            errors.append((f"keys[{i}].name", f"same name as keys[{same}]"))
         if key.key_sha256 is not None:
             digest = bytes.fromhex(key.key_sha256)
         elif key.key is not None:
@@ -903,7 +911,8 @@ def _resolve_keys(
         first = first_index.setdefault(digest, i)
         if first != i:
             errors.append((f"keys[{i}]", f"duplicates the key of keys[{first}]"))
-        resolved.append(ResolvedKey(i, key.org, tuple(key.classes), digest))
+        name = key.name or f"{key.org}#{i}"
+        resolved.append(ResolvedKey(i, key.org, tuple(key.classes), digest, name))
     return errors, tuple(resolved)
 
 
@@ -1029,12 +1038,71 @@ def read_yaml(text: str, source: str) -> dict[str, Any]:
     return data
 
 
+# ``${NAME}``, ``${NAME:-default}``, or ``$${``, a literal ``${``; anything else after a
+# ``${`` (no name, no closing brace) is an error rather than text left as it was
+_REFERENCE = re.compile(r"\$\$\{|\$\{([^}]*)(\}?)")
+_NAME_DEFAULT = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)(?::-(.*))?", re.DOTALL)
+
+
+def expand_env(data: Any, environ: Mapping[str, str], path: str = "") -> Any:
+    """``data`` with ``${NAME}`` and ``${NAME:-default}`` in its string values replaced from
+    ``environ`` (docs/design.md §7): in mappings' values and lists' items at any depth,
+    never in mapping keys nor in numbers or booleans. ``${NAME:-default}`` takes the default
+    when NAME is unset or empty, ``${NAME}`` is an error when NAME is unset; ``$${`` is a
+    literal ``${``. A value is expanded once: what a variable holds is not expanded again.
+    Every error names the field's path and the variable, never a value."""
+    errors: _Errors = []
+    expanded = _expand(data, environ, path, errors)
+    if errors:
+        raise ConfigError(errors)
+    return expanded
+
+
+def _expand(data: Any, environ: Mapping[str, str], path: str, errors: _Errors) -> Any:
+    if isinstance(data, str):
+        return _expand_text(data, environ, path, errors) if "${" in data else data
+    if isinstance(data, dict):
+        return {
+            k: _expand(v, environ, f"{path}.{k}" if path else str(k), errors)
+            for k, v in data.items()
+        }
+    if isinstance(data, list):
+        return [_expand(v, environ, f"{path}[{i}]", errors) for i, v in enumerate(data)]
+    return data
+
+
+def _expand_text(text: str, environ: Mapping[str, str], path: str, errors: _Errors) -> str:
+    def replace(match: re.Match[str]) -> str:
+        if match[0] == "$${":
+            return "${"
+        reference = _NAME_DEFAULT.fullmatch(match[1])
+        if reference is None or not match[2]:
+            errors.append((path, "invalid ${...}: write ${NAME}, ${NAME:-default} or $${"))
+            return ""
+        name, default = reference[1], reference[2]
+        value = environ.get(name)
+        if default is not None and not value:
+            return default
+        if value is None:
+            errors.append((path, f"environment variable {name} is not set (and has no default)"))
+            return ""
+        return value
+
+    return _REFERENCE.sub(replace, text)
+
+
 def parse_config(
     text: str, environ: Mapping[str, str] | None = None, source: str = "<string>"
 ) -> Config:
-    """Parse and validate YAML ``text``; ``environ`` (default ``os.environ``) resolves keys."""
-    data = read_yaml(text, source)
-    context = {"environ": os.environ if environ is None else environ}
+    """Parse and validate YAML ``text``; ``environ`` (default ``os.environ``) expands
+    ``${NAME}`` in its string values and resolves keys."""
+    environ = os.environ if environ is None else environ
+    try:
+        data = expand_env(read_yaml(text, source), environ)
+    except ConfigError as exc:
+        exc.source = source
+        raise
+    context = {"environ": environ}
     try:
         return Config.model_validate(data, context=context)
     except ValidationError as exc:

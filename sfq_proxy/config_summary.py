@@ -50,7 +50,8 @@ def summary(config: Config) -> str:
     ]
     lines.append("keys:")
     lines += [
-        f"  keys[{i}]: org={k.org}, classes=[{', '.join(k.classes)}] ({k.source})"
+        f"  keys[{i}]: {f'name={k.name}, ' if k.name else ''}org={k.org}, "
+        f"classes=[{', '.join(k.classes)}] ({k.source})"
         for i, k in enumerate(config.keys)
     ]
     if config.orgs:

@@ -34,7 +34,7 @@ async def lab() -> AsyncIterator[Lab]:
 def access_log() -> Iterator[AccessLines]:
     """The proxy's access lines, parsed: ``await access_log()`` once the requests are done."""
     buffer = io.StringIO()
-    access_log_sink.configure(buffer)
+    access_log_sink.configure(buffer, fmt="json")
 
     async def lines() -> list[dict]:
         await asyncio.sleep(0)  # lines leave when the loop turns

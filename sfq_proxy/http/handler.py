@@ -105,7 +105,7 @@ async def _admit_and_serve(
     proxy: Proxy, request: web.Request, kind: Kind, record: AccessRecord
 ) -> web.StreamResponse:
     key = proxy.auth.identify(request.headers.get("Authorization"))
-    record.org = key.org
+    record.org, record.key = key.org, key.name
     raw = await _read_body(request, proxy.config.limits.max_body_bytes)
     config = proxy.config
     inference = parse(kind, raw, config.reports_stream_usage, config.affinity_for_model)

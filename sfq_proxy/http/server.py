@@ -44,7 +44,11 @@ async def running(
         await web.TCPSite(
             runner, config.listen.host, config.listen.port, backlog=1024, reuse_port=reuse_port
         ).start()
-        yield runner
+        log.info("listening on %s", bound_url(runner))
+        try:
+            yield runner
+        finally:
+            log.info("draining: in-flight requests have up to %g s", config.drain_timeout_s)
     finally:
         await runner.cleanup()
 

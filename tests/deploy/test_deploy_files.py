@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
 
 from sfq_proxy.config import Config, RedisState, parse_config
 from sfq_proxy.sim.server import DEFAULT_MODEL
@@ -51,6 +52,7 @@ from sfq_proxy.sim.server import DEFAULT_MODEL
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
+LOCK = ROOT / "requirements.lock"
 KUBE = ROOT / "deploy" / "kubernetes"
 SHARED = ROOT / "deploy" / "kubernetes-shared"
 COMPOSE_DIR = ROOT / "deploy" / "compose"
@@ -189,9 +191,18 @@ def test_dockerfile_shape() -> None:
         for run in stage.all("RUN"):
             assert "apt-get" not in run.args
             pips += re.findall(r"pip\"? (?:install|wheel)[^&]*", run.args)
-    assert len(pips) == 2
+    assert len(pips) == 3
     for pip in pips:
         assert "--no-cache-dir" in pip, pip
+    # the dependencies from the lock, every hash checked; the project's wheel adds none
+    wheel, locked, project = (pip.strip() for pip in pips)
+    assert wheel.endswith('--no-deps --wheel-dir "${WHEELS}" .')
+    assert locked.endswith('--require-hashes -r "${WHEELS}/requirements.lock"'), locked
+    assert "--no-deps" in project, project
+    assert '"${VIRTUAL_ENV}/bin/pip" check' in final.marked("install").args
+    assert 'cp requirements.lock "${WHEELS}/"' in build.marked("build").args
+    # the logs' format is chosen, not left to whether `docker run -t` gave a terminal
+    assert final.env()["SFQ_LOG_FORMAT"] == "json"
     # the state directory of the Kubernetes/compose configs belongs to the image's user
     assert f"chown {IMAGE_UID}:{IMAGE_UID} /var/lib/sfq-proxy" in " ".join(
         run.args for run in final.all("RUN")
@@ -220,7 +231,9 @@ def dockerignored(path: str) -> bool:
 def test_dockerignore_keeps_the_build_inputs_only() -> None:
     build = stages()[0]
     sources = [src for copy in build.all("COPY") for src in copy_args(copy)[1]]
-    assert sorted(sources) == ["LICENSE", "README.md", "pyproject.toml", "sfq_proxy"]
+    assert sorted(sources) == [
+        "LICENSE", "README.md", "pyproject.toml", "requirements.lock", "sfq_proxy"
+    ]  # fmt: skip
     for source in sources:
         assert not dockerignored(source), source
     for path in ROOT.joinpath("sfq_proxy").rglob("*"):
@@ -315,6 +328,17 @@ def test_the_image_install_commands_give_a_working_proxy(tmp_path: Path) -> None
     )  # fmt: skip
     assert demo.returncode != 0
     assert "pip install 'sfq-proxy[lab]'" in demo.stderr, demo.stderr
+    # the versions installed are the lock's, and the package says its own
+    freeze = subprocess.run(
+        [venv / "bin" / "python", "-m", "pip", "freeze", "--exclude", "sfq-proxy"],
+        env=outside_env(), capture_output=True, text=True, timeout=60, check=True,
+    ).stdout  # fmt: skip
+    assert sorted(canonical(line) for line in freeze.split()) == sorted(locked_pins())
+    version = subprocess.run(
+        [venv / "bin" / "sfq-proxy", "--version"], env=outside_env(), capture_output=True,
+        text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert version.stdout == f"sfq-proxy {VERSION}\n"
 
     # the entrypoint's command, on a config whose backend need not exist
     config = tmp_path / "config.yaml"
@@ -331,13 +355,14 @@ def test_the_image_install_commands_give_a_working_proxy(tmp_path: Path) -> None
         )
     )
     assert ENTRYPOINT[:3] == ["sfq-proxy", "serve", "--config"]
+    image_env = {name: value for name, value in final_env.items() if name.startswith("SFQ_")}
     proc = subprocess.Popen(
         [venv / "bin" / ENTRYPOINT[0], *ENTRYPOINT[1:3], config],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=tmp_path,
-        env=outside_env(),
+        env=outside_env() | image_env,
     )
     try:
         first = read_line(proc.stdout, 60)
@@ -355,6 +380,47 @@ def test_the_image_install_commands_give_a_working_proxy(tmp_path: Path) -> None
             proc.communicate()
     assert proc.returncode == 0, err
     assert "draining" in out
+    # the backend on port 9 is down: a warning, as the image writes it, JSON
+    [warning] = [json.loads(line) for line in err.splitlines()]
+    assert (warning["level"], warning["logger"]) == ("warning", "sfq_proxy.http.pool_runtime")
+    assert "marked down" in warning["msg"]
+
+
+def normalised(name: str) -> str:
+    """A distribution's name as pip-compile writes it: lower case, runs of -_. as one -."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def canonical(pin: str) -> str:
+    name, _, version = pin.partition("==")
+    return f"{normalised(name)}=={version}"
+
+
+def locked_pins() -> list[str]:
+    """requirements.lock's ``name==version`` lines (those that apply on Linux)."""
+    pins = re.findall(r"^([A-Za-z0-9][^\s=;]*==[^\s;\\]+)", LOCK.read_text(), re.M)
+    return [canonical(pin) for pin in pins]
+
+
+def test_the_lock_pins_every_runtime_dependency_within_its_bounds() -> None:
+    """requirements.lock, as `make lock` writes it: each of pyproject.toml's runtime
+    dependencies pinned to a version its bound allows, every pin with hashes, no extras."""
+    text = LOCK.read_text()
+    assert "#    make lock\n" in text
+    entries = re.split(r"\n(?=[A-Za-z0-9])", text[text.index("\n", text.index("make lock")) :])
+    pins = {}
+    for entry in entries[1:]:
+        requirement = Requirement(entry.split("\\")[0].strip())
+        assert "--hash=sha256:" in entry, entry
+        [spec] = requirement.specifier
+        assert spec.operator == "==", entry
+        pins[normalised(requirement.name)] = spec.version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for dependency in map(Requirement, project["dependencies"]):
+        name = normalised(dependency.name)
+        assert name in pins, f"{dependency.name} is not in requirements.lock: make lock"
+        assert dependency.specifier.contains(pins[name]), (dependency, pins[name])
+    assert sorted(canonical(f"{n}=={v}") for n, v in pins.items()) == sorted(locked_pins())
 
 
 # -- Kubernetes -----------------------------------------------------------------------------

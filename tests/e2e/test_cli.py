@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tomllib
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,8 @@ PLAIN_SECRET = "sk-plain-SECRET-5"
 def sfq_proxy(
     *args: str | Path, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if k not in EXAMPLE_ENV}
+    drop = (*EXAMPLE_ENV, "SFQ_LOG_LEVEL", "SFQ_LOG_FORMAT")
+    base = {k: v for k, v in os.environ.items() if k not in drop}
     return subprocess.run(
         [sys.executable, "-m", "sfq_proxy.cli", *map(str, args)],
         capture_output=True,
@@ -179,3 +182,78 @@ def test_check_config_says_where_the_state_is_and_never_its_password(tmp_path: P
         "refused (503)\n"
     ) in result.stdout
     assert "hunter2" not in result.stdout
+
+
+def test_version_is_the_installed_packages() -> None:
+    result = sfq_proxy("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"sfq-proxy {metadata.version('sfq-proxy')}\n"
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert metadata.version("sfq-proxy") == project["version"]
+
+
+@pytest.mark.parametrize("command", ["serve", "demo"])
+@pytest.mark.parametrize(
+    ("args", "env", "error"),
+    [
+        (["--log-level", "loud"], {}, "argument --log-level: invalid choice: 'loud'"),
+        (["--log-format", "xml"], {}, "argument --log-format: invalid choice: 'xml'"),
+        ([], {"SFQ_LOG_LEVEL": "loud"}, "environment variable SFQ_LOG_LEVEL: invalid choice: "
+         "'loud' (choose from debug, info, warning, error, critical)"),
+        ([], {"SFQ_LOG_FORMAT": "xml"}, "environment variable SFQ_LOG_FORMAT: invalid choice: "
+         "'xml' (choose from json, text)"),
+    ],
+    ids=["level-flag", "format-flag", "level-env", "format-env"],
+)  # fmt: skip
+def test_a_bad_log_option_is_a_usage_error(
+    tmp_path: Path, command: str, args: list[str], env: dict[str, str], error: str
+) -> None:
+    config = ["--config", str(write_config(tmp_path, name="ok.yaml"))] if command == "serve" else []
+    result = sfq_proxy(command, *config, *args, env=env)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith(f"usage: sfq-proxy {command} ")
+    assert result.stderr.splitlines()[-1].startswith(f"sfq-proxy {command}: error: {error}")
+
+
+def test_a_log_flag_spares_its_variable_from_being_read(tmp_path: Path) -> None:
+    """The flag wins: a bad SFQ_LOG_FORMAT is not even looked at (here the missing file is
+    the error)."""
+    result = sfq_proxy(
+        "serve", "--config", tmp_path / "absent.yaml", "--log-format", "json",
+        env={"SFQ_LOG_FORMAT": "xml"},
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "cannot read" in result.stderr
+    assert "SFQ_LOG_FORMAT" not in result.stderr
+
+
+CONFIG_WITH_VARIABLES = """
+keys:
+  - {key: "${TEAM_KEY}", org: product, classes: [interactive]}
+pools:
+  llama-8b:
+    models: [meta-llama/Llama-3.1-8B-Instruct]
+    backends:
+      - url: http://${BACKEND_HOST}:${BACKEND_PORT:-8001}
+        slots: 4
+        name: "${BACKEND_NAME:-gpu-a}"
+"""
+
+
+def test_check_config_expands_variables_and_names_an_unset_one(tmp_path: Path) -> None:
+    path = tmp_path / "vars.yaml"
+    path.write_text(CONFIG_WITH_VARIABLES, encoding="utf-8")
+    env = {"TEAM_KEY": PLAIN_SECRET, "BACKEND_HOST": "10.1.2.3"}
+    result = sfq_proxy("check-config", path, env=env)
+    assert result.returncode == 0, result.stderr
+    assert "  backend gpu-a: http://10.1.2.3:8001, 4 slots\n" in result.stdout
+    assert PLAIN_SECRET not in result.stdout + result.stderr
+    result = sfq_proxy("check-config", path, env={"TEAM_KEY": PLAIN_SECRET})
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert (
+        "pools.llama-8b.backends[0].url: environment variable BACKEND_HOST is not set "
+        "(and has no default)"
+    ) in result.stderr
+    assert "Traceback" not in result.stderr

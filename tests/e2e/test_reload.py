@@ -192,3 +192,28 @@ async def test_an_added_backend_takes_requests_after_its_first_good_probe(
             *(client.chat.completions.create(model=MODEL, messages=CHAT) for _ in range(8))
         )
     assert added.stats.requests_seen > 0
+
+
+async def test_a_reload_expands_the_files_variables_again(
+    lab: Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``${NAME}`` is read from the environment at every load: a reload of the same file
+    follows the variable, and one the variable left unset is refused with its path."""
+    first, second = await lab.backend(), await lab.backend()
+    monkeypatch.setenv("SIM_URL", first.url)
+    async with reloadable(tmp_path, monkeypatch, ["${SIM_URL}"]) as (served, _):
+        placement = served.state.pools["sim"].placement
+        assert [b.url for b in placement.backends] == [first.url]
+        monkeypatch.delenv("SIM_URL")
+        status, body = await reload(lab, served)
+        assert status == 400
+        assert (
+            "pools.sim.backends[0].url: environment variable SIM_URL is not set"
+            in body["error"]["message"]
+        )
+        monkeypatch.setenv("SIM_URL", second.url)
+        assert (await reload(lab, served))[0] == 200
+        await eventually(lambda: [b.url for b in placement.backends if b.healthy] == [second.url])
+        reply = await lab.client(served).chat.completions.create(model=MODEL, messages=CHAT)
+        assert reply.choices
+    assert second.stats.requests_seen == 1
