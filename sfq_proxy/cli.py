@@ -9,15 +9,17 @@ what to install instead of failing on an import.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import os
 import sys
-from collections.abc import Sequence
-from importlib import metadata
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .config import Config, ConfigError, default_config, load_config
-from .config_summary import summary
+from .config import Config, ConfigError, load_config
+from .config_summary import summary, warnings
 from .http import logs
+from .http.process_metrics import version
 from .http.server import run, serve
 from .http.workers import serve_workers
 
@@ -30,14 +32,6 @@ MISSING_LAB = (
 
 LOG_LEVEL_ENV = "SFQ_LOG_LEVEL"
 LOG_FORMAT_ENV = "SFQ_LOG_FORMAT"
-
-
-def version() -> str:
-    """The installed package's version (its metadata, as pip installed it)."""
-    try:
-        return metadata.version("sfq-proxy")
-    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
-        return "unknown"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -64,7 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--traffic", action="store_true", help="also play three teams' traffic and print shares"
     )
-    p.add_argument("--host", help="address the proxy listens on (default: the config's)")
+    p.add_argument("--host", help="address the proxy listens on (default: 127.0.0.1)")
+    p.add_argument(
+        "--port", type=int, help="port the proxy listens on (default: 8080; 0 picks a free one)"
+    )
     p.add_argument("--scenario", help="run a scenario through the proxy instead (see simulate)")
     p.add_argument("--time-scale", type=float, default=20.0, help="with --scenario: speed-up")
     p.add_argument("--duration", type=float, help="with --scenario: its first N seconds")
@@ -149,40 +146,70 @@ def _serve(args: argparse.Namespace) -> int:
     config = _load(args.config)
     if args.workers < 1:
         sys.exit("--workers must be at least 1")
+    where = f"{config.listen.host}:{config.listen.port}"
     if args.workers > 1:
         if config.state is None:
             sys.exit(
                 f"{args.config}: --workers {args.workers} needs state: redis: in memory each "
                 "process would be a fairness domain of its own, with every slot of every pool"
             )
-        return serve_workers(config, Path(args.config), args.workers)
+        with _listen_errors(f"sfq-proxy: cannot listen on {where}", "change listen.port"):
+            return serve_workers(config, Path(args.config), args.workers)
     try:
-        run(lambda: serve(config, Path(args.config)))
+        with _listen_errors(f"sfq-proxy: cannot listen on {where}", "change listen.port"):
+            run(lambda: serve(config, Path(args.config)))
     except ConfigError as err:  # found when building the app: a tokenizer that won't load
         sys.exit(f"{args.config}: invalid configuration:\n{err}")
     return 0
 
 
+# what binding a listening socket can fail with, and what it means to the operator
+_LISTEN_ERRORS = {
+    errno.EADDRINUSE: "the address is in use (another process listens on it)",
+    errno.EACCES: "permission denied (ports below 1024 need privileges)",
+    errno.EADDRNOTAVAIL: "no such address on this machine",
+}
+
+
+@contextlib.contextmanager
+def _listen_errors(what: str, advice: str) -> Iterator[None]:
+    """Exit with one line, no traceback, when the listening socket cannot be bound."""
+    try:
+        yield
+    except OSError as err:
+        # permission denied may come from a file too: only the listening socket's counts
+        binding = err.errno != errno.EACCES or "bind" in str(err)
+        if err.errno not in _LISTEN_ERRORS or not binding:
+            raise
+        sys.exit(f"{what}: {_LISTEN_ERRORS[err.errno]}; {advice}")
+
+
 def _demo(args: argparse.Namespace) -> int:
     try:
         from .lab import commands as lab
-        from .lab.demo import demo
+        from .lab.demo import admin_key as demo_admin_key
+        from .lab.demo import demo, demo_config
     except ImportError:
         sys.exit(MISSING_LAB.format(command="demo"))
     if args.scenario:
         run(lambda: lab.demo_scenario(
             args.scenario, time_scale=args.time_scale, duration_s=args.duration))  # fmt: skip
         return 0
-    config = default_config()
-    if args.host:  # e.g. 0.0.0.0 in a container, so Prometheus can scrape it
-        listen = config.listen.model_copy(update={"host": args.host})
-        config = config.model_copy(update={"listen": listen})
-    run(lambda: demo(config, traffic=args.traffic))
+    if args.port is not None and not 0 <= args.port <= 65535:
+        args.parser.error(f"argument --port: {args.port} is not a port (0 to 65535)")
+    admin = demo_admin_key()
+    listen = demo_config(admin, args.host, args.port).listen  # --host 0.0.0.0 in a container
+    with _listen_errors(
+        f"sfq-proxy demo: cannot listen on {listen.host}:{listen.port}",
+        "choose another port with --port (make run PORT=...)",
+    ):
+        run(lambda: demo(host=args.host, port=args.port, admin=admin, traffic=args.traffic))
     return 0
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    print(summary(_load(args.config)))
+    config = _load(args.config)
+    print("\n".join([summary(config), *warnings(config)]))
     return 0
 
 

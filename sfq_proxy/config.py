@@ -46,7 +46,8 @@ from .core.fair_queue import (
     MAX_SIZE_BUCKETS,
     size_bucket,
 )
-from .core.inference_request import MAX_OUTPUT_TOKENS
+from .core.inference_request import MAX_OUTPUT_TOKENS, Kind
+from .core.queue_memory import MIB, REQUEST_OVERHEAD_BYTES
 
 __all__ = [
     "NAME_PATTERN",
@@ -57,6 +58,8 @@ __all__ = [
     "Config",
     "ConfigError",
     "CostSpec",
+    "ExtraCostSpec",
+    "ExtraPathSpec",
     "Family",
     "HealthSpec",
     "KeySpec",
@@ -123,9 +126,27 @@ class Listen(StrictModel):
 
 
 class Limits(StrictModel):
-    """Request limits enforced before a request is parsed (413 above the body size)."""
+    """Request limits enforced before a request is parsed (413 above the body size), and
+    the memory this process may spend on requests waiting in its lines (design.md §6)."""
 
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0, le=1 << 30)
+    queue_memory_mb: int = Field(512, ge=1, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _one_request_fits(self) -> Self:
+        """A body of ``max_body_bytes`` (held twice: as read and as rewritten) must fit, or
+        such a request could never wait."""
+        fits = -(-(2 * self.max_body_bytes + REQUEST_OVERHEAD_BYTES) // MIB)
+        if self.queue_memory_mb < fits:
+            raise ValueError(
+                f"queue_memory_mb must be at least {fits} to hold one request of "
+                "max_body_bytes (counted twice, as read and as rewritten, plus 16 KiB)"
+            )
+        return self
+
+    @property
+    def queue_memory_bytes(self) -> int:
+        return self.queue_memory_mb * MIB
 
 
 class KeySpec(StrictModel):
@@ -460,6 +481,59 @@ class AffinitySpec(StrictModel):
         return self
 
 
+# The proxy's own paths, which no pool's ``extra_paths`` may take (http/app.py routes them):
+# the inference routes (core/inference_request.py ``Kind``) and the rest.
+PROXY_PATHS = frozenset(
+    {kind.value for kind in Kind if kind.value.startswith("/")}
+    | {"/v1/models", "/metrics", "/healthz", "/readyz"}
+)
+PROXY_PATH_PREFIXES = ("/v1/models/", "/admin/")
+# a path as a client writes it, decoded: segments of RFC 3986 pchar, no percent-escape
+_EXTRA_PATH = re.compile(r"(?:/[A-Za-z0-9._~!$&'()*+,;=:@-]+)+")
+FieldName = Annotated[str, StringConstraints(min_length=1, max_length=128)]
+
+
+class ExtraCostSpec(StrictModel):
+    """What one request to an extra path counts, in input tokens (docs/design.md §4):
+    ``fixed`` tokens, plus the text of the body's top-level ``input_fields`` (strings
+    anywhere in them, counted as a prompt's; integers in arrays, one token id each). Such
+    paths generate nothing the proxy can bound: no output is charged."""
+
+    fixed: int = Field(0, ge=0, le=MAX_OUTPUT_TOKENS)
+    input_fields: list[FieldName] = Field(default_factory=list, max_length=16)
+
+    @model_validator(mode="after")
+    def _some_cost(self) -> Self:
+        if not self.fixed and not self.input_fields:
+            raise ValueError("set fixed, input_fields or both: a request must cost something")
+        if len(set(self.input_fields)) != len(self.input_fields):
+            raise ValueError("input_fields names a field twice")
+        return self
+
+
+class ExtraPathSpec(StrictModel):
+    """Another OpenAI-compatible path the pool's backends serve (``/v1/rerank``,
+    ``/tokenize``…): POSTed JSON with a ``model``, relayed like the inference routes, at
+    the cost its ``cost`` rule says."""
+
+    path: str = Field(max_length=256)
+    cost: ExtraCostSpec
+
+    @field_validator("path")
+    @classmethod
+    def _a_free_path(cls, value: str) -> str:
+        if not _EXTRA_PATH.fullmatch(value) or any(
+            segment in (".", "..") for segment in value.split("/")
+        ):
+            raise ValueError(
+                "must be an absolute path of plain segments (letters, digits, '-._~' and "
+                "the like; no '%', '?', '#', '.' or '..' segments), such as /v1/rerank"
+            )
+        if value in PROXY_PATHS or value.startswith(PROXY_PATH_PREFIXES):
+            raise ValueError("is one of the proxy's own paths")
+        return value
+
+
 class PoolSpec(StrictModel):
     """Backends serving the same models; one scheduler each (docs/design.md §1)."""
 
@@ -472,6 +546,14 @@ class PoolSpec(StrictModel):
     rate: RateSpec | None = None
     family: Family = "vllm"
     affinity: AffinitySpec | None = None  # None: every request to the least loaded backend
+    extra_paths: list[ExtraPathSpec] = Field(default_factory=list, max_length=64)
+
+    def extra_path(self, path: str) -> ExtraPathSpec | None:
+        """The pool's rule for ``path``, if it lists it in ``extra_paths``."""
+        for extra in self.extra_paths:
+            if extra.path == path:
+                return extra
+        return None
 
     @model_validator(mode="before")
     @classmethod
@@ -651,6 +733,7 @@ class Config(StrictModel):
         environ = (info.context or {}).get("environ", os.environ)
         errors, self._pool_by_model = _check_models(self.pools)
         errors += _check_backends(self.pools)
+        errors += _check_extra_paths(self.pools)
         errors += _check_key_classes(self.keys, self.classes)
         errors += _check_priority_band(self.keys, self.classes, self.pools)
         errors += _check_size_buckets(self.classes)
@@ -776,6 +859,24 @@ _ONE_AT_A_TIME = (
 # Redis's Lua numbers are doubles: meters stay exact integers while one charge (c_max over the
 # smallest flow weight, in units of 2^-20) stays below 2^51 (dispatch.lua)
 _SHARED_MAX_CHARGE = 2.0**31
+
+
+def _check_extra_paths(pools: Mapping[str, PoolSpec]) -> _Errors:
+    """A pool lists each extra path once, at a fixed cost a request may have at all."""
+    errors: _Errors = []
+    for name, pool in pools.items():
+        seen: set[str] = set()
+        for i, extra in enumerate(pool.extra_paths):
+            path = f"pools.{name}.extra_paths[{i}]"
+            if extra.path in seen:
+                errors.append((f"{path}.path", "the pool lists this path twice"))
+            seen.add(extra.path)
+            if extra.cost.fixed > pool.cost.max_request_tokens:
+                errors.append((
+                    f"{path}.cost.fixed",
+                    "is above the pool's cost.max_request_tokens: every request would be refused",
+                ))  # fmt: skip
+    return errors
 
 
 def _check_shared(
@@ -1121,7 +1222,10 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> C
     return parse_config(text, environ, source=str(path))
 
 
-def default_config() -> Config:
-    """The demo configuration shipped in the package (``sfq_proxy/demo.yaml``)."""
+def default_config(environ: Mapping[str, str] | None = None) -> Config:
+    """The demo configuration shipped in the package (``sfq_proxy/demo.yaml``), its
+    variables from ``environ`` (never ``os.environ``): the admin key ``SFQ_DEMO_ADMIN_KEY``
+    (a random one nobody knows when absent) and the simulated servers' ports."""
     text = resources.files(__package__).joinpath("demo.yaml").read_text(encoding="utf-8")
-    return parse_config(text, environ={}, source="sfq_proxy/demo.yaml")
+    environ = {"SFQ_DEMO_ADMIN_KEY": f"sk-demo-admin-{os.urandom(8).hex()}", **(environ or {})}
+    return parse_config(text, environ=environ, source="sfq_proxy/demo.yaml")

@@ -2,13 +2,16 @@
 
 Per pool its cost, the ceiling per request and c_max, its backends and health; each class's
 worst-case share of each pool; the keys (by source, never the secret), the orgs and the
-weight of every flow the keys can create.
+weight of every flow the keys can create. Then warnings: what is valid but will not work
+on this machine (a calibration state file the proxy could not write).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 from pydantic import BaseModel
 
@@ -215,3 +218,35 @@ def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
     if pool.upstream_key_env is not None:
         lines.append(f"  upstream key from env {pool.upstream_key_env}")
     return lines
+
+
+def warnings(config: Config) -> list[str]:
+    """What is valid in ``config`` but will not work here, as this user: one line each."""
+    out = []
+    state_file = config.calibration.state_file
+    if state_file:
+        problem = _unwritable(Path(state_file))
+        if problem:
+            out.append(
+                f"warning: calibration.state_file {state_file}: {problem}: what calibration "
+                "learns will not be kept across restarts (the proxy logs a warning at every "
+                "save); create it, or run as a user who may write there"
+            )
+    return out
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why the proxy, as this user, could not replace ``path`` (a new file in its directory,
+    renamed over it), or None."""
+    directory = path.parent
+    if path.is_dir():
+        return "is a directory"
+    if not directory.exists():
+        return f"directory {directory} does not exist"
+    if not directory.is_dir():
+        return f"{directory} is not a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"directory {directory} is not writable by this user (uid {os.getuid()})"
+    if path.exists() and not os.access(path, os.R_OK):
+        return "not readable by this user: the proxy would start afresh"
+    return None

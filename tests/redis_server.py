@@ -20,11 +20,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pytest
 import redis
 import redis.asyncio as aioredis
 from redis.crc import key_slot
 from server_process import ServerProcess, free_port
+from tools import need_tool
 
 
 @dataclass
@@ -233,10 +233,7 @@ def running_redis_cluster(size: int = 3) -> Iterator[RedisClusterNodes]:
 
 def need_redis_server() -> None:
     """Skip without Debian's redis-server (``make tools`` installs it); under CI, fail."""
-    if shutil.which("redis-server") is None:
-        if os.environ.get("CI") == "true":
-            pytest.fail("redis-server is missing: run make tools")
-        pytest.skip("redis-server is not on PATH: `make tools` installs it")
+    need_tool("redis-server")
 
 
 @contextlib.contextmanager

@@ -37,28 +37,57 @@ SERVER_ENV = {
 }
 
 
+PYTHON = VENV / "bin" / "python"
+STAMP = VENV / f".installed-{VLLM_PIN}"
+INSTALL_STEPS = 3
+
+
+def _step(n: int, what: str) -> None:
+    print(f"[vllm install {n}/{INSTALL_STEPS}] {what}", flush=True)
+
+
 def ensure_installed() -> Path:
-    """The venv's python, installing vLLM first when the venv is missing or incomplete."""
-    python = VENV / "bin" / "python"
-    stamp = VENV / f".installed-{VLLM_PIN}"
-    if stamp.exists():
-        return python
+    """The venv's python, installing vLLM first when the venv is missing or incomplete:
+    a line per step, and pip's own output (a line per package, download progress on a
+    terminal), so that its minutes are not silent. Only `make vllm` (or `make test`, which
+    runs it) calls this on a missing venv: the tests skip instead (``need_vllm``)."""
+    if STAMP.exists():
+        return PYTHON
+    _step(1, f"creating the virtual environment {VENV}")
     subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
-    pip = [str(python), "-m", "pip", "install", "--quiet"]
-    subprocess.run([*pip, VLLM_PIN], check=True)
+    _step(2, f"pip install {VLLM_PIN} (CPU torch among its dependencies: ~2.5 min, 3.5 GB)")
+    subprocess.run([str(PYTHON), "-m", "pip", "install", VLLM_PIN], check=True)
     # CUDA builds that pip pulls in and that break `import transformers` beside CPU torch
+    _step(3, "pip uninstall torchvision torchaudio torchcodec (CUDA builds, unused here)")
     subprocess.run(
-        [str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+        [str(PYTHON), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
         check=True,
     )
-    stamp.touch()
-    return python
+    STAMP.touch()
+    print(f"[vllm install] done: {PYTHON}", flush=True)
+    return PYTHON
 
 
 def ensure_model() -> Path:
     if not (MODEL / "model.safetensors").exists():
+        print(f"[vllm model] building the tiny seeded Llama in {MODEL}", flush=True)
         subprocess.run([str(ensure_installed()), str(BUILD_SCRIPT), str(MODEL)], check=True)
     return MODEL
+
+
+def need_vllm() -> None:
+    """Skip the test when `make vllm` has not installed vLLM and built the model (under CI,
+    fail it): a test's setup never starts the install itself, minutes long and silent under
+    pytest's capture."""
+    import pytest
+
+    if STAMP.exists() and (MODEL / "model.safetensors").exists():
+        return
+    missing = f"vLLM in {VENV}" if not STAMP.exists() else f"the tiny model in {MODEL}"
+    message = f"{missing} is missing: run `make vllm` (about 2.5 minutes and 3.5 GB from nothing)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 @dataclass

@@ -15,7 +15,7 @@ from __future__ import annotations
 from ..config import Config
 from .errors import ApiError
 from .flows import Flow
-from .limits import Rate, RetryBudget
+from .limits import Rate, RetryBudget, Which, rate_limited
 
 
 class Admission:
@@ -54,15 +54,18 @@ class Admission:
 
     def admit(
         self, flow: Flow, tokens: float, queued: int, idempotency_key: str | None, now: float
-    ) -> None:
-        """Admit a request of ``flow`` (whose queue holds ``queued``) or raise the rejection."""
+    ) -> dict[str, str]:
+        """Admit a request of ``flow`` (whose queue holds ``queued``) or raise the rejection.
+        Returns the ``x-ratelimit-*`` headers of its org's buckets after the take (none when
+        the org has no ``rpm``/``tpm``, or they are shared); a 429 of a bucket carries the
+        headers of the buckets that refused it (docs/design.md §6, Rate limits)."""
         if idempotency_key is not None and (flow.org, idempotency_key) in self._active:
             raise ApiError(409, "A request with this Idempotency-Key is already queued or running.")
         cap = self._config.classes[flow.cls].max_queue_len
         if cap is not None and queued >= cap:
             raise ApiError(
-                429, f"The queue of flow {flow.id} is full ({cap}).", code="queue_full",
-                retry_after=1.0,
+                429, f"The queue of flow {flow.id} is full (max_queue_len {cap}).",
+                code="queue_full", retry_after=1.0,
             )  # fmt: skip
         rates = self._rates(flow)
         for rate, owner in zip(rates, (f"org {flow.org}", f"pool {flow.pool}"), strict=True):
@@ -73,15 +76,38 @@ class Admission:
                     "the input.", code="tokens_exceed_limit",
                 )  # fmt: skip
         paced = self._paced(flow)
-        wait = max((rate.wait(tokens, now) for rate in paced if rate), default=0.0)
-        if wait > 0:
-            raise ApiError(429, "Rate limit reached.", code="rate_limited", retry_after=wait)
+        self._refuse_over_rate(flow, paced, tokens, now)
         for rate in paced:
             if rate is not None:
                 rate.take(tokens, now)
         self._budget(flow).record_request(now)
         if self._local and idempotency_key is not None:
             self._active.add((flow.org, idempotency_key))
+        org_rate = paced[0]
+        return {} if org_rate is None else org_rate.headers(now)
+
+    @staticmethod
+    def _refuse_over_rate(
+        flow: Flow, paced: tuple[Rate | None, Rate | None], tokens: float, now: float
+    ) -> None:
+        """The 429 of the bucket with the longest wait, the org's or the pool's, if any."""
+        worst: tuple[float, int, Which] | None = None
+        for index, rate in enumerate(paced):
+            found = None if rate is None else rate.binding(tokens, now)
+            if found is not None and (worst is None or found[0] > worst[0]):
+                worst = (found[0], index, found[1])
+        if worst is None:
+            return
+        wait, index, which = worst
+        rate = paced[index]
+        assert rate is not None
+        bucket = rate.requests if which == "requests" else rate.tokens
+        assert bucket is not None
+        if index == 0:
+            owner, setting = f"org '{flow.org}'", "rpm" if which == "requests" else "tpm"
+        else:
+            owner, setting = f"pool '{flow.pool}'", f"rate.{which}_per_minute"
+        raise rate_limited(which, owner, setting, bucket.per_minute, wait, rate.headers(now))
 
     def refund(self, flow: Flow, tokens: float, now: float) -> None:
         """Give back what ``admit`` took for a request that generated nothing upstream."""

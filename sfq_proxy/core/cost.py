@@ -13,7 +13,7 @@ from typing import Protocol
 from ..config import ConfigError, CostSpec
 from .calibration import Calibration, InputModel
 from .errors import ApiError
-from .inference_request import InferenceRequest, Kind, with_output_limit
+from .inference_request import RESPONSES_OUTPUT_FIELD, InferenceRequest, Kind, with_output_limit
 
 
 class Tokenizer(Protocol):
@@ -57,7 +57,8 @@ class CostModel:
 
     def input_tokens(self, request: InferenceRequest) -> int:
         """Text tokens plus the chat template's per message, plus token ids as sent, plus
-        the image, audio, file and video parts (docs/design.md §4).
+        the image, audio, file and video parts, plus an extra path's fixed tokens
+        (docs/design.md §4).
 
         A tokenizer counts the text but not the template, hence the configured
         ``tokens_per_message`` on top. Without text (token ids only) no template applies.
@@ -69,7 +70,7 @@ class CostModel:
             counted += math.ceil(self.spec.tokens_per_message * messages)
         else:  # rounded up, less a millionth: a fit's last bits must not add a whole token
             counted = math.ceil(self.input_model().tokens(messages, len(text)) - 1e-6)
-        return counted + request.token_ids + self.media_tokens(request)
+        return counted + request.token_ids + self.media_tokens(request) + request.fixed_tokens
 
     def media_tokens(self, request: InferenceRequest) -> int:
         """What a request's non-text parts are priced at: an image whose size was read by
@@ -109,7 +110,7 @@ class CostModel:
         self, request: InferenceRequest, tokens: int, limit: int
     ) -> tuple[InferenceRequest, int]:
         """``request`` with its output per choice bounded, and that bound (0: no output)."""
-        if request.kind is Kind.EMBEDDING:
+        if not request.kind.generates:  # embeddings, extra paths: their input only
             if tokens > limit:
                 raise _over_limit(f"Its input of about {tokens} tokens is", limit)
             return request, 0
@@ -123,10 +124,13 @@ class CostModel:
             wanted = tokens + asked * request.choices
             raise _over_limit(f"It may use {wanted} tokens, input and output, over", limit)
         per_choice = min(asked or self.spec.default_max_tokens, room)
-        field = self.spec.inject_max_tokens
-        if asked is None and field is False:  # the operator's choice: the body goes unchanged
+        inject = self.spec.inject_max_tokens
+        if asked is None and inject is False:  # the operator's choice: the body goes unchanged
             return request, per_choice
-        if request.kind is Kind.COMPLETION or field is False:
+        field: str = inject or "max_tokens"
+        if request.kind is Kind.RESPONSES:
+            field = RESPONSES_OUTPUT_FIELD  # the only field of /v1/responses
+        elif request.kind is Kind.COMPLETION:
             field = "max_tokens"  # the only field of /v1/completions
         return with_output_limit(request, per_choice, field), per_choice
 
@@ -138,11 +142,17 @@ class CostModel:
     def _estimate(
         self, request: InferenceRequest, tokens: int, per_choice: int, org: str
     ) -> Estimate:
-        max_tokens = 0 if request.kind is Kind.EMBEDDING else per_choice * request.choices
+        max_tokens = per_choice * request.choices if request.kind.generates else 0
         expected_output = max_tokens * self.output_ratio(org)
         cost = self.spec.input_weight * tokens + self.spec.output_weight * expected_output
-        # calibration learns the text's chars/token only from inputs that are all text
-        counted_by_chars = self._tokenizer is None and not request.token_ids and not request.media
+        # calibration learns the text's chars/token only from inputs that are all text, of
+        # the routes whose prompt it knows (not an extra path's, nor its fixed tokens)
+        counted_by_chars = (
+            self._tokenizer is None
+            and not request.token_ids
+            and not request.media
+            and request.kind is not Kind.EXTRA
+        )
         chars = len(request.text or "") if counted_by_chars else 0
         messages = request.messages if counted_by_chars else 0
         # floor of one token's worth: an empty prompt still occupies a slot, and SFQ needs > 0

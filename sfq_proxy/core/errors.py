@@ -6,6 +6,7 @@ Plain data: the HTTP shell renders them (``sfq_proxy.http.error_response``).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 _TYPES = {
@@ -24,16 +25,23 @@ _TYPES = {
     504: ("timeout_error", "deadline_exceeded"),
 }
 
+# The code of a 429 names the limit that refused it (docs/design.md §6, Errors): the org's
+# or the pool's requests (``rpm``) or tokens (``tpm``) per minute, the flow's queue
+# (``queue_full``), the class's wait (``queue_age``). ``budget`` is kept for a spend budget,
+# which does not exist yet: nothing raises it; a budget check would raise
+# ``ApiError(429, …, code="budget")`` and add it to ``_REASONS_BY_CODE``.
+LIMIT_CODES = ("rpm", "tpm", "queue_full", "queue_age")
 
 # Why a request was refused, for the metrics; an error without one is a failure to serve.
 _REASONS = {400: "invalid", 401: "auth", 403: "auth", 404: "invalid", 405: "invalid",
             409: "invalid", 413: "invalid", 415: "invalid", 503: "no_backend"}  # fmt: skip
-_REASONS_BY_CODE = {"rate_limited": "rate", "queue_full": "queue_full",
+_REASONS_BY_CODE = {"rpm": "rate", "tpm": "rate", "queue_full": "queue_full",
                     "queue_age": "queue_age", "deadline": "deadline"}  # fmt: skip
 
 
 class ApiError(Exception):
-    """A rejection with its HTTP status; ``code`` refines the reason (e.g. ``queue_full``)."""
+    """A rejection with its HTTP status; ``code`` refines the reason (e.g. ``queue_full``);
+    ``headers`` are sent with it (a 429's ``x-ratelimit-*``)."""
 
     def __init__(
         self,
@@ -42,6 +50,7 @@ class ApiError(Exception):
         *,
         code: str | None = None,
         retry_after: float | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -49,6 +58,7 @@ class ApiError(Exception):
         self.type, default_code = _TYPES.get(status, ("api_error", "error"))
         self.code = code or default_code
         self.retry_after = retry_after
+        self.extra_headers: dict[str, str] = dict(headers or {})
 
     @property
     def reason(self) -> str | None:
@@ -56,13 +66,15 @@ class ApiError(Exception):
         return _REASONS_BY_CODE.get(self.code) or _REASONS.get(self.status)
 
     def headers(self) -> dict[str, str]:
-        """Every 429 and 503 says when to come back: 1 s unless the wait is known."""
+        """Its own headers; every 429 and 503 also says when to come back: 1 s unless the
+        wait is known."""
+        headers = dict(self.extra_headers)
         retry_after = self.retry_after
         if retry_after is None and self.status in (429, 503):
             retry_after = 1.0
-        if retry_after is None:
-            return {}
-        return {"Retry-After": str(max(1, math.ceil(retry_after)))}
+        if retry_after is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(retry_after)))
+        return headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code}}

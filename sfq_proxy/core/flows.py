@@ -7,6 +7,7 @@ a client writes in a header or body can pick its org or raise its class.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NewType
 
@@ -14,6 +15,10 @@ from ..config import Config, ResolvedKey
 from .errors import ApiError
 
 CLASS_HEADER = "X-Workload-Class"
+# Where a client's key may be, in this order: the first of them present is read, and only
+# it (docs/design.md §2). OpenAI's SDKs send the first, Azure OpenAI's the second,
+# Anthropic-style clients the third.
+KEY_HEADERS = ("Authorization", "api-key", "x-api-key")
 
 FlowId = NewType("FlowId", str)
 """A flow's name in its pool's fair queue, ``org/class``. Made by :func:`flow_id` alone and
@@ -58,8 +63,9 @@ class Authenticator:
     def __init__(self, keys: list[ResolvedKey]) -> None:
         self._keys = {key.digest: key for key in keys}
 
-    def identify(self, authorization: str | None) -> ResolvedKey:
-        token = _bearer(authorization)
+    def identify(self, headers: Mapping[str, str]) -> ResolvedKey:
+        """The key of a request with these ``headers`` (see :func:`credential`), or a 401."""
+        token = credential(headers)
         if token is None:
             raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.")
         found = self._keys.get(key_digest(token))
@@ -85,6 +91,21 @@ def classify(config: Config, key: ResolvedKey, requested_class: str | None, mode
     if pool is None:
         raise ApiError(404, f"The model '{model}' does not exist or is not served here.")
     return Flow(org=key.org, cls=cls, pool=pool)
+
+
+def credential(headers: Mapping[str, str]) -> str | None:
+    """The key a request carries: ``Authorization: Bearer <key>``, else the value of
+    ``api-key``, else of ``x-api-key``. The first of these headers that is present decides,
+    even when it holds no key (an ``Authorization: Basic …`` is then no key at all): a
+    request gets one guess, never one per header."""
+    authorization = headers.get(KEY_HEADERS[0])
+    if authorization is not None:
+        return _bearer(authorization)
+    for name in KEY_HEADERS[1:]:
+        value = headers.get(name)
+        if value is not None:
+            return value.strip() or None
+    return None
 
 
 def _bearer(authorization: str | None) -> str | None:

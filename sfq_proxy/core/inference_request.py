@@ -1,7 +1,9 @@
 """The body of an inference request, checked just enough to route and price it.
 
 The proxy forwards the client's bytes unchanged; it parses them only to read ``model``,
-``stream``, the text it is priced on and the token fields. Those are checked strictly,
+``stream``, the text it is priced on and the token fields (docs/design.md §4): of a chat,
+a completion, an embedding, a Responses API request, or a request to one of a pool's
+extra paths (priced by the pool's rule for it, ``parse_extra``). Those are checked strictly,
 because the proxy prices and queues on them and then forwards the bytes: a body it cannot
 read exactly as a backend would (not UTF-8, NaN, lone surrogates) or a number it cannot
 price is a 400 here, never a surprise upstream or an overflow in the scheduler. Anything
@@ -12,10 +14,10 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum
-from typing import Any, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
 from . import affinity
 from .errors import ApiError
@@ -23,9 +25,18 @@ from .media import Media, media_part
 
 
 class Kind(Enum):
+    """What a request is, by its route (the value: the path it is served at and sent to)."""
+
     CHAT = "/v1/chat/completions"
     COMPLETION = "/v1/completions"
     EMBEDDING = "/v1/embeddings"
+    RESPONSES = "/v1/responses"
+    EXTRA = "extra_paths"  # a pool's other paths: the request's path is sent (``path``)
+
+    @property
+    def generates(self) -> bool:
+        """Whether it generates output, which it is charged for and bounded in."""
+        return self not in (Kind.EMBEDDING, Kind.EXTRA)
 
 
 MAX_OUTPUT_TOKENS = 10_000_000
@@ -34,11 +45,22 @@ enough that no charge derived from it can overflow the fair queue's meters."""
 MAX_CHOICES = 128
 """The most ``n`` / ``best_of`` a request may ask for (OpenAI's own limit for ``n``)."""
 _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens")  # the first one set is charged
+RESPONSES_OUTPUT_FIELD = "max_output_tokens"  # the Responses API's only one
 _CHOICE_FIELDS = ("n", "best_of")
 # a JSON escape of a UTF-16 surrogate: only then can a string hold a lone one
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
-_INPUT_FIELD = {Kind.CHAT: "messages", Kind.COMPLETION: "prompt", Kind.EMBEDDING: "input"}
+_INPUT_FIELD = {
+    Kind.CHAT: "messages",
+    Kind.COMPLETION: "prompt",
+    Kind.EMBEDDING: "input",
+    Kind.RESPONSES: "input",
+}
+
+
+def output_fields(kind: Kind) -> tuple[str, ...]:
+    """The body's fields that bound a request's output, the one charged first."""
+    return (RESPONSES_OUTPUT_FIELD,) if kind is Kind.RESPONSES else _OUTPUT_FIELDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +81,14 @@ class InferenceRequest:
     # (core/affinity.py), never their text
     affinity_prefix: str | None = None
     affinity_user: str | None = None
+    # input tokens it counts as they are: an extra path's fixed cost (config ``cost.fixed``)
+    fixed_tokens: int = 0
+    path: str | None = None  # where it goes upstream when not ``kind.value`` (extra paths)
+
+    @property
+    def route(self) -> str:
+        """The path it is sent to upstream (after the backend's base URL)."""
+        return self.path or self.kind.value
 
 
 def _ask_for_usage(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
@@ -89,13 +119,13 @@ def parse(
     affinity_of: Callable[[str], affinity.Settings | None] = _no_affinity,
 ) -> InferenceRequest:
     """Parse and check ``raw``; a body the proxy cannot route or price is a 400. A stream
-    to a model whose server ``reports_stream_usage`` when asked is made to ask for it. A
-    request for a model whose pool has affinity settings (``affinity_of``) gets the digests
-    its affinity key is made of."""
+    to a model whose server ``reports_stream_usage`` when asked is made to ask for it (a
+    Responses API stream always ends with its usage). A request for a model whose pool has
+    affinity settings (``affinity_of``) gets the digests its affinity key is made of."""
+    if kind is Kind.EXTRA:
+        raise ValueError("an extra path's request is parsed by parse_extra")
     body = _json_object(raw)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(400, "'model' is required and must be a string.")
+    model = _model(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean.")
@@ -103,46 +133,129 @@ def parse(
     if field not in body:
         raise ApiError(400, f"'{field}' is required.")
     media: list[Media] = []
-    texts, token_ids = _inputs(kind, body[field], field, media)
+    named: list[tuple[str, str]] | None = None  # (role, text) of a Responses API input
+    if kind is Kind.RESPONSES:
+        named = _responses_input(body, media)
+        texts, token_ids = [text for _, text in named], 0
+    else:
+        texts, token_ids = _inputs(kind, body[field], field, media)
     messages = max(len(texts), 1)  # each text has its template overhead; tools do not
-    settings = affinity_of(model) if kind is not Kind.EMBEDDING else None
-    prefix, user = _affinity(kind, body, texts, settings) if settings else (None, None)
-    texts += _tool_texts(body) if kind is Kind.CHAT else []
-    max_tokens = _max_tokens(body)
-    choices = max(_bounded_int(body, name, MAX_CHOICES) or 1 for name in _CHOICE_FIELDS)
-    upstream, strip_usage = (
-        _ask_for_usage(body, raw)
-        if kind is not Kind.EMBEDDING and reports_stream_usage(model)
-        else (raw, False)
-    )
+    settings = affinity_of(model) if kind.generates else None
+    prefix, user = _affinity(kind, body, texts, named, settings) if settings else (None, None)
+    texts += _tool_texts(kind, body)
+    fields = output_fields(kind)
+    max_tokens = _max_tokens(body, fields)
+    choices = 1
+    if kind is not Kind.RESPONSES:  # it has no n: one answer
+        choices = max(_bounded_int(body, name, MAX_CHOICES) or 1 for name in _CHOICE_FIELDS)
+    asks_usage = kind in (Kind.CHAT, Kind.COMPLETION) and reports_stream_usage(model)
+    upstream, strip_usage = _ask_for_usage(body, raw) if asks_usage else (raw, False)
     return InferenceRequest(
         kind=kind,
         model=model,
         stream=stream,
         text="".join(texts),
         token_ids=token_ids,
-        max_tokens=max_tokens if kind is not Kind.EMBEDDING else None,
+        max_tokens=max_tokens if kind.generates else None,
         raw=upstream,
         strip_usage=strip_usage,
-        choices=choices if kind is not Kind.EMBEDDING else 1,
+        choices=choices if kind.generates else 1,
         messages=messages,
-        names_output=any(name in body for name in _OUTPUT_FIELDS),
+        names_output=any(name in body for name in fields),
         media=tuple(media),
         affinity_prefix=prefix,
         affinity_user=user,
     )
 
 
+class ExtraCost(Protocol):
+    """A pool's cost rule for one of its extra paths (``config.ExtraCostSpec``)."""
+
+    @property
+    def fixed(self) -> int: ...
+
+    @property
+    def input_fields(self) -> Sequence[str]: ...
+
+
+def parse_extra(
+    raw: bytes, path: str, rule_of: Callable[[str], ExtraCost | None]
+) -> InferenceRequest:
+    """A request to an extra path (a pool's ``extra_paths``): a JSON object whose ``model``
+    picks the pool, as for every route; ``rule_of(model)`` is that pool's cost rule for
+    ``path``, None when the model's pool does not serve it (404). It counts its rule's
+    ``fixed`` tokens plus the text of its ``input_fields`` (strings anywhere in them; the
+    integers of their arrays as token ids), generates nothing the proxy can bound, and goes
+    upstream as it came."""
+    body = _json_object(raw)
+    model = _model(body)
+    rule = rule_of(model)
+    if rule is None:
+        raise ApiError(404, f"The model '{model}' is not served at {path} here.")
+    texts: list[str] = []
+    token_ids = 0
+    for name in rule.input_fields:
+        if name in body:
+            found, ids = _field_texts(body[name])
+            texts += found
+            token_ids += ids
+    return InferenceRequest(
+        kind=Kind.EXTRA,
+        model=model,
+        stream=body.get("stream") is True,
+        text="".join(texts),
+        token_ids=token_ids,
+        max_tokens=None,
+        raw=raw,
+        messages=max(len(texts), 1),
+        fixed_tokens=rule.fixed,
+        path=path,
+    )
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' is required and must be a string.")
+    return model
+
+
+def _field_texts(value: Any) -> tuple[list[str], int]:
+    """The strings anywhere in ``value`` and the integers in its arrays (token ids). A
+    loop, not recursion: a body nested as deep as the parser allows is no error."""
+    texts: list[str] = []
+    token_ids = 0
+    stack: list[tuple[Any, bool]] = [(value, False)]
+    while stack:
+        item, in_array = stack.pop()
+        if isinstance(item, str):
+            texts.append(item)
+        elif in_array and _is_token(item):
+            token_ids += 1
+        elif isinstance(item, dict):
+            stack.extend((v, False) for v in reversed(list(item.values())))
+        elif isinstance(item, list):
+            stack.extend((v, True) for v in reversed(item))
+    return texts, token_ids
+
+
 def _affinity(
-    kind: Kind, body: dict[str, Any], texts: list[str], settings: affinity.Settings
+    kind: Kind,
+    body: dict[str, Any],
+    texts: list[str],
+    named: list[tuple[str, str]] | None,
+    settings: affinity.Settings,
 ) -> tuple[str | None, str | None]:
-    """The digests of the prompt's prefix (of a chat: its messages' roles and ``texts``) and,
-    when the pool reads it, of the ``user`` field."""
+    """The digests of the prompt's prefix (of a chat: its messages' roles and ``texts``; of
+    a Responses API request: its ``named`` input) and, when the pool reads it, of the
+    ``user`` field."""
     chars = settings.prefix_chars
-    if kind is Kind.CHAT:
-        roles = [m.get("role") for m in body["messages"]]
-        named = [(r if isinstance(r, str) else "", t) for r, t in zip(roles, texts, strict=True)]
+    if named is not None:
         prefix = affinity.chat_prefix(named, chars)
+    elif kind is Kind.CHAT:
+        roles = [m.get("role") for m in body["messages"]]
+        pairs = [(r if isinstance(r, str) else "", t) for r, t in zip(roles, texts, strict=True)]
+        prefix = affinity.chat_prefix(pairs, chars)
     else:
         prefix = affinity.prompt_prefix(body["prompt"], chars)
     user = body.get("user") if settings.use_user_field else None
@@ -159,19 +272,19 @@ def with_output_limit(request: InferenceRequest, per_choice: int, field: str) ->
     names them only as null gets ``field`` instead.
     """
     if request.names_output:  # never a second member of that name: parsers differ on which wins
-        raw = _rewritten(request.raw, per_choice, field)
+        raw = _rewritten(request.raw, per_choice, field, output_fields(request.kind))
     else:
         raw = request.raw.rstrip()[:-1] + f',"{field}":{per_choice}}}'.encode()
     return replace(request, raw=raw, max_tokens=per_choice)
 
 
-def _rewritten(raw: bytes, per_choice: int, field: str) -> bytes:
-    """``raw`` with every token field it sets (else ``field``) at ``per_choice``, and those
-    it sends as null left out: null means unset, and a server that reads both names as one
-    field (TGI) refuses a body naming it twice."""
+def _rewritten(raw: bytes, per_choice: int, field: str, fields: tuple[str, ...]) -> bytes:
+    """``raw`` with every token field of ``fields`` it sets (else ``field``) at
+    ``per_choice``, and those it sends as null left out: null means unset, and a server that
+    reads both names as one field (TGI) refuses a body naming it twice."""
     body = json.loads(raw)
-    names = [name for name in _OUTPUT_FIELDS if body.get(name) is not None] or [field]
-    for name in _OUTPUT_FIELDS:
+    names = [name for name in fields if body.get(name) is not None] or [field]
+    for name in fields:
         if name in body and body[name] is None:
             del body[name]
     return _dumps({**body, **dict.fromkeys(names, per_choice)})
@@ -251,20 +364,65 @@ def _inputs(kind: Kind, value: Any, field: str, media: list[Media]) -> tuple[lis
     raise ApiError(400, f"'{field}' must be a string, an array of strings or of token ids.")
 
 
-def _tool_texts(body: dict[str, Any]) -> list[str]:
-    """Tool (and legacy function) definitions, and the tool calls of earlier turns, as the
-    JSON text a chat template renders into the prompt: a tenant must not get a 20 KB schema
-    for free. Counted as compact JSON, an estimate like any other chars/token count."""
-    parts = [body[name] for name in ("tools", "functions") if body.get(name)]
-    parts += [m["tool_calls"] for m in body["messages"] if m.get("tool_calls")]
-    return [json.dumps(part, separators=(",", ":"), ensure_ascii=False) for part in parts]
+def _tool_texts(kind: Kind, body: dict[str, Any]) -> list[str]:
+    """Tool (and legacy function) definitions, and the tool calls of a chat's earlier turns,
+    as the JSON text a chat template renders into the prompt: a tenant must not get a 20 KB
+    schema for free. Counted as compact JSON, an estimate like any other chars/token count.
+    (A Responses API request's earlier calls are input items, counted with its input.)"""
+    if kind is Kind.CHAT:
+        parts = [body[name] for name in ("tools", "functions") if body.get(name)]
+        parts += [m["tool_calls"] for m in body["messages"] if m.get("tool_calls")]
+    elif kind is Kind.RESPONSES:
+        parts = [body["tools"]] if body.get("tools") else []
+    else:
+        return []
+    return [_compact(part) for part in parts]
+
+
+def _compact(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _responses_input(body: dict[str, Any], media: list[Media]) -> list[tuple[str, str]]:
+    """The (role, text) pairs of a Responses API request's prompt: its ``instructions``
+    (the system message they become), then its ``input``, a string (one user message) or
+    an array of items. A message item's ``content`` is read as a chat message's (its media
+    parts go to ``media``); any other item (a function call, its output, a reasoning
+    item…) is rendered into the prompt too, so it counts as its compact JSON, and, being
+    an earlier turn's, it ends the affinity prefix as an answer does."""
+    named: list[tuple[str, str]] = []
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ApiError(400, "'instructions' must be a string.")
+    if instructions:
+        named.append(("system", instructions))
+    value = body["input"]
+    if isinstance(value, str):
+        return [*named, ("user", value)]
+    if not isinstance(value, list) or not value:
+        raise ApiError(400, "'input' must be a string or a non-empty array of input items.")
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise ApiError(400, f"'input[{i}]' must be an object.")
+        if item.get("type", "message") == "message":
+            role = item.get("role")
+            text = _content_text(item.get("content"), f"input[{i}].content", media)
+            named.append((role if isinstance(role, str) else "", text))
+        else:
+            named.append(("assistant", _compact(item)))
+    return named
 
 
 def _message_text(message: Any, index: int, media: list[Media]) -> str:
     """The text of one message; its image, audio, file and video parts go to ``media``."""
     if not isinstance(message, dict):
         raise ApiError(400, f"'messages[{index}]' must be an object.")
-    content = message.get("content")
+    return _content_text(message.get("content"), f"messages[{index}].content", media)
+
+
+def _content_text(content: Any, where: str, media: list[Media]) -> str:
+    """The text of a message's ``content`` (named ``where`` in errors): a string, or the
+    ``text`` of its parts; its image, audio, file and video parts go to ``media``."""
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
@@ -273,13 +431,13 @@ def _message_text(message: Any, index: int, media: list[Media]) -> str:
             kinds = [media_part(p) for p in content]
             media += [m for m in kinds if m is not None]
             return "".join(t for t, m in zip(texts, kinds, strict=True) if m is None)
-    raise ApiError(400, f"'messages[{index}].content' must be a string or an array of parts.")
+    raise ApiError(400, f"'{where}' must be a string or an array of parts.")
 
 
-def _max_tokens(body: dict[str, Any]) -> int | None:
+def _max_tokens(body: dict[str, Any], fields: tuple[str, ...] = _OUTPUT_FIELDS) -> int | None:
     """The output budget asked for; every token field present is checked, not only the
     one charged, because the backend may read the other."""
-    values = [_bounded_int(body, name, MAX_OUTPUT_TOKENS) for name in _OUTPUT_FIELDS]
+    values = [_bounded_int(body, name, MAX_OUTPUT_TOKENS) for name in fields]
     return next((v for v in values if v is not None), None)
 
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+from .errors import ApiError
 
 
 @dataclass(slots=True)
@@ -56,6 +59,12 @@ class TokenBucket:
         self._refill(now)
         self.level = min(self.capacity, self.level + amount)
 
+    def state(self, now: float) -> BucketState:
+        """What the bucket holds at ``now``, as the ``x-ratelimit-*`` headers say it."""
+        self._refill(now)
+        reset_s = (self.capacity - self.level) * 60.0 / self.per_minute
+        return BucketState(self.per_minute, math.floor(max(0.0, self.level)), max(0.0, reset_s))
+
     def _refill(self, now: float) -> None:
         if now > self.updated:
             gained = (now - self.updated) * self.per_minute / 60.0
@@ -95,6 +104,28 @@ class Rate:
         for bucket, amount in self._buckets(tokens):
             bucket.give_back(amount, now)
 
+    def binding(self, tokens: float, now: float) -> tuple[float, Which] | None:
+        """The longest wait before ``tokens`` (and one request) may be taken, and which
+        bucket it is; None when they may be taken now."""
+        found: tuple[float, Which] | None = None
+        pairs: tuple[tuple[TokenBucket | None, float, Which], ...] = (
+            (self.requests, 1.0, "requests"),
+            (self.tokens, tokens, "tokens"),
+        )
+        for bucket, amount, which in pairs:
+            if bucket is not None:
+                wait = bucket.wait(amount, now)
+                if wait > 0 and (found is None or wait > found[0]):
+                    found = (wait, which)
+        return found
+
+    def headers(self, now: float) -> dict[str, str]:
+        """The ``x-ratelimit-*`` headers of these buckets at ``now``."""
+        return ratelimit_headers(
+            None if self.requests is None else self.requests.state(now),
+            None if self.tokens is None else self.tokens.state(now),
+        )
+
     def too_large(self, tokens: float) -> TokenBucket | None:
         """The bucket that ``tokens`` would overflow even when full, if any."""
         return self.tokens if self.tokens is not None and not self.tokens.fits(tokens) else None
@@ -102,6 +133,88 @@ class Rate:
     def _buckets(self, tokens: float) -> list[tuple[TokenBucket, float]]:
         pairs = [(self.requests, 1.0), (self.tokens, tokens)]
         return [(bucket, amount) for bucket, amount in pairs if bucket is not None]
+
+
+Which = Literal["requests", "tokens"]
+
+
+class BucketState(NamedTuple):
+    """A bucket as a client is told of it: its limit a minute, the whole tokens it has
+    left, and the seconds until it is full again. (A tuple: made on the hot path.)"""
+
+    per_minute: float
+    remaining: int
+    reset_s: float
+
+
+# (limit, remaining, reset) header names, for requests and for tokens
+_NAMES = {
+    which: tuple(f"x-ratelimit-{what}-{which}" for what in ("limit", "remaining", "reset"))
+    for which in ("requests", "tokens")
+}
+
+
+def ratelimit_headers(requests: BucketState | None, tokens: BucketState | None) -> dict[str, str]:
+    """OpenAI's ``x-ratelimit-{limit,remaining,reset}-{requests,tokens}``, for the buckets
+    there are (docs/design.md §6, Rate limits)."""
+    headers: dict[str, str] = {}
+    if requests is not None:
+        limit, remaining, reset = _NAMES["requests"]
+        headers[limit] = _limit(requests.per_minute)
+        headers[remaining] = str(requests.remaining)
+        headers[reset] = format_reset(requests.reset_s)
+    if tokens is not None:
+        limit, remaining, reset = _NAMES["tokens"]
+        headers[limit] = _limit(tokens.per_minute)
+        headers[remaining] = str(tokens.remaining)
+        headers[reset] = format_reset(tokens.reset_s)
+    return headers
+
+
+_LIMITS: dict[float, str] = {}  # a config's few limits, written once each
+
+
+def _limit(per_minute: float) -> str:
+    written = _LIMITS.get(per_minute)
+    if written is None:
+        if per_minute == int(per_minute):
+            written = str(int(per_minute))
+        else:  # a fraction as a decimal, never an exponent (1e-07 a minute: as it is)
+            written = f"{per_minute:.6f}".rstrip("0").rstrip(".")
+            written = repr(per_minute) if written == "0" else written
+        if len(_LIMITS) < 4096:
+            _LIMITS[per_minute] = written
+    return written
+
+
+def format_reset(seconds: float) -> str:
+    """A wait as OpenAI writes its ``x-ratelimit-reset-*`` (Go's durations): ``0s``,
+    ``120ms``, ``1s``, ``1.5s``, ``6m0s``, ``2m59.56s``, ``1h0m0s``; rounded up to the
+    millisecond, so that a client that waits that long finds the tokens there."""
+    ms = math.ceil(seconds * 1000 - 1e-6) if seconds > 0 else 0
+    if ms <= 0:
+        return "0s"
+    if ms < 1000:
+        return f"{ms}ms"
+    rest = ms % 60_000
+    secs = f"{rest // 1000}s" if not rest % 1000 else f"{rest / 1000:.3f}".rstrip("0") + "s"
+    if ms < 60_000:
+        return secs
+    hours, minutes = divmod(ms // 60_000, 60)
+    return f"{hours}h{minutes}m{secs}" if hours else f"{minutes}m{secs}"
+
+
+def rate_limited(
+    which: Which, owner: str, setting: str, per_minute: float, wait: float, headers: dict[str, str]
+) -> ApiError:
+    """The 429 of a bucket: its code names the limit (``rpm`` or ``tpm``), its message whose
+    limit it is and its config field (``org 'a'``, ``rpm``), ``Retry-After`` is the wait."""
+    code = "rpm" if which == "requests" else "tpm"
+    message = (
+        f"Rate limit reached: {owner} allows {_limit(per_minute)} {which} per minute "
+        f"({setting}). Try again in {format_reset(wait)}."
+    )
+    return ApiError(429, message, code=code, retry_after=wait, headers=headers)
 
 
 MAX_AMOUNT = 1e18  # far beyond any bucket; a bound that keeps every sum finite

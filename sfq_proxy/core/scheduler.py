@@ -53,6 +53,9 @@ class Ticket:
     # why its last dispatch went where it did (docs/design.md §5, Affinity)
     affinity: str | None = None
     placed: Reason = "fallback"
+    # the bytes of its body the process holds while it waits: what it costs the process's
+    # queue memory besides a request's fixed part (``queue_memory.py``)
+    size: int = 0
     # the flow's name in the fair queue; its order breaks ties between equal meters
     flow: str = field(init=False)
 
@@ -64,6 +67,8 @@ class Ticket:
             raise ValueError(f"tokens must be a number in [0, {MAX_COST:g}], got {tokens!r}")
         if self.max_overtaken is not None:
             check_size(self.bucket, self.max_overtaken)
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 0:
+            raise ValueError(f"size must be a non-negative integer, got {self.size!r}")
         self.flow = flow_id(self.org, self.cls)
 
 

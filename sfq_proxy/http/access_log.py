@@ -26,6 +26,7 @@ LOGGER = "sfq_proxy.access"
 @dataclass(slots=True)
 class AccessRecord:
     request_id: str
+    trace_id: str | None = None  # of the client's valid W3C traceparent (32 hex digits)
     org: str | None = None
     key: str | None = None  # the key's name (keys[i].name, else "<org>#<i>"), never the key
     cls: str | None = None

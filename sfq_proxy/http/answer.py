@@ -28,6 +28,9 @@ DROPPED_HEADERS = frozenset(
         "set-cookie", "set-cookie2", "alt-svc", "strict-transport-security",
     )
 )  # fmt: skip
+# the proxy's own rate-limit headers, as core/limits.py names them (lowercase)
+RATELIMIT_REQUESTS = "x-ratelimit-limit-requests"
+RATELIMIT_TOKENS = "x-ratelimit-limit-tokens"
 # one compressed answer decoded: far beyond any real answer (a 100k-token stream is ~20 MB)
 MAX_INFLATED_BYTES = 256 * 1024 * 1024
 
@@ -115,16 +118,22 @@ def response_headers(
     upstream: aiohttp.ClientResponse, own_headers: Mapping[str, str]
 ) -> CIMultiDict[str]:
     """The upstream's end-to-end headers, repeated ones kept, then the proxy's own, which
-    replace any of the same name."""
+    replace any of the same name. When the proxy's own say the org's rate limits
+    (``x-ratelimit-*``), the upstream's of that family are all left out: they describe the
+    provider's limits on the key every tenant shares, and two sources under one name would
+    mislead (docs/design.md §6, Rate limits)."""
     named = {
         token.strip().lower()
         for value in upstream.headers.getall("Connection", ())
         for token in value.split(",")
     }
+    own_limits = RATELIMIT_REQUESTS in own_headers or RATELIMIT_TOKENS in own_headers
     headers: CIMultiDict[str] = CIMultiDict()
     for name, value in upstream.headers.items():
         lower = name.lower()
         if lower not in DROPPED_HEADERS and lower not in named:
+            if own_limits and lower.startswith("x-ratelimit-"):
+                continue
             headers.add(name, value)
     headers.update(own_headers)
     return headers

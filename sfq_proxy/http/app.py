@@ -1,10 +1,12 @@
 """The HTTP front end: the routes, and where rejections become OpenAI-style JSON errors.
 
-Inference requests go through ``inference.py``; every decision is made by a sans-I/O
+Inference requests go through ``handler.py``; every decision is made by a sans-I/O
 piece (``classify``, ``cost``, ``admission``, the pool's ``Scheduler``) and every rejection
 is an :class:`ApiError`. There is no middleware: aiohttp wraps every request in two more
 coroutines when there is one, which is CPU on every request and memory for every queued
-one. Each handler answers its own errors, and unrouted paths get a route of their own.
+one. Each handler answers its own errors, and unrouted paths get a route of their own,
+which also serves the pools' ``extra_paths``: they are read from the live config, so a
+reload may change them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import Config, ConfigError
 from ..core.errors import ApiError
-from ..core.flows import key_digest
+from ..core.flows import credential, key_digest
 from ..core.inference_request import Kind
 from .error_response import error_response
 from .handler import Handler, handler
@@ -42,8 +44,10 @@ def build_app(
     app.cleanup_ctx.append(proxy.lifecycle)
     app.on_shutdown.append(proxy.shutting_down)
     for kind in Kind:
-        app.router.add_post(kind.value, handler(kind))
+        if kind is not Kind.EXTRA:
+            app.router.add_post(kind.value, handler(kind))
     app.router.add_get("/v1/models", _answering_errors(_models))
+    app.router.add_get("/v1/models/{model:.+}", _answering_errors(_model))
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
@@ -52,8 +56,11 @@ def build_app(
     allowed: dict[str, set[str]] = {}
     for route in app.router.routes():
         assert route.resource is not None  # every route added through the router has one
-        allowed.setdefault(route.resource.canonical, set()).add(route.method)
-    app.router.add_route("*", "/{path:.*}", _unrouted(allowed))
+        canonical = route.resource.canonical
+        if "{" in canonical:  # a model's path: by its prefix
+            canonical = canonical[: canonical.index("{")]
+        allowed.setdefault(canonical, set()).add(route.method)
+    app.router.add_route("*", "/{path:.*}", _unrouted(allowed, handler(Kind.EXTRA)))
     return app
 
 
@@ -70,13 +77,20 @@ def _answering_errors(serve: Handler) -> Handler:
     return answer
 
 
-def _unrouted(allowed: dict[str, set[str]]) -> Handler:
-    """What answers a path no route serves (404), or serves for other methods (405)."""
+def _unrouted(allowed: dict[str, set[str]], extra: Handler) -> Handler:
+    """What answers a path no route serves: one of the pools' ``extra_paths`` (``extra``,
+    for a POST), else 404 ``not_found``, or 405 for a path served with other methods."""
 
     async def answer(request: web.Request) -> web.StreamResponse:
-        methods = allowed.get(request.path)
-        if methods is None:
-            return error_response(ApiError(404, f"No such endpoint: {request.path}"))
+        path = request.path
+        if any(p.extra_path(path) for p in request.app[PROXY].config.pools.values()):
+            if request.method == "POST":
+                return await extra(request)
+            methods = {"POST"}
+        else:
+            methods = allowed.get(path) or _by_prefix(allowed, path)
+        if not methods:
+            return error_response(ApiError(404, f"No such endpoint: {path}", code="not_found"))
         message = f"{request.method} is not allowed here; use {', '.join(sorted(methods))}."
         response = error_response(ApiError(405, message))
         response.headers["Allow"] = ", ".join(sorted(methods))
@@ -85,15 +99,39 @@ def _unrouted(allowed: dict[str, set[str]]) -> Handler:
     return answer
 
 
+def _by_prefix(allowed: dict[str, set[str]], path: str) -> set[str]:
+    """The methods of a route with a parameter whose prefix ``path`` has (``/v1/models/``)."""
+    for prefix, methods in allowed.items():
+        if prefix.endswith("/") and path.startswith(prefix) and len(path) > len(prefix):
+            return methods
+    return set()
+
+
 async def _models(request: web.Request) -> web.Response:
     proxy = request.app[PROXY]
-    proxy.auth.identify(request.headers.get("Authorization"))
+    proxy.auth.identify(request.headers)
     models = [
-        {"id": model, "object": "model", "created": 0, "owned_by": pool}
+        _model_object(model, pool)
         for pool, spec in proxy.config.pools.items()
         for model in spec.models
     ]
     return web.json_response({"object": "list", "data": models})
+
+
+async def _model(request: web.Request) -> web.Response:
+    """One model of ``/v1/models``, or 404 ``model_not_found`` (every key may see every
+    model a pool serves: keys do not restrict models)."""
+    proxy = request.app[PROXY]
+    proxy.auth.identify(request.headers)
+    model = request.match_info["model"]
+    pool = proxy.config.pool_for_model(model)
+    if pool is None:
+        raise ApiError(404, f"The model '{model}' does not exist or is not served here.")
+    return web.json_response(_model_object(model, pool))
+
+
+def _model_object(model: str, pool: str) -> dict[str, object]:
+    return {"id": model, "object": "model", "created": 0, "owned_by": pool}
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -131,7 +169,7 @@ def _admin(request: web.Request) -> Proxy:
     digest = proxy.config.admin_digest()
     if digest is None:
         raise ApiError(403, "The admin API is off: set admin_key_env in the config.")
-    token = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+    token = credential(request.headers) or ""
     if not hmac.compare_digest(key_digest(token), digest):
         raise ApiError(401, "Incorrect admin key.")
     return proxy

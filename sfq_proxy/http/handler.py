@@ -20,22 +20,23 @@ import asyncio
 import logging
 import math
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, replace
 from functools import partial
 
 from aiohttp import web
 
-from ..config import AffinitySpec
+from ..config import AffinitySpec, Config, ExtraCostSpec
 from ..core.affinity import request_key
 from ..core.cost import Estimate
 from ..core.errors import ApiError
 from ..core.flows import CLASS_HEADER, Flow, classify
-from ..core.inference_request import InferenceRequest, Kind, parse
+from ..core.inference_request import InferenceRequest, Kind, parse, parse_extra
 from ..core.placement import Backend
 from ..core.scheduler import Ticket
 from ..core.throttle import MAX_PAUSE_S, retry_after
 from .access_log import REQUEST_ID_HEADER, AccessRecord
+from .drain import ANSWERING, absorbed, cut_error
 from .error_response import error_response
 from .pool_runtime import Pool
 from .relay import (
@@ -50,6 +51,7 @@ from .relay import (
     read_usage,
 )
 from .runtime import PROXY, Proxy
+from .trace_context import trace_context
 
 log = logging.getLogger(__name__)
 RETRYABLE = frozenset({429, 502, 503})
@@ -61,12 +63,17 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def handler(kind: Kind) -> Handler:
+    """The handler of ``kind``'s route (of any extra path, for ``Kind.EXTRA``)."""
+
     async def handle(request: web.Request) -> web.StreamResponse:
         """Serve one request; whatever becomes of it, it is counted once and logged once."""
         proxy = request.app[PROXY]
         record = AccessRecord.for_request(request.headers)
+        record.trace_id, trace = trace_context(request.headers)
+        arrived = proxy.clock()  # for sfq_request_duration_seconds
+        running = proxy.drain.enter()  # ended by the drain at drain_timeout_s (drain.py)
         try:
-            return await _admit_and_serve(proxy, request, kind, record)
+            return await _admit_and_serve(proxy, request, kind, record, trace)
         except ApiError as err:  # a rejection; or a failure, the error's code its reason
             record.status = err.status
             record.outcome = record.outcome or ("rejected" if err.reason else "failed")
@@ -74,9 +81,17 @@ def handler(kind: Kind) -> Handler:
             response = error_response(err)
             response.headers[REQUEST_ID_HEADER] = record.request_id
             return response
-        except asyncio.CancelledError:
-            record.outcome = record.outcome or "cancelled_queued"
-            raise
+        except asyncio.CancelledError as cancelled:
+            # the client left; or the drain's cut once the answer started (the relay ends
+            # a stream with an error event; here, only closing the connection is left)
+            if request.get(ANSWERING) or not absorbed(cancelled):
+                record.outcome = record.outcome or "cancelled_queued"
+                raise
+            error = cut_error()  # the drain ended it before its answer started: a 503
+            record.status, record.outcome, record.reason = error.status, "failed", error.code
+            response = error_response(error)
+            response.headers[REQUEST_ID_HEADER] = record.request_id
+            return response
         except Exception:  # a bug: the answer has not started (the relay ends its own)
             log.exception("request %s failed", record.request_id)
             error = ApiError(500, "The proxy failed to serve this request.")
@@ -85,30 +100,40 @@ def handler(kind: Kind) -> Handler:
             response.headers[REQUEST_ID_HEADER] = record.request_id
             return response
         finally:
-            _count(proxy, record)
+            proxy.drain.exit(running)
+            _count(proxy, record, proxy.clock() - arrived)
             record.emit()
 
     return handle
 
 
-def _count(proxy: Proxy, record: AccessRecord) -> None:
+def _count(proxy: Proxy, record: AccessRecord, seconds: float) -> None:
     if record.outcome is None:
         return
     key = (record.org or "", record.cls or "", record.pool or "")
     proxy.metrics.count(key, "requests", record.outcome)
+    if record.backend is not None:  # dispatched: end to end, as its client waited
+        proxy.metrics.observe(key, "request_duration_seconds", seconds)
     if record.reason and record.outcome in ("rejected", "failed"):
         counter = "rejections" if record.outcome == "rejected" else "failures"
         proxy.metrics.count(key, counter, record.reason)
 
 
 async def _admit_and_serve(
-    proxy: Proxy, request: web.Request, kind: Kind, record: AccessRecord
+    proxy: Proxy,
+    request: web.Request,
+    kind: Kind,
+    record: AccessRecord,
+    trace: Mapping[str, str],
 ) -> web.StreamResponse:
-    key = proxy.auth.identify(request.headers.get("Authorization"))
+    key = proxy.auth.identify(request.headers)
     record.org, record.key = key.org, key.name
     raw = await _read_body(request, proxy.config.limits.max_body_bytes)
     config = proxy.config
-    inference = parse(kind, raw, config.reports_stream_usage, config.affinity_for_model)
+    if kind is Kind.EXTRA:
+        inference = parse_extra(raw, request.path, partial(_extra_cost, config, request.path))
+    else:
+        inference = parse(kind, raw, config.reports_stream_usage, config.affinity_for_model)
     record.model = inference.model
     flow = classify(proxy.config, key, request.headers.get(CLASS_HEADER), inference.model)
     record.cls, record.pool = flow.cls, flow.pool
@@ -131,18 +156,25 @@ async def _admit_and_serve(
         affinity=_affinity_key(pool.spec.affinity, flow.org, request, inference),
         bucket=bucket,
         max_overtaken=max_overtaken,
+        size=len(raw) + (0 if inference.raw is raw else len(inference.raw)),  # as held
     )
     record.cost = estimate.cost
     queued = pool.waiting(ticket)
     idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
     now = proxy.clock()
-    proxy.admission.admit(flow, ticket.tokens, queued, idempotency_key, now)
+    limits = proxy.admission.admit(flow, ticket.tokens, queued, idempotency_key, now)
     if proxy.limits is not None:
-        await proxy.limits.admit(flow, ticket.tokens, idempotency_key)
+        limits = await proxy.limits.admit(flow, ticket.tokens, idempotency_key)
     try:
         proxy.metrics.seen(flow.key)
         bounds = _bounds(now, cls.max_queue_age_s, cls.max_request_s, timeout)
-        return await _serve(proxy, request, flow, record, ticket, inference, estimate, bounds)
+        headers = _Headers(limits, trace)
+        return await _serve(
+            proxy, request, flow, record, ticket, inference, estimate, bounds, headers
+        )
+    except ApiError as err:  # admitted: its answer says the org's limits like any other
+        err.extra_headers = {**limits, **err.extra_headers}
+        raise
     finally:
         proxy.admission.done(flow, idempotency_key)
         if proxy.limits is not None:
@@ -158,6 +190,7 @@ async def _serve(
     inference: InferenceRequest,
     estimate: Estimate,
     bounds: _Bounds,
+    headers: _Headers,
 ) -> web.StreamResponse:
     pool = proxy.pools[flow.pool]
     expires_at, expiry = bounds.queue
@@ -191,9 +224,11 @@ async def _serve(
                     REQUEST_ID_HEADER: record.request_id,
                     QUEUE_WAIT_HEADER: f"{record.queue_wait_s:.6f}",
                     COST_HEADER: "0" if ticket.priority else f"{ticket.cost:.6g}",
+                    **headers.limits,
                 },
                 on_headers=partial(metrics.first_byte, flow.pool, backend.name),
                 expires_at=bounds.life[0], expiry=bounds.life[1], on_upstream_end=slot.settle,
+                upstream_headers=headers.trace,
             )  # fmt: skip
             generated = not _refused(relayed)
             slot.settle(relayed)
@@ -233,6 +268,24 @@ async def _serve(
         raise ApiError(502, f"No backend of pool '{flow.pool}' gave an answer.")
     _count_answer(proxy, flow, record, estimate, relayed)
     return relayed.response
+
+
+@dataclass(frozen=True, slots=True)
+class _Headers:
+    """What an admitted request's exchange carries besides its body: the org's
+    ``x-ratelimit-*`` as of its admission (to the client), and its trace context
+    (upstream)."""
+
+    limits: Mapping[str, str]
+    trace: Mapping[str, str]
+
+
+def _extra_cost(config: Config, path: str, model: str) -> ExtraCostSpec | None:
+    """The cost rule for ``path`` of ``model``'s pool; None when that pool does not list
+    the path (or no pool serves the model)."""
+    pool = config.pool_for_model(model)
+    extra = None if pool is None else config.pools[pool].extra_path(path)
+    return None if extra is None else extra.cost
 
 
 def _refund(proxy: Proxy, flow: Flow, tokens: float) -> None:
@@ -398,7 +451,9 @@ def _bounds(
         life = (at, ApiError(504, f"{what} passed before the answer's end.", code="deadline"))
         queue = (at, ApiError(504, f"{what} passed before it was served.", code="deadline"))
     if max_queue_age_s is not None and (queue[0] is None or now + max_queue_age_s < queue[0]):
-        message = f"Waited longer than this class's {max_queue_age_s:g} s queue limit."
+        message = (
+            f"Waited longer than this class's queue limit (max_queue_age_s {max_queue_age_s:g} s)."
+        )
         queue = (now + max_queue_age_s, ApiError(429, message, code="queue_age"))
     return _Bounds(queue=queue, life=life)
 

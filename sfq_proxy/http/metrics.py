@@ -5,7 +5,8 @@ Per-flow events are kept in plain dicts and rendered at scrape time, so that org
 needs one, the least recently active org's series are added into ``org="other"`` and
 removed, so a flood of keys cannot blow up Prometheus and ``other`` only ever grows.
 Levels (queue length, in flight, meter lag, health) are read from the live state at
-scrape time: a flow's gauges vanish when the fair queue forgets it.
+scrape time: a flow's gauges vanish when the fair queue forgets it. The registry also
+serves ``sfq_build_info`` and the process's own metrics (``process_metrics.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from ..core.calibration import Calibration, InputModel
 from ..core.flows import org_and_class
+from . import process_metrics
 from .pool_runtime import Pool
 
 FLOW_LABELS = ["org", "class", "pool"]
@@ -54,7 +56,9 @@ COUNTERS = {
 HISTOGRAMS = {
     "queue_wait_seconds": ("Time from admission (or a retry) to dispatch", WAIT_BUCKETS),
     "time_to_first_token_seconds": ("Dispatch to the first streamed chunk", LATENCY_BUCKETS),
-}
+    "request_duration_seconds": ("End to end: the request's arrival to the end of its answer, "
+                                 "for requests dispatched to a backend", WAIT_BUCKETS),
+}  # fmt: skip
 
 Key = tuple[str, str, str]  # (org, class, pool) as labelled
 
@@ -122,6 +126,7 @@ class Metrics(Collector):
         self._placements: Counter[tuple[str, str, str]] = Counter()  # (pool, backend, reason)
         self.registry = CollectorRegistry()
         self.registry.register(self)
+        process_metrics.register(self.registry)
 
     # -- events --------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from ..core.fair_queue import FlowView
 from ..core.flows import org_and_class
 from ..core.limits import Rate
 from ..core.placement import Backend, Placement
+from ..core.queue_memory import QueueMemory, evicted
 from ..core.scheduler import Scheduler, Ticket
 from ..core.throttle import Throttle
 
@@ -29,6 +30,9 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 RECENT_DISPATCHES = 1000  # how many of the last dispatches /admin/state shows, oldest first
+# the process's queue memory: waiting tickets by flow, the pool's name and the flow's id,
+# and the pool (where an evicted ticket waits)
+Memory = QueueMemory[tuple[str, str, "Pool"], Ticket]
 
 
 def pool_limits(
@@ -50,8 +54,15 @@ def pool_limits(
 
 class Pool:
     def __init__(
-        self, name: str, config: Config, clock: Clock, calibration: Calibration | None = None
+        self,
+        name: str,
+        config: Config,
+        clock: Clock,
+        calibration: Calibration | None = None,
+        memory: Memory | None = None,
     ) -> None:
+        """``memory``: the process's queue memory, which every pool shares (a pool made
+        alone counts its own)."""
         self.name = name
         self.spec = spec = config.pools[name]
         self.clock = clock
@@ -75,6 +86,10 @@ class Pool:
         self.recent: deque[tuple[str, str]] = deque(maxlen=RECENT_DISPATCHES)  # (flow, backend)
         self._timer: asyncio.TimerHandle | None = None
         self._revivals: dict[Backend, asyncio.TimerHandle] = {}  # passive: end of cooldowns
+        limit = config.limits.queue_memory_bytes
+        self.memory: Memory = QueueMemory(limit) if memory is None else memory
+        self.draining = False  # the drain began: nothing joins a line any more
+        self._retrying: set[Ticket] = set()  # waiting again: not in the queue memory
 
     def reconfigure(self, config: Config, cost: CostModel) -> None:
         """A config reload; ``cost`` was built beforehand, so a bad tokenizer changes nothing.
@@ -88,6 +103,7 @@ class Pool:
         affinity = self.spec.affinity
         self.placement.load_factor = affinity.load_factor if affinity else None
         self.scheduler.set_limits(*pool_limits(config, self.spec))
+        self.memory.limit = config.limits.queue_memory_bytes  # newcomers see it; none leaves
         for view in self.scheduler.queue.flows():
             org, cls = org_and_class(view.flow)
             if cls in config.classes:
@@ -114,7 +130,37 @@ class Pool:
         uncharged and ``expiry`` is raised. If the waiting task is cancelled (its client went
         away) the ticket leaves uncharged too, or, if it was dispatched in that same
         instant, frees its slot. ``front`` queues a retry at the head of its flow.
+
+        A request's first wait is counted in the process's queue memory (design.md §6,
+        Queue memory): when that is full, the request is refused (429 ``queue_full``), or,
+        its flow not being among the largest, takes the place of the newest requests of
+        the largest, each answered 429 ``queue_full``. A retry is not counted again: the
+        requests running, and so those retried, are bounded by the slots. While the proxy
+        drains nothing joins a line (503 ``shutting_down``).
         """
+        if self.draining:
+            raise shutting_down(self.name)
+        if front:
+            self._retrying.add(ticket)
+            try:
+                return await self._queue(ticket, expires_at, expiry, front)
+            finally:
+                self._retrying.discard(ticket)
+        for (_, _, pool), victim in self.memory.enter(self._line(ticket), ticket, ticket.size):
+            pool.evict(victim)
+        try:
+            return await self._queue(ticket, expires_at, expiry, front)
+        finally:
+            self.memory.leave(self._line(ticket), ticket)
+
+    def _line(self, ticket: Ticket) -> tuple[str, str, Pool]:
+        """``ticket``'s flow in the process's queue memory."""
+        return self.name, ticket.flow, self
+
+    async def _queue(
+        self, ticket: Ticket, expires_at: float | None, expiry: ApiError | None, front: bool
+    ) -> Backend:
+        """In this pool's own line, until dispatched, out of time, evicted or cancelled."""
         future: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
         ticket.payload = future
         self._run(self.scheduler.submit(ticket, self.clock(), front=front))
@@ -133,6 +179,23 @@ class Pool:
             if not self.scheduler.cancel(ticket) and ticket.backend is not None:
                 self.release(ticket)
             raise
+
+    def evict(self, ticket: Ticket) -> None:
+        """The process's queue memory is full and a smaller flow's request came: ``ticket``,
+        the newest of the largest flow, leaves the line uncharged and is answered 429
+        ``queue_full``."""
+        if self.scheduler.cancel(ticket):
+            ticket.payload.set_exception(evicted())
+
+    async def leave(self) -> None:
+        """The drain begins: every request still waiting in line is answered 503
+        ``shutting_down`` with ``Retry-After`` (its client retries, on another replica if
+        there is one), and none joins a line any more. Running requests go on."""
+        self.draining = True
+        waiting = [ticket for (_, _, pool), ticket in self.memory.items() if pool is self]
+        for ticket in [*waiting, *self._retrying]:
+            if self.scheduler.cancel(ticket):  # in this pool's own line (not Redis's)
+                ticket.payload.set_exception(shutting_down(self.name))
 
     def ready(self) -> bool:
         """Whether the pool can take requests (``/readyz``): a backend of it is healthy."""
@@ -310,8 +373,18 @@ class Pool:
         for ticket in tickets:
             assert ticket.backend is not None
             self.recent.append((ticket.flow, ticket.backend.name))
+            self.memory.leave(self._line(ticket), ticket)  # it waits no more
             future = ticket.payload
             if future.done():  # cancelled in the instant it was dispatched: give the slot back
                 self.release(ticket)
             else:
                 future.set_result(ticket.backend)
+
+
+def shutting_down(pool: str) -> ApiError:
+    """What a request still waiting when the drain begins is answered (and one that comes
+    during the drain)."""
+    return ApiError(
+        503, f"This proxy is shutting down; retry the request for pool '{pool}'.",
+        code="shutting_down", retry_after=1.0,
+    )  # fmt: skip

@@ -35,6 +35,7 @@ from .answer import (
     inflater_for,
     response_headers,
 )
+from .drain import ANSWERING, CUT_MESSAGE, absorbed
 from .pool_runtime import Pool
 from .sse import TokenEvents, continued_data, ends_event
 from .sse import UsageStripper as _UsageStripper
@@ -46,7 +47,11 @@ _TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
 _USAGE = b'"usage"'
 _USAGE_BYTES = 4096  # more than any usage object: the part of the tail that is parsed
 _DECODER = json.JSONDecoder()
-_ERROR_EVENT = re.compile(rb'(?:^|[\r\n])data: ?\{\s*"error"\s*:')  # an event's first data line
+# an error instead of an answer: an event whose first data line is an OpenAI error object,
+# or (the Responses API) an ``error`` or ``response.failed`` event
+_ERROR_EVENT = re.compile(
+    rb'(?:^|[\r\n])(?:data: ?\{\s*"error"\s*:|event: ?(?:error|response\.failed)[ \t]*[\r\n])'
+)
 MAX_USAGE_TOKENS = 1_000_000_000  # a usage count above this is a lying backend, not usage
 _ERROR_STATUSES = frozenset({429, 503})  # what must say when to come back
 
@@ -129,8 +134,8 @@ class Relayed:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     # why the stream broke off after it started (and ended with an error event): the
-    # backend's "upstream_cut" or "upstream_timeout", the request's bound ("deadline"), or
-    # "proxy" for a fault of our own
+    # backend's "upstream_cut" or "upstream_timeout", the request's bound ("deadline"), the
+    # drain's deadline ("shutting_down"), or "proxy" for a fault of our own
     fault: str | None = None
     tail: bytes = b""  # the end of a 200 answer, where its usage is (see ``read_usage``)
 
@@ -148,8 +153,12 @@ async def forward(
     expires_at: float | None = None,
     expiry: ApiError | None = None,
     on_upstream_end: Callable[[Relayed], None] | None = None,
+    upstream_headers: Mapping[str, str] | None = None,
 ) -> Relayed:
     """Send ``inference`` to ``backend`` and relay its answer to ``client``.
+
+    Upstream it carries ``upstream_headers`` besides the proxy's own (the client's valid
+    W3C trace context), never the client's key.
 
     The answer carries the upstream's end-to-end headers (see ``answer.DROPPED_HEADERS``) and,
     replacing any of the same name, ``own_headers``: the proxy's ``X-Request-Id``,
@@ -173,7 +182,9 @@ async def forward(
     sent = pool.clock()
     remaining = math.inf if expires_at is None else max(0.0, expires_at - sent)
     until = asyncio.get_running_loop().time() + remaining
-    upstream = await _open(session, pool, backend, inference, request_id, remaining, expiry)
+    upstream = await _open(
+        session, pool, backend, inference, request_id, remaining, expiry, upstream_headers
+    )
     on_headers(pool.clock() - sent)
     pool.observe_answer(upstream.status, upstream.headers, sent)  # a 429 holds the pool
     try:
@@ -195,6 +206,7 @@ async def forward(
             )
         headers.setdefault("Cache-Control", "no-cache")
         response = web.StreamResponse(status=200, headers=headers)
+        client[ANSWERING] = True  # a cut of the drain no longer answers it anew (drain.py)
         await response.prepare(client)
         relayed = Relayed(response, 0.0)
         ended = False
@@ -297,6 +309,11 @@ async def _relay_stream(
             watchdog.progressed()
     except ConnectionResetError:  # the client left as we wrote (aiohttp's is a ClientError)
         raise
+    except asyncio.CancelledError as cancelled:  # the drain's deadline ends it (drain.py)
+        if not absorbed(cancelled):  # the client left
+            raise
+        relayed.fault = "shutting_down"
+        message = CUT_MESSAGE
     except UpstreamDeadline:  # the request's bound: nobody's fault
         relayed.fault = "deadline"
         message = (expiry or _out_of_time()).message
@@ -347,7 +364,11 @@ def fault_code(fault: str) -> str:
     return "internal_error" if fault == "proxy" else fault
 
 
-_FAULT_TYPES = {"proxy": "server_error", "deadline": "timeout_error"}
+_FAULT_TYPES = {
+    "proxy": "server_error",
+    "deadline": "timeout_error",
+    "shutting_down": "service_unavailable",
+}
 _CUT = "The stream broke off before its end."
 
 
@@ -360,8 +381,9 @@ def _error_event(fault: str, message: str = _CUT) -> bytes:
 
 def error_event(relayed: Relayed) -> bool:
     """Whether a stream that ended as a 200 carried an error event instead of its answer:
-    TGI refuses a request mid-stream so (``data: {"error": ...}`` then ``[DONE]``), and
-    vLLM reports an error during generation so; it is no completion."""
+    TGI refuses a request mid-stream so (``data: {"error": ...}`` then ``[DONE]``), vLLM
+    reports an error during generation so, and a Responses API stream with an ``error`` or
+    ``response.failed`` event; it is no completion."""
     return _ERROR_EVENT.search(relayed.tail) is not None
 
 
@@ -378,8 +400,11 @@ def read_usage(relayed: Relayed) -> None:
         if usage is None and (b"\n" in after or b"\r" in after):
             usage = _object_after_colon(continued_data(after))  # an event's data on many lines
         if usage is not None:
-            relayed.prompt_tokens = _token_count(usage.get("prompt_tokens"))
-            relayed.completion_tokens = _token_count(usage.get("completion_tokens"))
+            # Chat Completions' names, else the Responses API's (its ``response.usage``)
+            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
+            completion = usage.get("completion_tokens", usage.get("output_tokens"))
+            relayed.prompt_tokens = _token_count(prompt)
+            relayed.completion_tokens = _token_count(completion)
             return
 
 
@@ -410,6 +435,7 @@ async def _open(
     request_id: str,
     remaining: float = math.inf,
     expiry: ApiError | None = None,
+    extra_headers: Mapping[str, str] | None = None,
 ) -> aiohttp.ClientResponse:
     """POST the client's bytes; return once the response headers are in. ``expiry`` is
     raised when the request's bound (``remaining`` seconds away) passes first."""
@@ -418,13 +444,15 @@ async def _open(
         "X-Request-Id": request_id,
         "Accept-Encoding": ACCEPT_ENCODING,
     }
+    if extra_headers:
+        headers.update(extra_headers)
     if pool.upstream_key:
         headers["Authorization"] = f"Bearer {pool.upstream_key}"
     timeouts = pool.spec.timeouts
     try:
         async with asyncio.timeout(min(timeouts.first_byte_s, remaining)):
             upstream = await session.post(
-                backend.base + inference.kind.value,
+                backend.base + inference.route,
                 data=inference.raw,
                 headers=headers,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s),

@@ -17,16 +17,23 @@ from ..core.admission import Admission
 from ..core.calibration import Calibration
 from ..core.cost import CostModel
 from ..core.flows import Authenticator
+from ..core.queue_memory import QueueMemory
 from ..state.redis_dispatch import RedisDispatch
 from . import calibration_store, logs, shared_state
+from .drain import CUT_GRACE_S, Drain
 from .metrics import Metrics
-from .pool_runtime import Pool
+from .pool_runtime import Memory, Pool
 from .shared_calibration import CalibrationSync, SharedCalibration
 from .shared_limits import SharedLimits
 from .shared_pool import SharedPool
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
+# at shutdown, once the requests have ended: how long the shared state's last calls (the
+# leases handed back, the calibration pushed) may take, within the drain's bound of
+# drain_timeout_s + 1 s (server.py): a Redis that does not answer gets the leases back when
+# their TTL passes
+HAND_BACK_S = 0.4
 
 
 @dataclass
@@ -44,6 +51,8 @@ class Proxy:
     calibration_sync: CalibrationSync | None = None  # calibration shared, with Redis
     config_path: Path | None = None  # what SIGHUP and POST /admin/reload read again
     session: aiohttp.ClientSession | None = None
+    drain: Drain = field(default_factory=Drain)  # the inference handlers, and the drain
+    memory: Memory | None = None  # what waits in every pool's line, bounded
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
@@ -57,14 +66,15 @@ class Proxy:
             shared = SharedCalibration(**_calibration_settings(config.calibration))
             shared.adopt(calibration)  # until Redis has a calibration, the state file's
             calibration, sync = shared, CalibrationSync(redis, shared)
-        pools: dict[str, Pool] = {
-            name: Pool(name, config, clock, calibration)
-            if redis is None
-            else SharedPool(
-                name, config, clock, calibration, RedisDispatch(redis, name, holder, calls)
-            )
-            for name in config.pools
-        }
+        memory: Memory = QueueMemory(config.limits.queue_memory_bytes)
+
+        def pool(name: str) -> Pool:
+            if redis is None:
+                return Pool(name, config, clock, calibration, memory)
+            dispatch = RedisDispatch(redis, name, holder, calls)
+            return SharedPool(name, config, clock, calibration, dispatch, memory)
+
+        pools = {name: pool(name) for name in config.pools}
         return cls(
             config=config,
             pools=pools,
@@ -76,6 +86,7 @@ class Proxy:
             limits=None if calls is None else SharedLimits(calls, config, _replicas(pools)),
             calibration_sync=sync,
             config_path=config_path,
+            memory=memory,
         )
 
     def reload(self, config: Config) -> list[str]:
@@ -143,21 +154,48 @@ class Proxy:
         if self.config.calibration.state_file:
             self._tasks.append(asyncio.create_task(self._save_calibration_forever()))
         yield
+        # the drain is over (server.py): every request has ended, what remains is bounded
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        stops = [shared_state.stop(shared, loops)]
         if self.calibration_sync is not None:  # while its Redis client is open
-            await self.calibration_sync.stop()
-        await shared_state.stop(shared, loops)
+            stops.append(self.calibration_sync.stop())
+        try:
+            async with asyncio.timeout(HAND_BACK_S):
+                await asyncio.gather(*stops)
+        except TimeoutError:
+            log.warning(
+                "shared state: Redis did not take the last calls within %g s: this process's "
+                "leases go back when their TTL passes", HAND_BACK_S,
+            )  # fmt: skip
+        await shared_state.close(shared)
         await self.session.close()
         self.save_calibration()
 
     async def shutting_down(self, app: web.Application) -> None:
-        """The drain begins: requests still queued in a shared pool leave it (their clients
-        retry on another replica) rather than take a slot here."""
+        """The drain (aiohttp's ``on_shutdown``: the listening socket and the idle
+        connections are closed already; docs/design.md §8, Lifecycle). Requests waiting in
+        line leave it with 503 ``shutting_down`` and ``Retry-After`` (their clients retry,
+        on another replica if there is one), and none joins; the calibration is saved;
+        running requests have until ``drain_timeout_s``, then are ended (a stream with an
+        error event, an answer not yet started with a 503). Returns when all have ended, at
+        most ``CUT_GRACE_S`` after that deadline."""
+        if self.drain.draining:
+            return
+        loop = asyncio.get_running_loop()
+        timeout = self.config.drain_timeout_s
+        deadline = loop.time() + timeout
+        log.info("draining: in-flight requests have up to %g s", timeout)
+        self.drain.begin()
         for pool in self.pools.values():
-            if isinstance(pool, SharedPool):
-                await pool.leave()
+            await pool.leave()
+        self.save_calibration()  # before anything is cut: a SIGKILL later loses nothing
+        if await self.drain.finished(deadline - loop.time()):
+            return
+        log.warning("drain_timeout_s passed: ending %d running requests", self.drain.cut())
+        if not await self.drain.finished(CUT_GRACE_S):
+            log.warning("%d requests did not end at once: closing them", len(self.drain))
 
     def save_calibration(self) -> None:
         path = self.config.calibration.state_file

@@ -1,4 +1,16 @@
-"""Run the proxy: listen, and on SIGTERM/SIGINT drain in-flight requests, then close."""
+"""Run the proxy: listen, and on SIGTERM/SIGINT drain, then close (docs/design.md §8,
+Lifecycle).
+
+The drain is the proxy's own, not aiohttp's. ``AppRunner.cleanup`` closes the listening
+socket and the idle connections, runs the app's ``on_shutdown`` and then gives each request
+still running its ``shutdown_timeout`` to finish, cancels it, and gives it the same time
+again: twice the timeout in all (and a timeout of 0 waits for ever), with no answer for
+what it cancels. Here ``on_shutdown`` is the drain (``Proxy.shutting_down``): what waits in
+line is answered 503, what runs has until ``drain_timeout_s`` and is then ended with an
+answer (a stream's error event, a 503). aiohttp's own wait, ``CLOSE_S`` twice, only closes
+what is left (a client that does not read its last bytes): the process exits within
+``drain_timeout_s`` + ``EXIT_WITHIN_S``.
+"""
 
 from __future__ import annotations
 
@@ -16,23 +28,29 @@ from aiohttp import web
 from ..config import Config, ConfigError
 from . import access_log, logs
 from .app import build_app
-from .runtime import PROXY, Proxy
+from .drain import CUT_GRACE_S
+from .runtime import HAND_BACK_S, PROXY, Proxy
+from .shared_state import CLOSE_S as REDIS_CLOSE_S
 
 log = logging.getLogger(__name__)
+CLOSE_S = 0.05  # after the drain, aiohttp closes what still writes (a client not reading)
+# the bound on the process's exit after drain_timeout_s: the requests cut at that deadline
+# writing their end (CUT_GRACE_S), aiohttp's close, the shared state's last calls
+# (HAND_BACK_S) and closing its connections, and 0.2 s for the rest (the backends' session,
+# the calibration file, the interpreter's exit: 0.04–0.08 s measured)
+EXIT_WITHIN_S = 1.0
+assert CUT_GRACE_S + 2 * CLOSE_S + HAND_BACK_S + REDIS_CLOSE_S <= EXIT_WITHIN_S - 0.2
 
 
 @contextlib.asynccontextmanager
 async def running(
     config: Config, *, reuse_port: bool = False, **app_options: Any
 ) -> AsyncIterator[web.AppRunner]:
-    """The proxy listening on ``config.listen`` until the block exits, then drained.
-
-    On exit it stops accepting connections at once and gives in-flight requests (queued
-    ones included) up to ``drain_timeout_s`` to finish before closing them.
-    """
+    """The proxy listening on ``config.listen`` until the block exits, then drained
+    (``Proxy.shutting_down``) and closed."""
     runner = web.AppRunner(
         build_app(config, **app_options),
-        shutdown_timeout=config.drain_timeout_s,
+        shutdown_timeout=CLOSE_S,  # after the drain: see the module's docstring
         handler_cancellation=True,  # a client that leaves cancels its handler: queue exit, abort
         access_log=None,
         auto_decompress=False,  # compressed bodies reach the handler as sent, and are refused
@@ -45,12 +63,9 @@ async def running(
             runner, config.listen.host, config.listen.port, backlog=1024, reuse_port=reuse_port
         ).start()
         log.info("listening on %s", bound_url(runner))
-        try:
-            yield runner
-        finally:
-            log.info("draining: in-flight requests have up to %g s", config.drain_timeout_s)
+        yield runner
     finally:
-        await runner.cleanup()
+        await runner.cleanup()  # the drain, then the close
 
 
 def _reload(proxy: Proxy) -> None:

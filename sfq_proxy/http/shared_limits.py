@@ -25,10 +25,10 @@ from collections.abc import Awaitable, Callable
 
 from redis.exceptions import RedisError
 
-from ..config import Config
+from ..config import Config, OrgSpec
 from ..core.errors import ApiError
 from ..core.flows import Flow
-from ..core.limits import Rate
+from ..core.limits import BucketState, Rate, Which, rate_limited, ratelimit_headers
 from ..state.library import ADMISSION, Caller, shielded
 
 log = logging.getLogger(__name__)
@@ -55,27 +55,34 @@ class SharedLimits:
         spec = self.config.org(org)
         return (f"{spec.rpm:.17g}" if spec.rpm else "", f"{spec.tpm:.17g}" if spec.tpm else "")
 
-    async def admit(self, flow: Flow, tokens: float, idempotency_key: str | None) -> None:
+    async def admit(self, flow: Flow, tokens: float, idempotency_key: str | None) -> dict[str, str]:
         """Take the request's share of its org's buckets, and claim its Idempotency-Key, in
-        one step; raise the rejection (409, 429 with the wait, 503 without Redis)."""
+        one step; raise the rejection (409, 429 with the wait, 503 without Redis). Returns
+        the ``x-ratelimit-*`` headers of the org's buckets after the take, as Redis holds
+        them (as this process holds them while Redis is lost, ``when_unreachable: local``)."""
         rpm, tpm = self._limits(flow.org)
         if not (rpm or tpm or idempotency_key):
-            return
+            return {}
         digest = _digest(idempotency_key) if idempotency_key else ""
         try:
             reply = await self._call(
                 flow.org, "admit", rpm, tpm, f"{tokens:.17g}", digest, self._ttl_ms
             )
+            headers = _headers(self.config.org(flow.org), reply[-4:]) if len(reply) > 4 else {}
         except RedisError as err:
-            reply = self._admit_alone(flow.org, tokens, digest, err)
+            reply, headers = self._admit_alone(flow.org, tokens, digest, err)
         if reply[0] == 409:
             raise ApiError(409, "A request with this Idempotency-Key is already queued or running.")
         if reply[0] == 429:
-            raise ApiError(
-                429, "Rate limit reached.", code="rate_limited", retry_after=reply[1] / 1000
-            )
+            wait_ms, which = reply[1], _WHICH[reply[2]]
+            spec = self.config.org(flow.org)
+            per_minute = (spec.rpm if which == "requests" else spec.tpm) or 0.0
+            setting = "rpm" if which == "requests" else "tpm"
+            owner = f"org '{flow.org}'"
+            raise rate_limited(which, owner, setting, per_minute, wait_ms / 1000, headers)
         if digest:
             self._keys.add((flow.org, digest))
+        return headers
 
     async def retry(self, flow: Flow, tokens: float) -> bool:
         """Whether the org's buckets give a retry its tokens now (taken if so)."""
@@ -86,7 +93,7 @@ class SharedLimits:
             reply = await self._call(flow.org, "retry", rpm, tpm, f"{tokens:.17g}")
         except RedisError as err:
             try:
-                return self._admit_alone(flow.org, tokens, "", err)[0] == 200
+                return self._admit_alone(flow.org, tokens, "", err)[0][0] == 200
             except ApiError:
                 return False
         return bool(reply[0] == 1)
@@ -133,9 +140,12 @@ class SharedLimits:
             log.warning("org limits in Redis reachable again")
         return reply
 
-    def _admit_alone(self, org: str, tokens: float, digest: str, err: RedisError) -> list[int]:
+    def _admit_alone(
+        self, org: str, tokens: float, digest: str, err: RedisError
+    ) -> tuple[list[int], dict[str, str]]:
         """Redis did not answer: refuse (503), or decide here with this process's part of
-        the org's rate; the reply as Redis would give it (200, 409, or 429 and the wait)."""
+        the org's rate; the reply as Redis would give it (200, 409, or 429, the wait and
+        the bucket), and the ``x-ratelimit-*`` headers of this process's buckets."""
         state = self.config.state
         if state is None or state.when_unreachable != "local":
             raise ApiError(
@@ -143,15 +153,18 @@ class SharedLimits:
                 code="state_unavailable", retry_after=1.0,
             ) from err  # fmt: skip
         if digest and (org, digest) in self._keys:
-            return [409]
+            return [409], {}
         rate = self._alone_rate(org)
-        if rate is not None:
-            now = time.monotonic()
-            wait = rate.wait(tokens, now)
-            if wait > 0:
-                return [429, max(1, round(wait * 1000))]
-            rate.take(tokens, now)
-        return [200]
+        if rate is None:
+            return [200], {}
+        now = time.monotonic()
+        found = rate.binding(tokens, now)
+        if found is not None:
+            wait, which = found
+            reply = [429, max(1, round(wait * 1000)), 1 if which == "requests" else 2]
+            return reply, rate.headers(now)
+        rate.take(tokens, now)
+        return [200], rate.headers(now)
 
     def _alone_rate(self, org: str) -> Rate | None:
         spec, replicas = self.config.org(org), max(1, self._replicas())
@@ -173,6 +186,20 @@ class SharedLimits:
         task = asyncio.ensure_future(quietly())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+_WHICH: dict[int, Which] = {1: "requests", 2: "tokens"}
+
+
+def _headers(spec: OrgSpec, state: list[int]) -> dict[str, str]:
+    """The ``x-ratelimit-*`` headers of what ``admission.lua`` reported of the org's
+    buckets: whole tokens left and ms until full, for requests then tokens (-1: none)."""
+    requests = tokens = None
+    if spec.rpm and state[0] >= 0:
+        requests = BucketState(spec.rpm, state[0], state[1] / 1000)
+    if spec.tpm and state[2] >= 0:
+        tokens = BucketState(spec.tpm, state[2], state[3] / 1000)
+    return ratelimit_headers(requests, tokens)
 
 
 def _digest(idempotency_key: str) -> str:

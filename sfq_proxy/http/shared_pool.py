@@ -44,10 +44,11 @@ from ..core.cost import CostModel
 from ..core.errors import ApiError
 from ..core.fair_queue import FlowView
 from ..core.placement import Backend, share
+from ..core.queue_memory import evicted
 from ..core.scheduler import Ticket
 from ..state.library import shielded
 from ..state.redis_dispatch import Fenced, Grants, QueueFull, RedisDispatch, SharedTicket
-from .pool_runtime import Clock, Pool, pool_limits
+from .pool_runtime import Clock, Memory, Pool, pool_limits, shutting_down
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1.0  # what a client is told while the shared state cannot be reached
@@ -76,8 +77,9 @@ class SharedPool(Pool):
         clock: Clock,
         calibration: Calibration | None,
         dispatch: RedisDispatch,
+        memory: Memory | None = None,
     ) -> None:
-        super().__init__(name, config, clock, calibration)
+        super().__init__(name, config, clock, calibration, memory)
         self.dispatch = dispatch
         self._config = config
         self._ids = itertools.count(1)
@@ -123,16 +125,13 @@ class SharedPool(Pool):
         """In Redis the line is counted in the same step as the submit (``acquire``)."""
         return 0 if self.mode is Mode.SHARED else super().waiting(ticket)
 
-    async def acquire(
-        self,
-        ticket: Ticket,
-        *,
-        expires_at: float | None = None,
-        expiry: ApiError | None = None,
-        front: bool = False,
+    async def _queue(
+        self, ticket: Ticket, expires_at: float | None, expiry: ApiError | None, front: bool
     ) -> Backend:
         """In line in Redis, or in this process's own while Redis is lost; a request that
-        waits when the mode changes moves to the other line (its deadline goes with it)."""
+        waits when the mode changes moves to the other line (its deadline goes with it).
+        Its body waits in this process either way: the process's queue memory counts it
+        (``Pool.acquire``)."""
         while True:
             try:
                 if self.mode is Mode.SHARED:
@@ -146,9 +145,7 @@ class SharedPool(Pool):
     ) -> Backend:
         self._queued_here[ticket] = asyncio.current_task()
         try:
-            backend = await super().acquire(
-                ticket, expires_at=expires_at, expiry=expiry, front=front
-            )
+            backend = await super()._queue(ticket, expires_at, expiry, front)
         finally:
             self._queued_here.pop(ticket, None)
         return backend
@@ -157,6 +154,7 @@ class SharedPool(Pool):
         self, ticket: Ticket, expires_at: float | None, expiry: ApiError | None, front: bool
     ) -> Backend:
         ticket_id = f"{self.dispatch.holder}.{next(self._ids)}"
+        ticket.payload = ticket_id  # what ``evict`` finds it by
         future: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
         self._waiting[ticket_id] = (ticket, future, asyncio.current_task())
         submitted = asyncio.ensure_future(self._submit(ticket_id, ticket, front))
@@ -183,6 +181,21 @@ class SharedPool(Pool):
                 self._later(self._cancel_after(submitted, ticket_id))
             raise
         return backend
+
+    def evict(self, ticket: Ticket) -> None:
+        """Out of the line it waits in (Redis's, or this process's own), answered 429
+        ``queue_full``; a grant already on its way is handed back (nobody waits for it)."""
+        if ticket in self._queued_here:
+            super().evict(ticket)
+            return
+        ticket_id = ticket.payload
+        waiting = self._waiting.pop(ticket_id, None) if isinstance(ticket_id, str) else None
+        if waiting is None:
+            return
+        future = waiting[1]
+        if not future.done():
+            future.set_exception(evicted())
+        self._later(self._cancel(ticket_id))
 
     def release(self, ticket: Ticket, *, refund: bool = False) -> None:
         """Hand the lease back, in the background: the handler does not wait on Redis. A
@@ -306,7 +319,8 @@ class SharedPool(Pool):
             log.warning("pool %s: joined the shared state again", self.name)
 
     async def inbox_forever(self) -> None:
-        while not self._stop.is_set():
+        """Until the drain: then nothing of this process waits in Redis any more."""
+        while not (self._stop.is_set() or self.draining):
             try:
                 self._grant(await self.dispatch.inbox(INBOX_WAIT_S))
             except RedisError as err:
@@ -331,16 +345,25 @@ class SharedPool(Pool):
         """At shutdown: give up the place in line of every request still waiting, so that
         no slot goes to a process on its way out; they are told 503 with Retry-After, and a
         client retries on a replica that stays. Running requests finish (the drain)."""
+        await super().leave()  # and those in this process's own line, Redis being lost
         waiting, self._waiting = self._waiting, {}
         for ticket_id, (_, future, _) in waiting.items():
             if not future.done():
-                future.set_exception(_leaving(self.name))
+                future.set_exception(shutting_down(self.name))
             self._later(self._cancel(ticket_id))
 
     async def drain(self) -> None:
         """Wait for the leases being handed back (at shutdown)."""
         while self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def quit(self) -> None:
+        """The last call: Redis forgets this process, and gives back whatever it still held
+        there (a lease granted as it left, or one whose hand-back failed), to the others at
+        once rather than after the lease TTL."""
+        if self._joined:
+            self._joined = False
+            self._grant(await self.dispatch.quit(self._down()))
 
     # -- internals ----------------------------------------------------------------------------
 
@@ -365,8 +388,8 @@ class SharedPool(Pool):
             )
         except QueueFull:
             raise ApiError(
-                429, f"The queue of flow {ticket.flow} is full ({cap}).", code="queue_full",
-                retry_after=1.0,
+                429, f"The queue of flow {ticket.flow} is full (max_queue_len {cap}).",
+                code="queue_full", retry_after=1.0,
             ) from None  # fmt: skip
         except RedisError as err:
             log.warning("pool %s: submit to Redis failed: %s", self.name, err)
@@ -436,6 +459,7 @@ class SharedPool(Pool):
             ticket.backend, ticket.placed = backend, grant.reason
             ticket.dispatches += 1
             self._held[ticket] = (grant.lease, task)
+            self.memory.leave(self._line(ticket), ticket)  # it waits no more
             self.recent.append((ticket.flow, backend.name))
             future.set_result(backend)
 
@@ -591,13 +615,6 @@ class SharedPool(Pool):
         task: asyncio.Task[None] = asyncio.ensure_future(work)  # type: ignore[arg-type]
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-
-def _leaving(pool: str) -> ApiError:
-    return ApiError(
-        503, f"This proxy is shutting down; retry the request for pool '{pool}'.",
-        code="shutting_down", retry_after=1.0,
-    )  # fmt: skip
 
 
 def _unavailable(pool: str) -> ApiError:

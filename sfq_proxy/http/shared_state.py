@@ -4,6 +4,8 @@ start (a proxy that cannot reach Redis does not start), closed at the end."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import os
 import secrets
 import socket
@@ -15,9 +17,11 @@ from redis.exceptions import RedisError
 
 from ..config import Config, ConfigError, without_credentials
 from ..state.library import Caller
+from ..state.redis_dispatch import Fenced
 from ..state.resp import Pipe
 from .shared_pool import SharedPool
 
+log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 1.0
 SOCKET_TIMEOUT_S = 5.0
 # connections to Redis per process: each call holds one for a round trip, and each pool's
@@ -28,6 +32,10 @@ MAX_CONNECTIONS = 64
 # node, a burst of 200 requests got 503 for most, tests/e2e/test_redis_cluster.py): a bound
 # well above what a process has in flight
 UNWAITED_CONNECTIONS = 1024
+# at shutdown: how long the loops may take to end on their own (the heartbeat ends at its
+# next step, within a call's round trip); an inbox read still blocked in Redis is cancelled
+LOOPS_S = 0.1
+CLOSE_S = 0.1  # and closing the connections
 
 
 def connect(config: Config) -> Redis | RedisCluster | None:
@@ -85,16 +93,31 @@ async def start(config: Config, pools: list[SharedPool]) -> None:
 
 
 async def stop(pools: list[SharedPool], loops: list[asyncio.Task[None]]) -> None:
-    """End the pools' loops (at their next step, never mid-call), hand back the leases still
-    being handed back, then close the connections."""
+    """At the end of the drain: end the pools' loops (the heartbeat at its next step; an
+    inbox read still blocked is cancelled: after the drain began no grant is for this
+    process), hand back the leases still being handed back, then quit each pool, which gives
+    Redis back whatever this process still held there. Bounded by the caller."""
     for pool in pools:
         pool.stop()
-    await asyncio.gather(*loops, return_exceptions=True)
+    if loops:
+        _, blocked = await asyncio.wait(loops, timeout=LOOPS_S)
+        for task in blocked:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
     for pool in pools:
         await pool.drain()
+        try:
+            await pool.quit()
+        except (RedisError, Fenced) as err:  # its leases go back when their TTL passes
+            log.warning("pool %s: could not leave the shared state: %s", pool.name, err)
+
+
+async def close(pools: list[SharedPool]) -> None:
+    """Close the connections to Redis (last: the calibration's final sync uses them)."""
     clients = {id(c): c for pool in pools for c in (pool.dispatch.redis, pool.dispatch.calls)}
-    for client in clients.values():
-        await client.aclose()
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(CLOSE_S):
+            await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)
 
 
 def _where(config: Config) -> str:

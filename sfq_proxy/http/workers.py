@@ -5,7 +5,8 @@ The parent reserves the port (a socket bound with SO_REUSEPORT, never listening,
 works too), forks the workers, which each listen on it with SO_REUSEPORT (the kernel
 spreads new connections among them), passes SIGTERM, SIGINT and SIGHUP on, and starts a
 worker again when one dies unexpectedly. Forked before any event loop or Redis connection
-exists, so nothing is shared by accident.
+exists, so nothing is shared by accident. Each worker is named after its index
+(``sfq-proxy w0``…), which labels its ``process_*`` metrics (``process_metrics.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 from ..config import Config
+from . import process_metrics
 from .server import run, serve
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ def serve_workers(config: Config, config_path: Path, workers: int) -> int:
         for pid in children:
             os.kill(pid, signum)
 
-    children = {_fork(config, config_path): i for i in range(workers)}
+    children = {_fork(config, config_path, i): i for i in range(workers)}
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, forward)
     code = 0
@@ -62,7 +64,7 @@ def serve_workers(config: Config, config_path: Path, workers: int) -> int:
         else:
             log.error("worker %d (pid %d) ended (exit %d): starting it again", index, pid, ended)
             time.sleep(RESTART_DELAY_S)
-            children[_fork(config, config_path)] = index
+            children[_fork(config, config_path, index)] = index
     reserved.close()
     return code
 
@@ -76,12 +78,13 @@ def _reserve(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _fork(config: Config, config_path: Path) -> int:
+def _fork(config: Config, config_path: Path, index: int) -> int:
     pid = os.fork()
     if pid:
         return pid
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the loop installs its own
         signal.signal(sig, signal.SIG_DFL)
+    process_metrics.become_worker(index)  # its process_* labelled worker="<index>"
     try:
         run(lambda: serve(config, config_path, worker=True))
         code = 0

@@ -1,5 +1,8 @@
 """The OpenAI API as the simulated server speaks it: requests checked as vLLM checks them
-before scheduling, and the answers' shapes (JSON, or one SSE event per token).
+before scheduling, and the answers' shapes (JSON, or one SSE event per token): Chat
+Completions, Completions, and the Responses API as vLLM serves it (``/v1/responses``: the
+input as chat messages under the chat template, ``response.*`` events each with its
+``event:`` line, the usage in the final ``response.completed`` event, no ``[DONE]``).
 
 Separate from the engine (``engine.py``: how long a request takes) and from the server
 (``server.py``: slots, faults, sockets), so each can be read on its own.
@@ -26,6 +29,7 @@ __all__ = [
     "JsonSink",
     "Kind",
     "RefusedRequest",
+    "ResponsesSseSink",
     "Sink",
     "SseSink",
     "ceil_tokens",
@@ -52,7 +56,7 @@ class ApiLimits(Protocol):
     def media_tokens(self) -> Mapping[str, int]: ...
 
 
-Kind = Literal["chat", "completions"]
+Kind = Literal["chat", "completions", "responses"]
 
 
 # Chat templates wrap every message in role markers; vLLM's Llama-3 template adds about four.
@@ -67,7 +71,12 @@ DEFAULT_MEDIA_TOKENS: Mapping[str, int] = {
     "video": 10000,
 }
 # the parameters of a request's output, recorded as the server received them
-OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "n", "best_of")
+OUTPUT_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of")
+_PROMPT_FIELDS: Mapping[str, str] = {
+    "chat": "messages",
+    "completions": "prompt",
+    "responses": "input",
+}
 
 
 def estimate_prompt_tokens(
@@ -100,6 +109,33 @@ def estimate_prompt_tokens(
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return sum(ceil_tokens(len(p), chars_per_token) for p in prompt)
     raise ValueError("'prompt' must be a string, a list of strings or a list of token ids")
+
+
+def responses_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A Responses API request's prompt as the chat messages vLLM renders with the chat
+    template: ``instructions`` as a system message, then ``input`` (a string is one user
+    message; a message item is a message; any other item, a function call or its output,
+    is rendered as a message of its JSON here). Raises ValueError on a shape vLLM would
+    reject."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ValueError("'instructions' must be a string")
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    value = body.get("input")
+    if isinstance(value, str):
+        return [*messages, {"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise ValueError("'input' must be a string or a non-empty list of input items")
+    for item in value:
+        if not isinstance(item, dict):
+            raise ValueError("each input item must be an object")
+        if item.get("type", "message") == "message":
+            messages.append({"role": item.get("role", "user"), "content": item.get("content")})
+        else:
+            messages.append({"role": "assistant", "content": json.dumps(item)})
+    return messages
 
 
 def ceil_tokens(chars: int, chars_per_token: float) -> int:
@@ -167,6 +203,7 @@ class GenerationRequest:
     include_usage: bool
     user: str | None
     min_tokens: int | None = None  # vLLM's sampling parameter; see output_mode "min_tokens"
+    instructions: str | None = None  # a Responses API request's, echoed in its answer
     n: int = 1  # choices returned
     sequences: int = 1  # sequences generated, each up to max_tokens: best_of if larger than n
     # the output fields of the body as received (OUTPUT_FIELDS), for tests to check what a
@@ -181,17 +218,19 @@ def parse_generation(kind: Kind, body: object, cfg: ApiLimits) -> GenerationRequ
     model = body.get("model")
     if not isinstance(model, str):
         raise RefusedRequest(400, "Field 'model' is required and must be a string")
-    prompt_field = "messages" if kind == "chat" else "prompt"
+    prompt_field = _PROMPT_FIELDS[kind]
     if prompt_field not in body:
         raise RefusedRequest(400, f"Field '{prompt_field}' is required")
     if model not in cfg.models:
         raise RefusedRequest(404, f"The model `{model}` does not exist.")
     try:
+        prompt = (
+            {"messages": responses_messages(body)}
+            if kind == "responses"
+            else {prompt_field: body[prompt_field]}
+        )
         prompt_tokens = estimate_prompt_tokens(
-            {prompt_field: body[prompt_field]},
-            cfg.chars_per_token,
-            cfg.tokens_per_message,
-            cfg.media_tokens,
+            prompt, cfg.chars_per_token, cfg.tokens_per_message, cfg.media_tokens
         )
     except ValueError as exc:
         raise RefusedRequest(400, str(exc)) from exc
@@ -212,6 +251,7 @@ def parse_generation(kind: Kind, body: object, cfg: ApiLimits) -> GenerationRequ
         include_usage=stream and isinstance(options, dict) and bool(options.get("include_usage")),
         user=user if isinstance(user, str) else None,
         min_tokens=_min_tokens(body),
+        instructions=body.get("instructions") if kind == "responses" else None,
         n=n,
         sequences=sequences,
         asked={name: body[name] for name in OUTPUT_FIELDS if name in body},
@@ -220,7 +260,10 @@ def parse_generation(kind: Kind, body: object, cfg: ApiLimits) -> GenerationRequ
 
 def _choices(kind: Kind, body: dict[str, Any]) -> tuple[int, int]:
     """(choices returned, sequences generated): ``n``, and for completions ``best_of``
-    sequences of which the first ``n`` are returned; checked as vLLM's SamplingParams does."""
+    sequences of which the first ``n`` are returned; checked as vLLM's SamplingParams does.
+    A Responses API request has one answer."""
+    if kind == "responses":
+        return 1, 1
     n = _positive(body, "n")
     best_of = _positive(body, "best_of") if kind == "completions" else None
     if best_of is not None and best_of < n:
@@ -252,9 +295,12 @@ def _resolve_max_tokens(
     body: dict[str, Any], prompt_tokens: int, prompt_field: str, cfg: ApiLimits
 ) -> int:
     """The output budget, checked against the context window as vLLM does."""
-    requested = body.get("max_completion_tokens")
-    if requested is None:
-        requested = body.get("max_tokens")
+    if prompt_field == "input":  # the Responses API's one field
+        requested = body.get("max_output_tokens")
+    else:
+        requested = body.get("max_completion_tokens")
+        if requested is None:
+            requested = body.get("max_tokens")
     room = cfg.max_model_len - prompt_tokens
     if requested is None:
         if room < 1:
@@ -318,6 +364,71 @@ class AnswerPlan:
         else:
             body = {"message": {"role": "assistant", "content": text}}
         return {"index": index, **body, "logprobs": None, "finish_reason": finish}
+
+    # -- the Responses API (vLLM's ResponsesResponse and its events) --
+
+    @property
+    def message_id(self) -> str:
+        return "msg_" + self.id.removeprefix("resp_")
+
+    def output_text(self, text: str) -> dict[str, Any]:
+        return {"annotations": [], "text": text, "type": "output_text", "logprobs": None}
+
+    def output_message(self, content: list[dict[str, Any]], status: str) -> dict[str, Any]:
+        return {
+            "id": self.message_id,
+            "content": content,
+            "role": "assistant",
+            "status": status,
+            "type": "message",
+        }
+
+    def response(self, text: str | None) -> dict[str, Any]:
+        """The response object: in progress (``text`` None: no output, no usage yet), else
+        completed, or incomplete when it stopped at ``max_output_tokens`` (as vLLM says)."""
+        gen = self.gen
+        if text is None:
+            status, output, usage = "in_progress", [], None
+        else:
+            status = "incomplete" if self.finish_reason(0) == "length" else "completed"
+            output = [self.output_message([self.output_text(text)], "completed")]
+            prompt, completion = gen.prompt_tokens, len(self.returned[0])
+            usage = {
+                "input_tokens": prompt,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": completion,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": prompt + completion,
+            }
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {
+            "id": self.id,
+            "created_at": self.created,
+            "incomplete_details": incomplete,
+            "instructions": gen.instructions,
+            "metadata": None,
+            "model": gen.model,
+            "object": "response",
+            "output": output,
+            "parallel_tool_calls": True,
+            "temperature": 1.0,
+            "tool_choice": "auto",
+            "tools": [],
+            "top_p": 1.0,
+            "background": False,
+            "max_output_tokens": gen.max_tokens,
+            "max_tool_calls": None,
+            "previous_response_id": None,
+            "prompt": None,
+            "reasoning": None,
+            "service_tier": "auto",
+            "status": status,
+            "text": None,
+            "top_logprobs": None,
+            "truncation": "disabled",
+            "usage": usage,
+            "user": gen.user,
+        }
 
     def envelope(
         self, choices: list[dict[str, Any]], *, chunk: bool, usage: bool = False
@@ -388,8 +499,69 @@ class SseSink:
         await self._response.write(f"data: {data}\n\n".encode())
 
 
+class ResponsesSseSink:
+    """A Responses API stream as vLLM sends it: ``response.created`` and
+    ``response.in_progress`` once the request is accepted, the message and its text part
+    opened at the first token, one ``response.output_text.delta`` per token, then the
+    part, the message and the response closed, the last event ``response.completed``
+    with the whole response and its usage. Each event has its ``event:`` line and a
+    ``sequence_number``; there is no ``[DONE]``."""
+
+    def __init__(self, plan: AnswerPlan) -> None:
+        self._plan = plan
+        self._text: list[str] = []
+        self._sequence = 0
+        self._response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream; charset=utf-8"}
+        )
+
+    async def start(self, request: web.Request) -> None:
+        await self._response.prepare(request)
+        pending = self._plan.response(None)
+        await self._send("response.created", response=pending)
+        await self._send("response.in_progress", response=pending)
+
+    async def token(self, index: int, text: str) -> None:
+        plan = self._plan
+        at = {"output_index": 0, "item_id": plan.message_id, "content_index": 0}
+        if not self._text:
+            await self._send(
+                "response.output_item.added",
+                output_index=0,
+                item=plan.output_message([], "in_progress"),
+            )
+            await self._send(
+                "response.content_part.added", **at, part={**plan.output_text(""), "logprobs": []}
+            )
+        self._text.append(text)
+        await self._send("response.output_text.delta", **at, delta=text, logprobs=[])
+
+    async def finish(self) -> web.StreamResponse:
+        plan = self._plan
+        text = "".join(self._text)
+        at = {"output_index": 0, "item_id": plan.message_id, "content_index": 0}
+        if self._text:
+            part = plan.output_text(text)
+            await self._send("response.output_text.done", **at, text=text, logprobs=[])
+            await self._send("response.content_part.done", **at, part=part)
+            await self._send(
+                "response.output_item.done",
+                output_index=0,
+                item=plan.output_message([part], "completed"),
+            )
+        await self._send("response.completed", response=plan.response(text))
+        return self._response
+
+    async def _send(self, kind: str, **fields: Any) -> None:
+        event = {**fields, "sequence_number": self._sequence, "type": kind}
+        self._sequence += 1
+        data = json.dumps(event, separators=(",", ":"))
+        await self._response.write(f"event: {kind}\ndata: {data}\n\n".encode())
+
+
 class JsonSink:
-    """Collects the tokens and answers with one completion object at the end."""
+    """Collects the tokens and answers with one completion object (a response object, for
+    the Responses API) at the end."""
 
     def __init__(self, plan: AnswerPlan) -> None:
         self._plan = plan
@@ -403,6 +575,8 @@ class JsonSink:
 
     async def finish(self) -> web.StreamResponse:
         plan = self._plan
+        if plan.gen.kind == "responses":
+            return web.json_response(plan.response("".join(self._parts[0])))
         choices = [
             plan.choice(i, "".join(self._parts[i]), plan.finish_reason(i), chunk=False)
             for i in range(plan.gen.n)

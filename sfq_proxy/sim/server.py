@@ -34,10 +34,12 @@ from .api import (
     JsonSink,
     Kind,
     RefusedRequest,
+    ResponsesSseSink,
     Sink,
     SseSink,
     ceil_tokens,
     error_response,
+    estimate_prompt_tokens,
     parse_generation,
 )
 from .engine import EngineModel, output_tokens
@@ -413,6 +415,8 @@ class SimBackend:
                 web.post("/v1/chat/completions", self._chat),
                 web.post("/v1/completions", self._completions),
                 web.post("/v1/embeddings", self._embeddings),
+                web.post("/v1/responses", self._responses),
+                web.post("/tokenize", self._tokenize),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
@@ -440,6 +444,36 @@ class SimBackend:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "completions")
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "responses")
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``/tokenize`` of a ``prompt`` (or chat ``messages``): the count and the
+        token ids (made up: the sim has no vocabulary), computed at once, no batch slot."""
+        try:
+            body = json.loads(await request.read())
+            prompt = {k: body[k] for k in ("messages", "prompt") if k in body}
+            if not prompt:
+                raise KeyError("prompt")
+            count = estimate_prompt_tokens(
+                prompt,
+                self.config.chars_per_token,
+                self.config.tokens_per_message,
+                self.config.media_tokens,
+            )
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return error_response(400, "'prompt' or 'messages' is required")
+        if body.get("model") not in self.config.models:
+            return error_response(404, f"The model `{body.get('model')}` does not exist.")
+        return web.json_response(
+            {
+                "count": count,
+                "max_model_len": self.config.max_model_len,
+                "tokens": [(i * 7919) % 32000 for i in range(count)],
+                "token_strs": None,
+            }
+        )
 
     async def _embeddings(self, request: web.Request) -> web.Response:
         """Deterministic 8-dimensional vectors, one per input, with a correct ``usage``."""
@@ -544,7 +578,9 @@ class SimBackend:
             self._finish(rec, "failed")
             return error_response(self.faults.fail_status, "Injected failure (fail_rate)")
         plan = self._plan(gen)
-        sink: Sink = SseSink(plan) if gen.stream else JsonSink(plan)
+        sink: Sink = JsonSink(plan)
+        if gen.stream:
+            sink = ResponsesSseSink(plan) if kind == "responses" else SseSink(plan)
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -607,10 +643,10 @@ class SimBackend:
         lengths += [output_tokens(mode, gen.max_tokens, gen.min_tokens, rng)
                     for _ in range(gen.sequences - 1)]  # fmt: skip
         words = random.Random(text_seed)
-        prefix = "chatcmpl" if gen.kind == "chat" else "cmpl"
+        prefix = {"chat": "chatcmpl-", "completions": "cmpl-", "responses": "resp_"}[gen.kind]
         return AnswerPlan(
             gen=gen,
-            id=f"{prefix}-{text_seed:032x}",
+            id=f"{prefix}{text_seed:032x}",
             created=int(time.time()),
             sequences=tuple(_text(words.choices(_WORDS, k=k)) for k in lengths),
         )

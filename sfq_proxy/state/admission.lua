@@ -37,22 +37,39 @@ local function save(b)
   redis.call('PEXPIRE', b.key, 120000)  -- full again after a minute idle: kept two
 end
 
--- the org's buckets (args: tokens, rpm or '', tpm or '') with what each takes
+-- the org's buckets (args: rpm or '', tpm or '', tokens) with what each takes, and which
+-- it is (1: requests, 2: tokens)
 local function buckets(args, now)
   local out = {}
-  if args[1] ~= '' then out[#out + 1] = {bucket('r', tonumber(args[1]), now), 1} end
-  if args[2] ~= '' then out[#out + 1] = {bucket('t', tonumber(args[2]), now), tonumber(args[3])} end
+  if args[1] ~= '' then out[#out + 1] = {bucket('r', tonumber(args[1]), now), 1, 1} end
+  if args[2] ~= '' then out[#out + 1] = {bucket('t', tonumber(args[2]), now), tonumber(args[3]), 2} end
   return out
 end
 
--- ms until every bucket can give its amount (0: now)
+-- ms until every bucket can give its amount (0: now), and which bucket waits the longest
 local function wait_ms(taken)
-  local wait = 0
+  local wait, which = 0, 0
   for _, pair in ipairs(taken) do
     local b, amount = pair[1], pair[2]
-    wait = math.max(wait, (math.min(amount, b.cap) - b.level) * 60000 / b.pm)
+    local w = (math.min(amount, b.cap) - b.level) * 60000 / b.pm
+    if w > wait then wait, which = w, pair[3] end
   end
-  return wait
+  return wait, which
+end
+
+-- `reply`, then what the buckets hold as the x-ratelimit-* headers say it: for requests,
+-- then tokens, the whole tokens left and the ms until full again (-1, -1: no such bucket)
+local function report(taken, reply)
+  local state = {{-1, -1}, {-1, -1}}
+  for _, pair in ipairs(taken) do
+    local b = pair[1]
+    state[pair[3]] = {math.floor(math.max(0, b.level)), math.ceil(math.max(0, b.cap - b.level) * 60000 / b.pm)}
+  end
+  for _, s in ipairs(state) do
+    reply[#reply + 1] = s[1]
+    reply[#reply + 1] = s[2]
+  end
+  return reply
 end
 
 local function take(taken, sign)
@@ -70,11 +87,11 @@ local function sfq_admit(keys, args)
     local idem = args[5] and args[5] ~= '' and P .. 'idem:' .. args[5] or nil
     if idem and redis.call('EXISTS', idem) == 1 then return {409} end
     local taken = buckets({args[2], args[3], args[4]}, now_ms())
-    local wait = wait_ms(taken)
-    if wait > 0 then return {429, math.ceil(wait)} end
+    local wait, which = wait_ms(taken)
+    if wait > 0 then return report(taken, {429, math.ceil(wait), which}) end
     take(taken, 1)
     if idem then redis.call('SET', idem, '1', 'PX', args[6]) end
-    return {1}
+    return report(taken, {1})
   elseif op == 'refund' then  -- rpm, tpm, tokens
     take(buckets({args[2], args[3], args[4]}, now_ms()), -1)
     return {1}

@@ -663,6 +663,10 @@ local function run(op)
     return {1}
   elseif op == 'pump' then  -- down
     return {1, dispatch(down_set(A[3]))}
+  elseif op == 'quit' then  -- down: the holder leaves (its drain is over); what it held goes
+    forget(holder)
+    redis.call('ZREM', P .. 'holders', holder)
+    return {1, dispatch(down_set(A[3]))}
   elseif op == 'view' then  -- v, offset, then per flow: id, meter, backlog, at a cap (1/0)
     local out = {string.format('%.17g', meta('v')), string.format('%.17g', meta('offset'))}
     local meters = redis.call('HGETALL', P .. 'meter')

@@ -199,6 +199,12 @@ class RedisDispatch:
         reply = _checked(await self._call("pump", _names(down)))
         return _grants(reply[1], reply[2])
 
+    async def quit(self, down: Iterable[str] = ()) -> Grants:
+        """This holder leaves: its leases, queued tickets and inbox are given back at once
+        (not after the lease TTL), and what that frees is dispatched to the others."""
+        reply = _checked(await self._call("quit", _names(down)))
+        return _grants(reply[1], reply[2])
+
     async def throttle(self, pause_s: float, factor: float, recover_per_s: float) -> None:
         """What this holder's ``Throttle`` concluded from its provider's answer, for every
         holder: hold the pool's dispatch for ``pause_s`` (never shortening a pause), and

@@ -1,17 +1,24 @@
 """deploy/prometheus and deploy/grafana against what a running proxy really exposes.
 
 Every metric a dashboard panel or an alert queries must be a sample the proxy's /metrics
-serves after a small workload, and the rules must pass promtool (or, without it, a
-structural check), so a renamed metric cannot leave a blank panel or a silent alert.
+serves after a small workload, and the rules and the dashboard's queries must pass promtool
+(Debian's, from `make tools`: skipped without it, failed under CI), so a renamed metric
+cannot leave a blank panel or a silent alert. The
+process metrics beside the proxy's (process_*, python_*, sfq_build_info) are checked on a
+real proxy, and on `serve --workers 2`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import platform
 import re
-import shutil
+import signal
 import subprocess
+import sys
 from collections import defaultdict
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +26,8 @@ import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_lab import KEYS, MODEL, Lab, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config
+from tools import need_tool
 
 from sfq_proxy.config import default_classes
 from sfq_proxy.core.flows import CLASS_HEADER
@@ -29,15 +37,25 @@ ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"
 GRAFANA = ROOT / "deploy" / "grafana"
 DASHBOARD = GRAFANA / "dashboards" / "sfq-proxy.json"
-DATASOURCE = {"type": "prometheus", "uid": "prometheus"}
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}  # the dashboard's variable
 
 METRIC = re.compile(r"\bsfq_[a-zA-Z0-9_]+")
+# prometheus-client's standard metrics, which the proxy serves beside its own
+PROCESS_METRIC = re.compile(r"\b(?:process|python)_[a-zA-Z0-9_]+")
+# an alert on the proxy's scrape target itself, from Prometheus's own `up`
+UP = 'up{job="sfq-proxy"}'
 # a metric with its label matchers: sfq_x{a="1", b=~"2"}
 SELECTOR = re.compile(r"\b(sfq_[a-zA-Z0-9_]+)\{([^}]*)\}")
 MATCHER = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"')
 
 REQUIRED_PANELS = [
     "Served cost share per org",
+    "Request rate per org",
+    "End-to-end latency p50, p95 and p99",
+    "End-to-end latency p99 per org",
+    "Tokens per request per org",
+    "Proxy CPU per process",
+    "Proxy memory per process",
     "Queue wait p50 and p99 per class",
     "Queue length per flow",
     "Backend in flight vs slots",
@@ -52,6 +70,8 @@ REQUIRED_PANELS = [
     "Provider pause per pool",
 ]
 REQUIRED_ALERTS = [
+    "SfqProxyDown",
+    "SfqProxyNotScraped",
     "SfqFlowStarving",
     "SfqBackendDown",
     "SfqRejectionsSpiking",
@@ -86,6 +106,8 @@ def dashboard_exprs() -> list[str]:
     """The PromQL of every panel target and of every query variable."""
     exprs = [target["expr"] for panel in panels() for target in panel.get("targets", [])]
     for variable in dashboard()["templating"]["list"]:
+        if variable["type"] != "query":  # the datasource variable: a plugin id, no PromQL
+            continue
         query = variable.get("query")
         exprs.append(query["query"] if isinstance(query, dict) else query)
     return exprs
@@ -192,17 +214,89 @@ async def scrape(lab: Lab) -> Scrape:
     return dict(samples)
 
 
+async def test_workers_each_serve_the_process_metrics_of_every_process(
+    lab: Lab, redis_url: str, tmp_path: Path
+) -> None:
+    """`serve --workers 2`: a scrape reaches whichever worker the kernel picks, and each
+    serves process_* for the parent (worker="main") and both workers, from /proc; no
+    python_gc_* (one interpreter's own counters would jump from worker to worker)."""
+    sim = await lab.backend()
+    path = tmp_path / "config.yaml"
+    path.write_text(config_yaml([sim.url], state={"redis": redis_url}))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(path), "--workers", "2",
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        lines = [(await asyncio.wait_for(proc.stdout.readline(), 30)).decode() for _ in range(3)]
+        assert sum("listening on" in line for line in lines) == 2, lines  # both workers up
+        url = next(word for word in lines[0].split() if word.startswith("http://"))
+        for _ in range(6):  # a connection each: the kernel spreads them over the workers
+            http = await lab.http()
+            async with http.get(f"{url}/metrics", headers={"Connection": "close"}) as resp:
+                text = await resp.text()
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            for name in (
+                "process_cpu_seconds",
+                "process_resident_memory_bytes",
+                "process_open_fds",
+            ):
+                workers = sorted(sample.labels["worker"] for sample in families[name].samples)
+                assert workers == ["0", "1", "main"], (name, workers)
+            assert not [name for name in families if name.startswith("python_gc")]
+            assert [s.labels for s in families["sfq_build_info"].samples] == [
+                {"version": metadata.version("sfq-proxy"), "python": platform.python_version()}
+            ]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
 # -- what the files query exists ------------------------------------------------------------
 
 
 async def test_dashboard_and_alerts_query_only_exposed_samples(scrape: Scrape) -> None:
-    referenced = {name for expr in all_exprs() for name in METRIC.findall(expr)}
+    referenced = {
+        name for expr in all_exprs() for name in METRIC.findall(expr) + PROCESS_METRIC.findall(expr)
+    }
     missing = sorted(referenced - scrape.keys())
     assert not missing, f"queried but not exposed: {missing}; exposed: {sorted(scrape)}"
     assert len(referenced) >= 8, referenced
     # the dashboard covers the flow, backend and histogram families
-    for name in ("sfq_cost_charged_total", "sfq_queue_wait_seconds_bucket", "sfq_backend_healthy"):
+    for name in (
+        "sfq_cost_charged_total",
+        "sfq_queue_wait_seconds_bucket",
+        "sfq_backend_healthy",
+        "sfq_request_duration_seconds_bucket",
+        "sfq_build_info",
+        "process_cpu_seconds_total",
+    ):
         assert name in referenced
+
+
+async def test_the_process_metrics_and_the_build_info_are_served(scrape: Scrape) -> None:
+    """prometheus-client's process, platform and GC collectors (left out by a registry of
+    the proxy's own until they were added to it) and sfq_build_info."""
+    for name in (
+        "process_cpu_seconds_total",
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_max_fds",
+        "process_start_time_seconds",
+    ):
+        assert scrape.get(name) == [{}], (name, scrape.get(name))  # one process: no label
+    generations = {labels["generation"] for labels in scrape["python_gc_collections_total"]}
+    assert generations == {"0", "1", "2"}
+    [info] = scrape["python_info"]
+    assert info["version"] == platform.python_version()
+    assert scrape["sfq_build_info"] == [
+        {"version": metadata.version("sfq-proxy"), "python": platform.python_version()}
+    ]
+    # end to end, per flow: the workload's dispatched requests
+    durations = scrape["sfq_request_duration_seconds_count"]
+    assert {"org": "A", "class": "batch", "pool": "sim"} in durations
+    assert all(labels.keys() == {"org", "class", "pool"} for labels in durations)
 
 
 async def test_label_matchers_name_exposed_labels_and_values(scrape: Scrape) -> None:
@@ -241,10 +335,22 @@ def test_alert_rules_are_complete() -> None:
         assert {"alert", "expr", "for", "labels", "annotations"} <= rule.keys(), rule
         assert rule["labels"]["severity"] in {"info", "warning", "critical"}, rule["alert"]
         assert {"summary", "description"} <= rule["annotations"].keys(), rule["alert"]
-        assert METRIC.search(rule["expr"]), rule["alert"]
+        assert METRIC.search(rule["expr"]) or UP in rule["expr"], rule["alert"]
     names = [rule["alert"] for rule in rules]
     assert len(set(names)) == len(names)
     assert set(REQUIRED_ALERTS) <= set(names)
+
+
+def test_the_proxy_down_alert_watches_the_scrape_job() -> None:
+    """`up` of prometheus.yml's job (a ServiceMonitor's job is its Service's name, the same)."""
+    rules = {rule["alert"]: rule for rule in alert_rules()}
+    [job] = load_yaml(PROMETHEUS / "prometheus.yml")["scrape_configs"]
+    assert job["job_name"] == "sfq-proxy"
+    down = rules["SfqProxyDown"]
+    assert (down["expr"].strip(), down["labels"]["severity"]) == (f"{UP} == 0", "critical")
+    assert rules["SfqProxyNotScraped"]["expr"].strip() == f"absent({UP})"
+    service = load_yaml(ROOT / "deploy" / "kubernetes" / "service.yaml")
+    assert service["metadata"]["name"] == "sfq-proxy"
 
 
 def test_starving_thresholds_follow_the_default_class_budgets() -> None:
@@ -263,10 +369,8 @@ def test_starving_thresholds_follow_the_default_class_budgets() -> None:
 
 
 def test_promtool_accepts_config_and_rules_and_the_rule_tests_pass() -> None:
-    promtool = shutil.which("promtool")
-    if promtool is None:  # the structural tests above are all there is
-        assert load_yaml(PROMETHEUS / "alerts_test.yml")["rule_files"] == ["alerts.yml"]
-        return
+    assert load_yaml(PROMETHEUS / "alerts_test.yml")["rule_files"] == ["alerts.yml"]
+    promtool = need_tool("promtool")  # Debian's prometheus: `make tools`
     for args in (
         ["check", "config", "prometheus.yml"],
         ["check", "rules", "alerts.yml"],
@@ -315,19 +419,112 @@ def test_dashboard_panels_query_what_their_titles_promise() -> None:
     backends = " ".join(t["expr"] for t in by_title["Backend in flight vs slots"]["targets"])
     assert "sfq_backend_in_flight" in backends
     assert "sfq_backend_slots" in backends
+    # end to end: quantiles of the proxy's own histogram of arrival to the end of the answer
+    latency = [t["expr"] for t in by_title["End-to-end latency p50, p95 and p99"]["targets"]]
+    assert [expr.split(",")[0] for expr in latency] == [
+        f"histogram_quantile({q}" for q in ("0.5", "0.95", "0.99")
+    ]
+    assert all("rate(sfq_request_duration_seconds_bucket{" in expr for expr in latency)
+    rate = by_title["Request rate per org"]["targets"][0]["expr"]
+    assert rate.startswith("sum by (org) (rate(sfq_requests_total{")
+    tokens = " ".join(t["expr"] for t in by_title["Tokens used per org"]["targets"])
+    assert "sfq_prompt_tokens_total" in tokens
+    assert "sfq_completion_tokens_total" in tokens
+    # the process panels only see sfq-proxy's processes: joined on its build info
+    for title in ("Proxy CPU per process", "Proxy memory per process"):
+        [target] = by_title[title]["targets"]
+        assert "on (instance, job) group_left sfq_build_info" in target["expr"]
+        assert "by (instance, worker)" in target["expr"]
 
 
-def test_dashboard_variables_pool_and_class() -> None:
+def _datasources(node: Any) -> list[Any]:
+    """Every ``datasource`` value anywhere in the dashboard."""
+    if isinstance(node, dict):
+        found = [node["datasource"]] if "datasource" in node else []
+        return found + [ds for value in node.values() for ds in _datasources(value)]
+    if isinstance(node, list):
+        return [ds for value in node for ds in _datasources(value)]
+    return []
+
+
+def test_dashboard_datasource_is_a_variable() -> None:
+    """No Prometheus datasource uid is written in: the one chosen in the variable is used,
+    so the dashboard imports into any Grafana (the first variable, the others read it)."""
+    board = dashboard()
+    first = board["templating"]["list"][0]
+    assert (first["name"], first["type"], first["query"]) == (
+        "datasource",
+        "datasource",
+        "prometheus",
+    )
+    assert "uid" not in json.dumps(first.get("current", {}))  # no datasource chosen in advance
+    sources = _datasources(board)
+    assert len(sources) > len(panels())  # panels, targets and query variables
+    for source in sources:
+        if source.get("type") != "grafana":  # the built-in annotations' own
+            assert source == DATASOURCE, source
+    assert '"uid": "prometheus"' not in DASHBOARD.read_text()
+
+
+def test_dashboard_variables() -> None:
     variables = {v["name"]: v for v in dashboard()["templating"]["list"]}
-    assert variables.keys() == {"pool", "class"}
-    for name, variable in variables.items():
+    assert list(variables) == ["datasource", "pool", "class", "org"]
+    for name in ("pool", "class", "org"):
+        variable = variables[name]
         assert variable["type"] == "query"
         assert variable["datasource"] == DATASOURCE
+        assert (variable["includeAll"], variable["allValue"], variable["multi"]) == (
+            True,
+            ".*",
+            True,
+        )
         query = variable["query"]["query"]
         assert re.fullmatch(rf"label_values\((sfq_\w+)(\{{.*\}})?, {name}\)", query), query
+    # each variable's values narrowed by the ones before it
+    assert 'pool=~"$pool"' in variables["class"]["query"]["query"]
+    assert 'class=~"$class"' in variables["org"]["query"]["query"]
     for expr in dashboard_exprs():
-        if "label_values" not in expr:
+        process_only = set(METRIC.findall(expr)) == {"sfq_build_info"}  # no pool to filter
+        if "label_values" not in expr and not process_only:
             assert 'pool=~"$pool"' in expr, expr
+
+
+async def test_the_org_variable_filters_every_per_org_panel(scrape: Scrape) -> None:
+    """Every selector of a metric that carries an org label (every flow metric) matches
+    org=~"$org", so the per-org panels (and the others on flow metrics) show the orgs
+    chosen; the panels per org group by it."""
+    flow_metrics = {
+        name for name, label_sets in scrape.items() if any("org" in labels for labels in label_sets)
+    }
+    per_org = [panel for panel in panels() if "per org" in panel["title"]]
+    assert len(per_org) >= 6, [panel["title"] for panel in per_org]
+    for panel in per_org:
+        for target in panel["targets"]:
+            assert "by (org" in target["expr"], (panel["title"], target["expr"])
+    filtered = 0
+    for expr in dashboard_exprs():
+        for name, matchers in SELECTOR.findall(expr):
+            if name in flow_metrics and "label_values" not in expr:
+                assert 'org=~"$org"' in matchers, expr
+                filtered += 1
+    assert filtered >= 20
+
+
+def test_dashboard_queries_parse(tmp_path: Path) -> None:
+    """Every panel's PromQL, its variables filled in, is valid: promtool parses it as a rule."""
+    promtool = need_tool("promtool")
+    exprs = [expr for expr in dashboard_exprs() if "label_values" not in expr]
+    for variable in ("$pool", "$class", "$org"):
+        exprs = [expr.replace(variable, ".*") for expr in exprs]
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard:query_{i}", "expr": expr} for i, expr in enumerate(exprs)
+    ]}]}  # fmt: skip
+    path = tmp_path / "dashboard-rules.yml"
+    path.write_text(yaml.safe_dump(rules))
+    result = subprocess.run(
+        [promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_grafana_provisioning() -> None:

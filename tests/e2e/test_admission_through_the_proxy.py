@@ -88,7 +88,9 @@ async def test_org_rpm_admits_exactly_its_burst(lab: Lab) -> None:
     assert sim.stats.requests_seen == 5
     # the 6th needed 1 token at 5 a minute: 12 s; later ones are rejected with the same wait
     assert {r.response.headers["Retry-After"] for r in limited} == {"12"}
-    assert {r.body["code"] for r in limited} == {"rate_limited"}
+    assert {r.body["code"] for r in limited} == {"rpm"}  # the limit that refused them
+    assert {r.response.headers["x-ratelimit-limit-requests"] for r in limited} == {"5"}
+    assert {r.response.headers["x-ratelimit-remaining-requests"] for r in limited} == {"0"}
     await _ask(lab, served, "B")  # another org is not limited by A's bucket
 
 
@@ -99,7 +101,9 @@ async def test_org_tpm_counts_estimated_tokens(lab: Lab) -> None:
     results = await asyncio.gather(
         *(_ask(lab, served, "B", max_tokens=9) for _ in range(5)), return_exceptions=True
     )
-    assert sum(isinstance(r, openai.RateLimitError) for r in results) == 2
+    limited = [r for r in results if isinstance(r, openai.RateLimitError)]
+    assert len(limited) == 2
+    assert {r.body["code"] for r in limited} == {"tpm"}
     assert sim.stats.requests_seen == 3
 
 

@@ -85,7 +85,10 @@ async def test_404_and_405_of_aiohttp_are_openai_errors_too(lab: Lab, served: Se
     http = await lab.http()
     async with http.get(f"{served.url}/v1/nothing") as r:
         assert r.status == 404
-        assert (await r.json())["error"]["type"] == "invalid_request_error"
+        error = (await r.json())["error"]
+        assert (error["type"], error["code"]) == ("invalid_request_error", "not_found")
+    async with http.post(f"{served.url}/v1/models/{MODEL}") as r:  # a route with a parameter
+        assert (r.status, r.headers["Allow"]) == (405, "GET, HEAD")
     async with http.get(f"{served.url}/v1/chat/completions") as r:
         assert (r.status, r.headers["Allow"]) == (405, "POST")
         assert (await r.json())["error"]["code"] == "method_not_allowed"

@@ -54,7 +54,17 @@ FUZZ = settings(
 
 CHAT, COMPLETION, EMBEDDING = "/v1/chat/completions", "/v1/completions", "/v1/embeddings"
 PATHS = (CHAT, COMPLETION, EMBEDDING)
-INPUT_FIELD = {CHAT: "messages", COMPLETION: "prompt", EMBEDDING: "input"}
+# the Responses API, and an extra path of the Rig's pool (its fields priced as input)
+RESPONSES, RERANK = "/v1/responses", "/v1/rerank"
+RERANK_FIELDS = ["query", "documents"]
+SURFACE = (RESPONSES, RERANK)
+INPUT_FIELD = {
+    CHAT: "messages",
+    COMPLETION: "prompt",
+    EMBEDDING: "input",
+    RESPONSES: "input",
+    RERANK: "query",
+}
 MAX_TOKENS = 10_000_000
 MAX_CHOICES = 128  # n, best_of
 # the Rig's ceiling per request (its highest allowed value), and the most a well-formed
@@ -156,8 +166,13 @@ def _check_fields(path: str, body: Any) -> None:
         raise Malformed(f"not a JSON object but {type(body).__name__}")
     if body.get("model") != MODEL:
         raise Malformed(f"'model' is {body.get('model')!r}, not the pool's {MODEL!r}")
+    if path == RERANK:  # an extra path: routed by its model, priced, sent as it came
+        return
     if "stream" in body and not isinstance(body["stream"], bool):
         raise Malformed(f"'stream' is {body['stream']!r}")
+    if path == RESPONSES:
+        _check_responses(body)
+        return
     for name, top in TOKEN_FIELDS.items():
         value = body.get(name)
         if value is not None and not (_is_int(value) and 1 <= value <= top):
@@ -169,6 +184,28 @@ def _check_fields(path: str, body: Any) -> None:
         _check_messages(body["messages"])
     elif not _is_prompt(body[field]):
         raise Malformed(f"{field!r} is {_short(body[field])}")
+
+
+def _check_responses(body: dict[str, Any]) -> None:
+    """The Responses API's fields the proxy prices on: its one token field, its
+    instructions, and its input (a string, or input items whose messages are as a chat's)."""
+    value = body.get("max_output_tokens")
+    if value is not None and not (_is_int(value) and 1 <= value <= MAX_TOKENS):
+        raise Malformed(f"'max_output_tokens' is {_short(value)}")
+    if body.get("instructions") is not None and not isinstance(body["instructions"], str):
+        raise Malformed(f"'instructions' is {_short(body['instructions'])}")
+    if "input" not in body:
+        raise Malformed("no 'input'")
+    items = body["input"]
+    if isinstance(items, str):
+        return
+    if not isinstance(items, list) or not items:
+        raise Malformed(f"'input' is {_short(items)}")
+    if not all(isinstance(item, dict) for item in items):
+        raise Malformed(f"'input' is {_short(items)}, not an array of objects")
+    messages = [item for item in items if item.get("type", "message") == "message"]
+    if messages:
+        _check_messages(messages)
 
 
 def _check_messages(messages: Any) -> None:
@@ -237,8 +274,17 @@ PROBE_BODY = _json_bytes(
 USAGE = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
 
 
+RESPONSE = {"id": "resp_fuzz", "object": "response", "created_at": 0, "model": MODEL,
+            "status": "completed", "output": [], "usage": {"input_tokens": 3, "output_tokens": 2,
+            "total_tokens": 5}}  # fmt: skip
+
+
 def _answer(path: str) -> dict[str, Any]:
     """A valid non-streamed answer for ``path``."""
+    if path == RESPONSES:
+        return RESPONSE
+    if path == RERANK:
+        return {"id": "rerank-fuzz", "results": [{"index": 0, "relevance_score": 0.5}]}
     if path == EMBEDDING:
         return {
             "object": "list",
@@ -257,7 +303,19 @@ def _answer(path: str) -> dict[str, Any]:
 
 
 def _events(path: str) -> list[bytes]:
-    """A short valid stream for ``path``: a token, the finish, the usage chunk, [DONE]."""
+    """A short valid stream for ``path``: a token, the finish, the usage chunk, [DONE]; or
+    the Responses API's events, the usage in the last, no [DONE]."""
+    if path == RESPONSES:
+
+        def event(kind: str, **data: Any) -> bytes:
+            payload = _json_bytes({"type": kind, **data})
+            return b"event: " + kind.encode() + b"\ndata: " + payload + b"\n\n"
+
+        return [
+            event("response.created"),
+            event("response.output_text.delta", delta="ok"),
+            event("response.completed", response=RESPONSE),
+        ]
     kind = "chat.completion.chunk" if path == CHAT else "text_completion"
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -287,7 +345,7 @@ class Recorder:
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
-        for path in PATHS:
+        for path in PATHS + SURFACE:
             app.router.add_post(path, self._answer)
         app.router.add_get("/health", self._health)
         return app
@@ -308,7 +366,7 @@ class Recorder:
         self.bodies.append((request.path, raw))
         if raw == HOLDER_BODY:
             await self.release.wait()
-        if request.path == EMBEDDING or not _asks_to_stream(raw):
+        if request.path in (EMBEDDING, RERANK) or not _asks_to_stream(raw):
             return web.json_response(_answer(request.path))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
@@ -420,8 +478,11 @@ class Rig:
     async def start(self) -> Rig:
         """A fresh proxy: after a broken pool, so that later examples are not failed by
         an earlier one's leftovers (the old proxy runs on, unused, until the test ends)."""
-        ceiling = {"cost": {"max_request_tokens": CEILING}}
-        self.served = await self.lab.proxy(proxy_config([self.backend_url], slots=1, pool=ceiling))
+        pool = {
+            "cost": {"max_request_tokens": CEILING},
+            "extra_paths": [{"path": RERANK, "cost": {"fixed": 5, "input_fields": RERANK_FIELDS}}],
+        }
+        self.served = await self.lab.proxy(proxy_config([self.backend_url], slots=1, pool=pool))
         return self
 
     def __repr__(self) -> str:  # in hypothesis's report of a failing example
@@ -539,6 +600,8 @@ def _error_problem(answer: Answer) -> str | None:
 
 def _relayed_problem(path: str, answer: Answer) -> str | None:
     if answer.headers.get("Content-Type", "").startswith("text/event-stream"):
+        if path == RESPONSES:
+            return None if answer.body == b"".join(_events(path)) else "not the events sent"
         events = [e for e in answer.body.split(b"\n\n") if e.strip()]
         if not events or events[-1] != b"data: [DONE]":
             return "the stream does not end with data: [DONE]"
@@ -897,6 +960,106 @@ def random_bodies(draw: st.DrawFn) -> Case:
     return Case(path, body)
 
 
+# --- the Responses API and an extra path ---------------------------------------------------
+
+input_parts = st.lists(
+    st.one_of(
+        st.builds(lambda t: {"type": "input_text", "text": t}, texts),
+        st.builds(lambda t: {"type": "output_text", "text": t, "annotations": []}, texts),
+        st.just({"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}),
+        st.just({"type": "input_file", "file_id": "file-1"}),
+    ),
+    min_size=1,
+    max_size=3,
+)
+ROLES = st.sampled_from(["user", "system", "developer", "assistant"])
+input_items = st.lists(
+    st.one_of(
+        st.fixed_dictionaries({"role": ROLES, "content": texts | input_parts}),
+        st.fixed_dictionaries({"type": st.just("message"), "role": ROLES, "content": input_parts}),
+        st.fixed_dictionaries(
+            {"type": st.just("function_call"), "call_id": texts, "name": texts, "arguments": texts}
+        ),
+        st.fixed_dictionaries(
+            {"type": st.just("function_call_output"), "call_id": texts, "output": texts}
+        ),
+        st.fixed_dictionaries({"type": st.just("item_reference"), "id": texts}),
+    ),
+    min_size=1,
+    max_size=4,
+)
+tools = st.lists(
+    st.fixed_dictionaries(
+        {"type": st.just("function"), "name": texts, "parameters": st.just({"type": "object"})}
+    ),
+    max_size=2,
+)
+RESPONSES_OPTIONS = {
+    "stream": st.booleans(),
+    "max_output_tokens": st.none() | st.integers(1, WELL_FORMED_MAX_TOKENS),
+    "instructions": st.none() | texts,
+    "temperature": st.floats(0, 2),
+    "user": texts,
+    "tools": tools,
+}
+RERANK_OPTIONS = {"top_n": st.integers(1, 5), "return_documents": st.booleans()}
+
+
+@st.composite
+def well_formed_surface(draw: st.DrawFn) -> tuple[str, dict[Any, Any]]:
+    """A Responses API request, or one to the Rig's extra path, that the contract lets
+    through: (path, body)."""
+    path = draw(st.sampled_from(SURFACE))
+    if path == RERANK:
+        documents = st.lists(texts | st.fixed_dictionaries({"text": texts}), max_size=4)
+        body = {"model": MODEL, "query": draw(texts), "documents": draw(documents)}
+        body.update(draw(st.fixed_dictionaries({}, optional=RERANK_OPTIONS)))
+        return path, body
+    body = {"model": MODEL, "input": draw(texts | input_items)}
+    body.update(draw(st.fixed_dictionaries({}, optional=RESPONSES_OPTIONS)))
+    return path, body
+
+
+def _odd_surface_field(draw: st.DrawFn, path: str, body: dict[Any, Any]) -> Any:
+    """A field the proxy prices on, odd: the Responses API's input, one of its items or
+    their content, its instructions or max_output_tokens; a priced field of the extra path."""
+    if path == RERANK:
+        body[draw(st.sampled_from(RERANK_FIELDS))] = draw(odd_values | odd_prompts | odd_messages)
+        return body
+    where = draw(st.sampled_from(["input", "item", "content", "instructions", "max_output_tokens"]))
+    if where == "input":
+        body["input"] = draw(odd_messages | odd_prompts)
+    elif where == "item":
+        body["input"] = [{"role": "user", "content": "x"}, draw(odd_values)]
+    elif where == "content":
+        body["input"] = [
+            {"type": "message", "role": "user", "content": draw(odd_parts | odd_values)}
+        ]
+    elif where == "instructions":
+        body["instructions"] = draw(odd_values)
+    else:
+        body["max_output_tokens"] = draw(odd_numbers)
+    return body
+
+
+SURFACE_MUTATIONS: list[Mutation] = [
+    _odd_surface_field, _odd_surface_field, _odd_model, _odd_stream, _lone_surrogate,
+    _non_finite, _deep, _duplicate_key, _large, _not_an_object, _extra_field,
+]  # fmt: skip
+
+
+@st.composite
+def near_valid_surface(draw: st.DrawFn) -> Case:
+    """A well-formed Responses API or extra path request with one or two things wrong."""
+    mutations = draw(st.lists(st.sampled_from(SURFACE_MUTATIONS), min_size=1, max_size=2))
+    path, body = draw(well_formed_surface())
+    body = copy.deepcopy(body)
+    for mutate in mutations:
+        if isinstance(body, dict):
+            body = mutate(draw, path, body)
+    return Case(path, _twist(draw, render(body)).encode("utf-8", "surrogatepass"))
+
+
 MARK = "\ue000"  # in the text of a body, where a byte-level flaw is put
 BAD_UTF8 = [
     b"\xed\xa0\x80", b"\xed\xbf\xbf", b"\xed\xa0\xbd\xed\xb8\x80", b"\xc0\xaf", b"\xe0\x80\xaf",
@@ -991,6 +1154,18 @@ timeouts = st.one_of(
 )  # fmt: skip
 
 
+TRACE = b"4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT = b"-00f067aa0ba902b7-"
+traceparents = st.one_of(
+    st.sampled_from([
+        b"00-" + TRACE + PARENT + b"01", b"01-" + TRACE + PARENT + b"00-x",
+        b"ff-" + TRACE + PARENT + b"01", b"00-" + b"0" * 32 + PARENT + b"01",
+        b"00-" + TRACE.upper() + PARENT + b"01",
+    ]),
+    field_bytes,
+)  # fmt: skip
+
+
 def _maybe(draw: st.DrawFn, values: st.SearchStrategy[bytes]) -> list[bytes]:
     """A header absent, sent, or (rarely) sent twice."""
     return [draw(values) for _ in range(draw(st.sampled_from([0, 1, 0, 1, 0, 1, 2])))]
@@ -1007,6 +1182,10 @@ def with_headers(draw: st.DrawFn) -> Case:
         (b"X-Request-Timeout", timeouts),
         (b"Idempotency-Key", field_bytes),
         (b"X-Request-Id", field_bytes | st.just(b"x" * 200)),
+        (b"api-key", authorizations.map(lambda a: a.removeprefix(b"Bearer ")) | field_bytes),
+        (b"x-api-key", authorizations.map(lambda a: a.removeprefix(b"Bearer ")) | field_bytes),
+        (b"traceparent", traceparents),
+        (b"tracestate", field_bytes),
     ]:
         headers += [(name, value) for value in _maybe(draw, values)]
     # once at most: aiohttp's HTTP parser refuses a second one before any handler runs
@@ -1024,6 +1203,8 @@ def expected_statuses(case: Case) -> set[int] | None:
     they are unambiguous; None where they leave room (odd spacing, repeated headers...)."""
     auth, cls = case.sends("Authorization"), case.sends("X-Workload-Class")
     timeout = case.sends("X-Request-Timeout")
+    if not auth and (case.sends("api-key") or case.sends("x-api-key")):
+        return None  # the key is in another header: its own rules (tests/unit/test_flows.py)
     if not auth or (len(auth) == 1 and auth[0] in KNOWN_BAD_AUTH):
         return {401}
     key = auth[0].removeprefix(b"Bearer ").decode("latin-1")
@@ -1101,6 +1282,33 @@ def _as_forwarded(path: str, body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+@FUZZ
+@given(case=near_valid_surface())
+async def test_fuzzed_responses_and_extra_path_bodies(rig: Rig, case: Case) -> None:
+    await exchange(rig, case)
+
+
+@FUZZ
+@given(request=well_formed_surface())
+async def test_well_formed_responses_and_extra_path_requests_are_forwarded_as_sent(
+    rig: Rig, request: tuple[str, dict[Any, Any]]
+) -> None:
+    """A Responses API request reaches the backend as written, but for the
+    ``max_output_tokens`` it was charged when it set none (never a stream option: its
+    usage comes anyway); an extra path's as written, always."""
+    path, body = request
+    answer, forwarded = await exchange(rig, Case(path, encode(body)))
+    assert answer.status == 200, f"a well-formed request got {answer.status}: {answer.body!r}"
+    [(_, raw)] = forwarded
+    if path == RERANK:
+        assert raw == encode(body)
+        return
+    if body.get("max_output_tokens") is None:
+        body = {k: v for k, v in body.items() if k != "max_output_tokens"}
+        body["max_output_tokens"] = DEFAULT_MAX_TOKENS
+    assert json.loads(raw) == body, f"forwarded as {raw!r}"
+
+
 LEAVINGS = ("mid-body", "right after sending", "while queued")
 
 
@@ -1165,6 +1373,14 @@ MALFORMED = [
     (CHAT, encode([GOOD_CHAT])),
     (CHAT, encode(GOOD_CHAT) + b"}"),
     (CHAT, b"[" * 100_000 + b"]" * 100_000),
+    (RESPONSES, encode({"model": MODEL})),
+    (RESPONSES, encode({"model": MODEL, "input": []})),
+    (RESPONSES, encode({"model": MODEL, "input": ["x"]})),
+    (RESPONSES, encode({"model": MODEL, "input": [{"role": "user", "content": 5}]})),
+    (RESPONSES, encode({"model": MODEL, "input": "x", "instructions": 5})),
+    (RESPONSES, encode({"model": MODEL, "input": "x", "max_output_tokens": 0})),
+    (RERANK, encode({"model": "other", "query": "x"})),
+    (RERANK, encode([{"model": MODEL}])),
 ]
 FORWARDABLE = [
     (CHAT, encode(GOOD_CHAT)),
@@ -1177,6 +1393,9 @@ FORWARDABLE = [
         {"type": "image_url", "image_url": {"url": "data:,"}}, {"type": "text", "text": "x"}]}]})),
     (COMPLETION, encode({"model": MODEL, "prompt": [[1, 2], [3]], "n": 128, "best_of": 1})),
     (EMBEDDING, encode({"model": MODEL, "input": ["a", "b"], "metadata": Raw("9" * 5000)})),
+    (RESPONSES, encode({"model": MODEL, "input": "x", "max_tokens": -1})),  # not its field
+    (RESPONSES, encode({"model": MODEL, "input": [{"type": "function_call", "arguments": 5}]})),
+    (RERANK, encode({"model": MODEL, "query": 5, "max_tokens": -1})),  # priced, never checked
 ]  # fmt: skip
 
 

@@ -126,7 +126,7 @@ def test_on_pipes_both_logs_are_json_lines_with_ts_level_logger(config: Path) ->
     said = [(r["level"], r["logger"], r["msg"]) for r in records]
     url = BANNER.match(out[0])[1]
     assert ("info", "sfq_proxy.http.server", f"listening on {url}") in said
-    assert ("info", "sfq_proxy.http.server", "draining: in-flight requests have up to 5 s") in said
+    assert ("info", "sfq_proxy.http.runtime", "draining: in-flight requests have up to 5 s") in said
     assert any(level == "warning" and "marked down" in msg for level, _, msg in said), said
     text = "\n".join(out + err)
     assert KEY not in text

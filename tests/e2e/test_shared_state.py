@@ -210,18 +210,26 @@ async def test_an_orgs_rpm_holds_across_proxies_only_when_shared(
     config = proxy_config([sim.url], state=state, orgs={"A": {"rpm": 6}})
     proxies = [await lab.proxy(config) for _ in range(2)]
 
+    remaining: list[int] = []  # what each answer's x-ratelimit-remaining-requests said
+
     async def one(proxy: Served) -> str:
         try:
-            await lab.client(proxy, "A").chat.completions.create(
+            answer = await lab.client(proxy, "A").chat.completions.with_raw_response.create(
                 model=MODEL, messages=CHAT, max_tokens=2
             )
+            assert answer.headers["x-ratelimit-limit-requests"] == "6"
+            remaining.append(int(answer.headers["x-ratelimit-remaining-requests"]))
             return "ok"
         except openai.RateLimitError as err:
+            left = err.response.headers["x-ratelimit-remaining-requests"]
             wait = float(err.response.headers["Retry-After"])
-            return f"429 {err.body['code']}" if wait >= 1 else "429 without a wait"  # type: ignore[index]
+            return f"429 {err.body['code']} {left}" if wait >= 1 else "429 without a wait"  # type: ignore[index]
 
     outcomes = Counter([await one(p) for p in proxies for _ in range(4)])
-    assert outcomes == ({"ok": 6, "429 rate_limited": 2} if shared else {"ok": 8})
+    assert outcomes == ({"ok": 6, "429 rpm 0": 2} if shared else {"ok": 8})
+    # the headers say the org's buckets as Redis holds them, across both proxies; each
+    # proxy's own when they are not shared
+    assert remaining == ([5, 4, 3, 2, 1, 0] if shared else [5, 4, 3, 2] * 2)
 
 
 async def test_an_idempotency_key_is_one_request_across_proxies(lab: Lab, redis_url: str) -> None:

@@ -130,7 +130,7 @@ async def test_an_orgs_rate_is_divided_among_the_replicas_while_redis_is_lost(
     answers = [
         await outcome(lab, p, f"u{j}.{i}", 5) for j, p in enumerate(proxies) for i in range(3)
     ]
-    assert answers == ["answered", "answered", "429 rate_limited"] * 2
+    assert answers == ["answered", "answered", "429 rpm"] * 2
     lost = [r for r in caplog.records if "org limits in Redis unreachable" in r.getMessage()]
     assert len(lost) == 2
     redis_server.start()

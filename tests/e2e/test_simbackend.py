@@ -773,3 +773,113 @@ async def test_hold_stalls_the_engine_until_release() -> None:
     starts = [rec.started_at for rec in sim.stats.log]
     assert starts == sorted(starts)
     assert sim.stats.completed == 3
+
+
+# ------------------------------------------------------------------- the Responses API
+
+
+async def test_responses_non_streaming_as_vllm_answers(
+    sim: SimBackend, client: openai.AsyncOpenAI
+) -> None:
+    answer = await client.responses.create(
+        model=MODEL, instructions="abcd", input="hello world!", max_output_tokens=6
+    )
+    assert (answer.object, answer.model, answer.instructions) == ("response", MODEL, "abcd")
+    assert answer.id.startswith("resp_")
+    assert (answer.status, answer.incomplete_details.reason) == ("incomplete", "max_output_tokens")  # type: ignore[union-attr]
+    [message] = answer.output
+    assert (message.type, message.role, message.status) == ("message", "assistant", "completed")  # type: ignore[union-attr]
+    assert len(answer.output_text.split()) == 6
+    # a system message of 1 token and the user's of 3, each with the template's 4
+    assert answer.usage is not None
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == (1 + 4 + 3 + 4, 6)
+    assert answer.usage.total_tokens == 18
+    assert sim.stats.log[0].asked == {"max_output_tokens": 6}
+    short = await client.responses.create(model=MODEL, input="x", max_output_tokens=100)
+    assert short.usage is not None
+    assert short.usage.output_tokens == 100  # asked for, within the context
+
+
+async def test_responses_input_items_are_the_chat_template_messages(
+    client: openai.AsyncOpenAI,
+) -> None:
+    answer = await client.responses.create(
+        model=MODEL,
+        input=[
+            {"role": "user", "content": [{"type": "input_text", "text": "abcdefgh"}]},
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "ab"}],
+            },
+            {"role": "user", "content": "abcd"},
+        ],
+        max_output_tokens=1,
+    )
+    assert answer.usage is not None
+    assert answer.usage.input_tokens == (2 + 4) + (1 + 4) + (1 + 4)
+
+
+async def test_responses_stream_as_vllm_sends_it(
+    sim: SimBackend, http: aiohttp.ClientSession
+) -> None:
+    body = {"model": MODEL, "input": "hello world!", "max_output_tokens": 3, "stream": True}
+    async with http.post(sim.url + "/v1/responses", json=body) as r:
+        assert (r.status, r.content_type) == (200, "text/event-stream")
+        raw = (await r.read()).decode()
+    events = [e for e in raw.split("\n\n") if e]
+    kinds = [e.split("\n")[0].removeprefix("event: ") for e in events]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * 3,
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]  # and no [DONE]
+    data = [json.loads(e.split("\n")[1].removeprefix("data: ")) for e in events]
+    assert [d["type"] for d in data] == kinds
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    assert data[0]["response"]["usage"] is None
+    final = data[-1]["response"]
+    assert final["usage"]["input_tokens"] == MESSAGES_TOKENS
+    assert final["usage"]["output_tokens"] == 3
+    text = "".join(d["delta"] for d in data if d["type"] == "response.output_text.delta")
+    assert final["output"][0]["content"][0]["text"] == text == data[-4]["text"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": MODEL},
+        {"model": MODEL, "input": []},
+        {"model": MODEL, "input": [3]},
+        {"model": MODEL, "input": "x", "instructions": 3},
+        {"model": MODEL, "input": "x", "max_output_tokens": 0},
+        {"model": MODEL, "input": "x", "max_output_tokens": 1024},
+    ],
+)
+async def test_bad_responses_requests_are_400(
+    sim: SimBackend, http: aiohttp.ClientSession, body: dict[str, Any]
+) -> None:
+    async with http.post(sim.url + "/v1/responses", json=body) as r:
+        assert r.status == 400
+    assert sim.stats.requests_seen == 0
+
+
+async def test_tokenize_counts_a_prompt_or_messages(
+    sim: SimBackend, http: aiohttp.ClientSession
+) -> None:
+    async with http.post(sim.url + "/tokenize", json={"model": MODEL, "prompt": "abcdefghi"}) as r:
+        answer = await r.json()
+    assert (answer["count"], len(answer["tokens"]), answer["max_model_len"]) == (3, 3, 1024)
+    async with http.post(sim.url + "/tokenize", json={"model": MODEL, "messages": MESSAGES}) as r:
+        assert (await r.json())["count"] == MESSAGES_TOKENS
+    async with http.post(sim.url + "/tokenize", json={"model": "nope", "prompt": "x"}) as r:
+        assert r.status == 404
+    async with http.post(sim.url + "/tokenize", json={"model": MODEL}) as r:
+        assert r.status == 400
+    assert sim.stats.requests_seen == 0  # no generation, no batch slot

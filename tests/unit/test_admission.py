@@ -96,7 +96,7 @@ def admitted(adm: Admission, flow: Flow, n: int, tokens: float = 1, now: float =
         else:
             count += 1
             continue
-        assert (refused.status, refused.code) == (429, "rate_limited")
+        assert (refused.status, refused.code in ("rpm", "tpm")) == (429, True)
     return count
 
 
@@ -128,7 +128,7 @@ def test_idempotency_key_is_free_again_after_done() -> None:
 def test_a_rejected_request_does_not_hold_its_idempotency_key() -> None:
     adm = admission(orgs={"a": {"rpm": 1}})
     adm.admit(A, 1, 0, None, 0.0)
-    assert rejection(adm, A, key="key-1").code == "rate_limited"
+    assert rejection(adm, A, key="key-1").code == "rpm"
     assert rejection(adm, A, queued=5, key="key-2").code == "queue_full"
     adm.admit(A, 1, 0, "key-1", 60.0)  # not a 409: the rejected one never became active
     adm.admit(A, 1, 0, "key-2", 120.0)
@@ -152,14 +152,14 @@ def test_rejections_are_checked_in_order_409_queue_full_rate() -> None:
     adm.admit(A, 1, 0, "key-1", 0.0)  # the org's bucket is now empty
     assert rejection(adm, A, queued=5, key="key-1").status == 409
     assert rejection(adm, A, queued=5, key="key-2").code == "queue_full"
-    assert rejection(adm, A, queued=4, key="key-2").code == "rate_limited"
+    assert rejection(adm, A, queued=4, key="key-2").code == "rpm"
 
 
 def test_org_rate_limit_429_with_the_bucket_wait_as_retry_after() -> None:
     adm = admission(orgs={"a": {"rpm": 10}})
     assert admitted(adm, A, 25) == 10
     err = rejection(adm, A)
-    assert (err.status, err.code, err.retry_after) == (429, "rate_limited", 6.0)
+    assert (err.status, err.code, err.retry_after) == (429, "rpm", 6.0)
     assert rejection(adm, A, now=4.5).retry_after == 1.5
     assert admitted(adm, A, 5, now=6.0) == 1
 
@@ -283,8 +283,8 @@ def test_a_request_larger_than_a_full_tokens_bucket_is_400_naming_the_limit() ->
 def test_a_refund_gives_the_org_and_the_pool_their_tokens_back() -> None:
     adm = admission(orgs={"a": {"tpm": 1000}}, pool_rate={"tokens_per_minute": 1000})
     adm.admit(A, 1000, 0, None, 0.0)
-    assert rejection(adm, A, tokens=500).code == "rate_limited"
-    assert rejection(adm, B, tokens=500).code == "rate_limited"  # the pool's is empty too
+    assert rejection(adm, A, tokens=500).code == "tpm"
+    assert rejection(adm, B, tokens=500).code == "tpm"  # the pool's is empty too
     adm.refund(A, 1000, 0.0)  # e.g. the backend answered 400 at once
     adm.admit(A, 1000, 0, None, 0.0)
 
@@ -307,11 +307,56 @@ def test_a_retry_pays_like_a_request_from_the_orgs_and_the_pools_buckets() -> No
     adm.admit(A, 1, 0, None, 0.0)  # room for two retries in the budget
     assert adm.may_retry(A, 1, 0.0) is True  # the org's third request this minute
     assert adm.may_retry(A, 1, 0.0) is False  # out of rpm, though the budget has room
-    assert rejection(adm, A).code == "rate_limited"  # the retry used the org's rate
+    assert rejection(adm, A).code == "rpm"  # the retry used the org's rate
     assert adm.may_retry(A, 1, 20.0) is True  # a token back after 20 s
     tpm = admission(orgs={"a": {"tpm": 1000}}, pool_rate={"tokens_per_minute": 1500},
                     budget_ratio=1.0)  # fmt: skip
     tpm.admit(A, 600, 0, None, 0.0)
     assert tpm.may_retry(A, 600, 0.0) is False  # the org's 400 left are not enough
-    assert tpm.admit(B, 900, 0, None, 0.0) is None  # the refused retry took nothing
+    assert tpm.admit(B, 900, 0, None, 0.0) == {}  # the refused retry took nothing
     assert tpm.may_retry(B, 100, 0.0) is False  # the pool has none left for b either
+
+
+def test_an_admitted_request_is_told_its_orgs_limits_after_its_take() -> None:
+    adm = admission(orgs={"a": {"rpm": 60, "tpm": 6000}})
+    assert adm.admit(A, 300, 0, None, 0.0) == {
+        "x-ratelimit-limit-requests": "60",
+        "x-ratelimit-remaining-requests": "59",
+        "x-ratelimit-reset-requests": "1s",
+        "x-ratelimit-limit-tokens": "6000",
+        "x-ratelimit-remaining-tokens": "5700",
+        "x-ratelimit-reset-tokens": "3s",
+    }
+    assert adm.admit(B, 300, 0, None, 0.0) == {}  # an org without limits: no headers
+    only_rpm = admission(orgs={"a": {"rpm": 60}}, pool_rate={"tokens_per_minute": 900})
+    assert set(only_rpm.admit(A, 300, 0, None, 0.0)) == {  # the pool's are not the org's
+        "x-ratelimit-limit-requests",
+        "x-ratelimit-remaining-requests",
+        "x-ratelimit-reset-requests",
+    }
+
+
+def test_a_429_names_the_bucket_that_refused_and_carries_its_headers() -> None:
+    adm = admission(orgs={"a": {"rpm": 60, "tpm": 600}})
+    adm.admit(A, 590, 0, None, 0.0)
+    err = rejection(adm, A, tokens=20)  # 10 tokens short: 1 s; requests are plenty
+    assert (err.code, err.retry_after, err.reason) == ("tpm", 1.0, "rate")
+    assert "org 'a' allows 600 tokens per minute (tpm)" in err.message
+    assert err.headers() == {
+        "x-ratelimit-limit-requests": "60",
+        "x-ratelimit-remaining-requests": "59",
+        "x-ratelimit-reset-requests": "1s",
+        "x-ratelimit-limit-tokens": "600",
+        "x-ratelimit-remaining-tokens": "10",
+        "x-ratelimit-reset-tokens": "59s",
+        "Retry-After": "1",
+    }
+
+
+def test_a_pools_bucket_refuses_in_its_own_name() -> None:
+    adm = admission(orgs={"a": {"rpm": 600}}, pool_rate={"requests_per_minute": 1})
+    adm.admit(B, 1, 0, None, 0.0)
+    err = rejection(adm, A)
+    assert (err.code, err.retry_after) == ("rpm", 60.0)
+    assert "pool 'prov' allows 1 requests per minute (rate.requests_per_minute)" in err.message
+    assert err.headers()["x-ratelimit-limit-requests"] == "1"  # the pool's, which refused

@@ -1115,3 +1115,72 @@ def test_a_priority_class_has_no_size_buckets() -> None:
         "classes.system.size_buckets: a priority class is served in the strict band, in "
         "arrival order: size buckets order fair-queued classes only"
     ]
+
+
+# --- a pool's extra paths (docs/design.md §8) ---------------------------------------------
+
+
+def with_extra(*paths: Any) -> dict[str, Any]:
+    data = base()
+    data["pools"]["llama-8b"]["extra_paths"] = list(paths)
+    return data
+
+
+def test_extra_paths_are_read_with_their_cost_rules() -> None:
+    config = parse(
+        with_extra(
+            {"path": "/v1/rerank", "cost": {"fixed": 50}},
+            {"path": "/tokenize", "cost": {"input_fields": ["prompt", "messages"]}},
+            {"path": "/v1/score", "cost": {"fixed": 5, "input_fields": ["text_1", "text_2"]}},
+        )
+    )
+    pool = config.pools["llama-8b"]
+    rerank, tokenize = pool.extra_path("/v1/rerank"), pool.extra_path("/tokenize")
+    assert rerank is not None
+    assert (rerank.cost.fixed, rerank.cost.input_fields) == (50, [])
+    assert tokenize is not None
+    assert tokenize.cost.input_fields == ["prompt", "messages"]
+    assert pool.extra_path("/v1/other") is None
+    assert config.pools["provider-a"].extra_paths == []
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        ({"path": "v1/rerank", "cost": {"fixed": 1}}, "extra_paths[0].path: must be an absolute"),
+        ({"path": "/v1/re%20rank", "cost": {"fixed": 1}}, "extra_paths[0].path: must be an"),
+        ({"path": "/v1/../admin/state", "cost": {"fixed": 1}}, "extra_paths[0].path: must be"),
+        ({"path": "/v1/rerank?x=1", "cost": {"fixed": 1}}, "extra_paths[0].path: must be"),
+        ({"path": "/v1/chat/completions", "cost": {"fixed": 1}}, "path: is one of the proxy's"),
+        ({"path": "/v1/responses", "cost": {"fixed": 1}}, "path: is one of the proxy's own"),
+        ({"path": "/v1/models/x", "cost": {"fixed": 1}}, "path: is one of the proxy's own"),
+        ({"path": "/admin/reload", "cost": {"fixed": 1}}, "path: is one of the proxy's own"),
+        ({"path": "/metrics", "cost": {"fixed": 1}}, "path: is one of the proxy's own"),
+        ({"path": "/v1/rerank", "cost": {}}, "extra_paths[0].cost: set fixed, input_fields"),
+        ({"path": "/v1/rerank", "cost": {"fixed": 0}}, "extra_paths[0].cost: set fixed"),
+        ({"path": "/v1/rerank", "cost": {"fixed": -1}}, "extra_paths[0].cost.fixed:"),
+        ({"path": "/v1/rerank", "cost": {"fixed": "50"}}, "extra_paths[0].cost.fixed:"),
+        ({"path": "/v1/rerank", "cost": {"input_fields": ["q", "q"]}}, "names a field twice"),
+        ({"path": "/v1/rerank", "cost": {"input_fields": [""]}}, "cost.input_fields[0]:"),
+        ({"path": "/v1/rerank", "cost": {"fixd": 1}}, "extra_paths[0].cost.fixd:"),
+        ({"path": "/v1/rerank"}, "extra_paths[0].cost:"),
+    ],
+)
+def test_a_bad_extra_path_fails_at_start_naming_its_field(
+    extra: dict[str, Any], expected: str
+) -> None:
+    [line] = error_lines(with_extra(extra))
+    assert line.startswith("pools.llama-8b.extra_paths[0]")
+    assert expected in line
+
+
+def test_an_extra_path_listed_twice_or_costing_more_than_a_request_may_is_refused() -> None:
+    data = with_extra(
+        {"path": "/v1/rerank", "cost": {"fixed": 1}},
+        {"path": "/v1/rerank", "cost": {"fixed": 200_000}},
+    )
+    assert error_lines(data) == [
+        "pools.llama-8b.extra_paths[1].path: the pool lists this path twice",
+        "pools.llama-8b.extra_paths[1].cost.fixed: is above the pool's cost.max_request_tokens:"
+        " every request would be refused",
+    ]

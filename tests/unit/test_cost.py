@@ -12,11 +12,17 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from sfq_proxy.config import ConfigError, CostSpec
+from sfq_proxy.config import ConfigError, CostSpec, ExtraCostSpec
 from sfq_proxy.core.calibration import Calibration, InputModel
 from sfq_proxy.core.cost import CostModel, Estimate
 from sfq_proxy.core.errors import ApiError
-from sfq_proxy.core.inference_request import MAX_OUTPUT_TOKENS, InferenceRequest, Kind, parse
+from sfq_proxy.core.inference_request import (
+    MAX_OUTPUT_TOKENS,
+    InferenceRequest,
+    Kind,
+    parse,
+    parse_extra,
+)
 from sfq_proxy.core.scheduler import Ticket
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -333,3 +339,60 @@ def test_media_parts_are_priced_by_their_own_rule_or_the_pools_price_per_kind() 
     estimate = model.estimate(chat({"content": parts}, max_tokens=1))
     assert estimate.input_tokens == 10 + 765 + 500 + 70 + 9
     assert estimate.chars == 0  # not all text: nothing for calibration's chars/token
+
+
+# -- the Responses API and extra paths --------------------------------------------------------
+
+
+def responses(**fields: Any) -> InferenceRequest:
+    return parse(Kind.RESPONSES, body(**fields))
+
+
+def test_a_responses_request_is_priced_as_the_chat_it_renders() -> None:
+    """instructions + input are the system and user messages a chat template renders."""
+    model = CostModel(CostSpec(tokens_per_message=4, default_max_tokens=100))
+    as_chat = chat({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"})
+    as_responses = responses(instructions="Be brief.", input=[{"role": "user", "content": "Hi"}])
+    assert model.estimate(as_responses) == model.estimate(as_chat)
+    assert model.estimate(responses(input="Hi", max_output_tokens=7)).max_tokens == 7
+
+
+def test_a_responses_request_without_max_output_tokens_is_sent_the_default() -> None:
+    model = CostModel(CostSpec(default_max_tokens=300, inject_max_tokens="max_completion_tokens"))
+    request, estimate = model.price(responses(input="x" * 40), "a")
+    assert estimate.max_tokens == 300
+    sent = json.loads(request.raw)
+    assert sent["max_output_tokens"] == 300  # its own field, whatever the pool injects
+    assert "max_completion_tokens" not in sent
+    assert "max_tokens" not in sent
+
+
+def test_a_responses_request_over_the_ceiling_is_refused_or_clamped() -> None:
+    asked = responses(input="x" * 40, max_output_tokens=1000)  # 10 input tokens
+    with pytest.raises(ApiError) as info:
+        CostModel(CostSpec(max_request_tokens=100)).price(asked, "a")
+    assert info.value.code == "tokens_exceed_limit"
+    clamp = CostModel(CostSpec(max_request_tokens=100, over_limit="clamp"))
+    request, estimate = clamp.price(asked, "a")
+    assert (estimate.max_tokens, json.loads(request.raw)["max_output_tokens"]) == (90, 90)
+
+
+def extra(raw: bytes, fixed: int = 0, *fields: str) -> InferenceRequest:
+    rule = ExtraCostSpec(fixed=fixed, input_fields=list(fields))
+    return parse_extra(raw, "/v1/rerank", lambda _: rule)
+
+
+def test_an_extra_path_costs_its_fixed_tokens_and_fields_input_only() -> None:
+    model = CostModel(CostSpec(input_weight=2, output_weight=3, default_max_tokens=100))
+    request = extra(body(query="x" * 8, documents=["y" * 4]), 50, "query", "documents")
+    sent, estimate = model.price(request, "a")
+    assert sent.raw == request.raw  # nothing injected: it generates nothing we can bound
+    assert estimate == Estimate(input_tokens=53, max_tokens=0, cost=106.0)  # no chars learnt
+    assert model.estimate(extra(body(), 7)) == Estimate(7, 0, 14.0)
+
+
+def test_an_extra_path_over_the_ceiling_is_refused() -> None:
+    model = CostModel(CostSpec(max_request_tokens=100))
+    with pytest.raises(ApiError) as info:
+        model.price(extra(body(prompt="x" * 400), 1, "prompt"), "a")
+    assert info.value.code == "tokens_exceed_limit"

@@ -38,7 +38,7 @@ def test_every_429_and_503_says_when_to_come_back(
 
 @pytest.mark.parametrize(("status", "code", "reason"), [
     (429, "queue_full", "queue_full"), (429, "queue_age", "queue_age"),
-    (429, "rate_limited", "rate"), (504, "deadline", "deadline"), (401, None, "auth"),
+    (429, "rpm", "rate"), (429, "tpm", "rate"), (504, "deadline", "deadline"), (401, None, "auth"),
     (400, "tokens_exceed_limit", "invalid"), (415, None, "invalid"), (503, None, "no_backend"),
     (502, None, None), (500, None, None), (504, "upstream_timeout", None),
 ])  # fmt: skip
@@ -46,3 +46,15 @@ def test_a_rejection_has_a_reason_and_a_failure_has_none(
     status: int, code: str | None, reason: str | None
 ) -> None:
     assert ApiError(status, "x", code=code).reason == reason
+
+
+def test_an_errors_own_headers_go_with_it_and_retry_after_stays() -> None:
+    limits = {"x-ratelimit-limit-requests": "5", "x-ratelimit-reset-requests": "12s"}
+    error = ApiError(429, "x", code="rpm", retry_after=12.0, headers=limits)
+    assert error.headers() == {**limits, "Retry-After": "12"}
+    assert ApiError(404, "x", headers=limits).headers() == limits
+
+
+def test_an_unknown_route_is_not_found_and_an_unknown_model_model_not_found() -> None:
+    assert ApiError(404, "x", code="not_found").body()["error"]["code"] == "not_found"
+    assert ApiError(404, "x").code == "model_not_found"

@@ -8,7 +8,7 @@ import pytest
 
 from sfq_proxy.config import Config, ResolvedKey, parse_config
 from sfq_proxy.core.errors import ApiError
-from sfq_proxy.core.flows import CLASS_HEADER, Authenticator, Flow, classify
+from sfq_proxy.core.flows import CLASS_HEADER, Authenticator, Flow, classify, credential
 
 PLAIN = "sk-plain-product"
 HASHED = "sk-hashed-ops"
@@ -46,9 +46,14 @@ def key_of(config: Config, org: str) -> ResolvedKey:
     return key
 
 
-def unauthorized(auth: Authenticator, header: str | None) -> ApiError:
+def authorization(header: str | None) -> dict[str, str]:
+    """Request headers with this ``Authorization`` (none for None)."""
+    return {} if header is None else {"Authorization": header}
+
+
+def unauthorized(auth: Authenticator, header: str | dict[str, str] | None) -> ApiError:
     with pytest.raises(ApiError) as info:
-        auth.identify(header)
+        auth.identify(header if isinstance(header, dict) else authorization(header))
     err = info.value
     assert (err.status, err.type, err.code) == (401, "authentication_error", "invalid_api_key")
     return err
@@ -69,7 +74,7 @@ def unauthorized(auth: Authenticator, header: str | None) -> ApiError:
 def test_right_key_resolves_to_its_entry(
     auth: Authenticator, secret: str, index: int, org: str, classes: tuple[str, ...]
 ) -> None:
-    key = auth.identify(f"Bearer {secret}")
+    key = auth.identify(authorization(f"Bearer {secret}"))
     assert key == ResolvedKey(index, org, classes, hashlib.sha256(secret.encode()).digest())
 
 
@@ -77,7 +82,7 @@ def test_right_key_resolves_to_its_entry(
 def test_scheme_is_case_insensitive_and_spaces_are_trimmed(
     auth: Authenticator, header: str
 ) -> None:
-    assert auth.identify(header).org == "product"
+    assert auth.identify(authorization(header)).org == "product"
 
 
 @pytest.mark.parametrize(
@@ -106,6 +111,46 @@ def test_wrong_key_is_401_and_not_echoed(auth: Authenticator, secret: str) -> No
     assert err.message == "Incorrect API key provided."
     assert secret.strip() not in err.message
     assert secret.strip() not in str(err)
+
+
+@pytest.mark.parametrize("name", ["api-key", "x-api-key"])
+def test_api_key_and_x_api_key_carry_a_key_too(auth: Authenticator, name: str) -> None:
+    """Azure OpenAI's and Anthropic-style clients send the key alone, in these headers."""
+    assert auth.identify({name: f"  {PLAIN} "}).org == "product"
+    assert unauthorized(auth, {name: "sk-wrong"}).message == "Incorrect API key provided."
+    assert "Missing" in unauthorized(auth, {name: "   "}).message
+
+
+@pytest.mark.parametrize(
+    ("headers", "org"),
+    [
+        ({"Authorization": f"Bearer {PLAIN}", "api-key": HASHED}, "product"),
+        ({"Authorization": f"Bearer {PLAIN}", "x-api-key": HASHED}, "product"),
+        ({"api-key": HASHED, "x-api-key": PLAIN}, "ops"),
+        ({"x-api-key": HASHED}, "ops"),
+    ],
+)
+def test_the_first_key_header_present_decides(
+    auth: Authenticator, headers: dict[str, str], org: str
+) -> None:
+    """Authorization first, then api-key, then x-api-key (docs/design.md §2)."""
+    assert auth.identify(headers).org == org
+    assert credential(headers) == (PLAIN if org == "product" else HASHED)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Authorization": "Basic abc", "api-key": PLAIN},  # a request gets one guess
+        {"Authorization": "", "x-api-key": PLAIN},
+        {"Authorization": "Bearer sk-wrong", "api-key": PLAIN},
+        {"api-key": "sk-wrong", "x-api-key": PLAIN},
+    ],
+)
+def test_a_later_header_is_never_a_second_guess(
+    auth: Authenticator, headers: dict[str, str]
+) -> None:
+    unauthorized(auth, headers)
 
 
 def test_no_keys_rejects_everyone() -> None:

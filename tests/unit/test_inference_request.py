@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
 from sfq_proxy.core.errors import ApiError
-from sfq_proxy.core.inference_request import InferenceRequest, Kind, parse, with_output_limit
+from sfq_proxy.core.inference_request import (
+    MAX_OUTPUT_TOKENS,
+    InferenceRequest,
+    Kind,
+    parse,
+    parse_extra,
+    with_output_limit,
+)
 from sfq_proxy.core.media import Media
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -402,3 +410,153 @@ def test_a_stream_to_a_server_that_reports_no_usage_goes_as_it_came() -> None:
     req = parse(Kind.CHAT, raw, lambda asked: asked != model)
     assert (req.raw, req.strip_usage) == (raw, False)
     assert parse(Kind.CHAT, raw, lambda asked: asked == model).strip_usage
+
+
+# -- the Responses API (docs/design.md §4) ----------------------------------------------------
+
+
+def responses(**fields: Any) -> InferenceRequest:
+    return parse(Kind.RESPONSES, body(**fields))
+
+
+def test_a_responses_string_input_is_one_user_message_after_its_instructions() -> None:
+    req = responses(input="Hello", instructions="Be brief.")
+    assert (req.kind, req.text, req.messages, req.choices) == (
+        Kind.RESPONSES,
+        "Be brief.Hello",
+        2,
+        1,
+    )
+    assert req.route == "/v1/responses"
+    assert responses(input="Hello").messages == 1
+    assert responses(input="Hello", instructions="").messages == 1  # no system message
+    assert responses(input="Hello", instructions=None).text == "Hello"
+
+
+def test_responses_input_items_are_read_as_chat_messages_are() -> None:
+    chat_like = responses(
+        input=[
+            {"role": "user", "content": "What is "},  # an easy input message
+            {
+                "type": "message",
+                "role": "user",
+                "content": [
+                    {"type": "input_text", "text": "this"},
+                    {"type": "input_image", "image_url": "https://x/y.png", "detail": "low"},
+                ],
+            },
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "?"}],
+            },
+        ]
+    )
+    assert chat_like.text == "What is this?"
+    assert chat_like.messages == 3
+    assert chat_like.media == (Media("image", 85),)  # low detail: a flat price
+
+
+def test_other_responses_items_and_tools_count_as_their_json() -> None:
+    """A function call and its output are rendered into the prompt: never free."""
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": '{"x": 1}'}
+    output = {"type": "function_call_output", "call_id": "c1", "output": "sunny"}
+    tool = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+    req = responses(input=[{"role": "user", "content": "hi"}, call, output], tools=[tool])
+    compact = [json.dumps(x, separators=(",", ":")) for x in (call, output, [tool])]
+    assert req.text == "hi" + "".join(compact)
+    assert req.messages == 3  # tools are no message
+
+
+def test_responses_max_output_tokens_is_its_output_field() -> None:
+    assert responses(input="x", max_output_tokens=7).max_tokens == 7
+    assert responses(input="x", max_output_tokens=7).names_output
+    plain = responses(input="x", max_tokens=7)  # not a Responses API field: not read
+    assert (plain.max_tokens, plain.names_output) == (None, False)
+    assert responses(input="x", n=3).choices == 1  # it has no n
+
+
+def test_a_responses_stream_is_sent_as_it_came() -> None:
+    """Its usage always comes in ``response.completed``: no stream_options is added."""
+    raw = body(input="x", stream=True)
+    req = parse(Kind.RESPONSES, raw)
+    assert (req.stream, req.raw, req.strip_usage) == (True, raw, False)
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({}, "'input' is required"),
+        ({"input": []}, "'input' must be"),
+        ({"input": 3}, "'input' must be"),
+        ({"input": ["x"]}, "'input[0]' must be an object"),
+        ({"input": [{"role": "user", "content": 3}]}, "'input[0].content'"),
+        ({"input": "x", "instructions": ["x"]}, "'instructions'"),
+        ({"input": "x", "max_output_tokens": 0}, "'max_output_tokens'"),
+        ({"input": "x", "max_output_tokens": MAX_OUTPUT_TOKENS + 1}, "'max_output_tokens'"),
+    ],
+)
+def test_a_responses_body_that_cannot_be_priced_is_400(fields: dict[str, Any], says: str) -> None:
+    assert says in rejected(Kind.RESPONSES, body(**fields)).message
+
+
+def test_a_responses_output_limit_goes_into_max_output_tokens() -> None:
+    bare = responses(input="x")
+    assert json.loads(with_output_limit(bare, 9, "max_output_tokens").raw)["max_output_tokens"] == 9
+    asked = responses(input="x", max_output_tokens=50, max_tokens=50)
+    sent = json.loads(with_output_limit(asked, 9, "max_output_tokens").raw)
+    assert (sent["max_output_tokens"], sent["max_tokens"]) == (9, 50)  # only its own field
+
+
+# -- extra paths (docs/design.md §8) ----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    fixed: int = 0
+    input_fields: tuple[str, ...] = ()
+
+
+def extra(raw: bytes, rule: Rule | None, path: str = "/v1/rerank") -> InferenceRequest:
+    return parse_extra(raw, path, lambda model: rule if model == MODEL else None)
+
+
+def test_an_extra_path_counts_its_fixed_tokens_and_the_text_of_its_fields() -> None:
+    raw = body(query="abc", documents=["de", {"text": "fg", "n": 3}], top_n=2)
+    req = extra(raw, Rule(fixed=50, input_fields=("query", "documents", "absent")))
+    assert (req.kind, req.route, req.raw, req.model) == (Kind.EXTRA, "/v1/rerank", raw, MODEL)
+    assert (req.text, req.messages, req.token_ids, req.fixed_tokens) == ("abcdefg", 3, 0, 50)
+    assert (req.max_tokens, req.choices, req.stream, req.strip_usage) == (None, 1, False, False)
+
+
+def test_an_extra_paths_token_ids_count_one_each() -> None:
+    req = extra(body(prompt=[[1, 2, 3], [4]], text=7), Rule(input_fields=("prompt", "text")))
+    assert (req.text, req.token_ids) == ("", 4)  # a lone number is no token id
+
+
+def test_an_extra_path_for_a_model_whose_pool_does_not_serve_it_is_404() -> None:
+    with pytest.raises(ApiError) as info:
+        extra(body(prompt="x"), None, "/tokenize")
+    assert (info.value.status, info.value.code) == (404, "model_not_found")
+    assert "/tokenize" in info.value.message
+
+
+@pytest.mark.parametrize("raw", [b"[]", b"{bad", json.dumps({"prompt": "x"}).encode()])
+def test_an_extra_path_needs_a_json_object_with_a_model(raw: bytes) -> None:
+    with pytest.raises(ApiError) as info:
+        extra(raw, Rule(fixed=1))
+    assert info.value.status == 400
+
+
+def nested(depth: int) -> bytes:
+    return b'{"model": "%s", "q": %s}' % (MODEL.encode(), b"[" * depth + b'"x"' + b"]" * depth)
+
+
+def test_an_extra_paths_deeply_nested_field_is_walked_without_recursion() -> None:
+    assert extra(nested(500), Rule(input_fields=("q",))).text == "x"
+
+
+def test_an_extra_paths_field_nested_beyond_the_parser_is_400_not_a_crash() -> None:
+    with pytest.raises(ApiError) as info:
+        extra(nested(100_000), Rule(input_fields=("q",)))
+    assert info.value.status == 400

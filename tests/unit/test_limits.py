@@ -13,7 +13,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sfq_proxy.core.limits import Rate, RetryBudget, TokenBucket
+from sfq_proxy.core.limits import (
+    BucketState,
+    Rate,
+    RetryBudget,
+    TokenBucket,
+    format_reset,
+    rate_limited,
+)
+from sfq_proxy.core.throttle import duration
 
 fast = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -315,3 +323,79 @@ def test_a_flow_that_never_retries_keeps_a_window_of_buckets_not_a_timestamp_a_r
         budget.record_request(n / 1000)  # 1,000 a second
         assert len(budget) <= 62
     assert budget.try_retry(1000.0)
+
+
+# -- what a client is told: x-ratelimit-* (docs/design.md §6, Rate limits) --------------------
+
+
+@pytest.mark.parametrize(
+    ("seconds", "written"),
+    [
+        (0.0, "0s"), (-1.0, "0s"), (0.0001, "1ms"), (0.12, "120ms"), (0.9999, "1s"), (1.0, "1s"),
+        (1.5, "1.5s"), (59.56, "59.56s"), (60.0, "1m0s"), (179.56, "2m59.56s"), (360.0, "6m0s"),
+        (3600.0, "1h0m0s"), (3723.004, "1h2m3.004s"),
+    ],
+)  # fmt: skip
+def test_a_reset_is_written_as_openai_writes_it(seconds: float, written: str) -> None:
+    assert format_reset(seconds) == written
+
+
+@fast
+@given(st.floats(min_value=0, max_value=1e7, allow_nan=False))
+def test_a_written_reset_reads_back_as_at_least_the_wait_within_a_millisecond(s: float) -> None:
+    """The proxy's own reader of providers' resets (core/throttle.py) reads ours."""
+    read = duration(format_reset(s))
+    assert read is not None
+    assert s - 1e-6 <= read + 1e-9
+    assert read <= s + 0.001 + 1e-6
+
+
+def test_a_buckets_state_is_its_limit_whole_tokens_left_and_time_to_full() -> None:
+    bucket = TokenBucket(60)  # one a second
+    bucket.take(10.5, 0.0)
+    assert bucket.state(0.0) == BucketState(60, 49, 10.5)
+    assert bucket.state(4.0) == BucketState(60, 53, 6.5)
+    assert bucket.state(100.0) == BucketState(60, 60, 0.0)
+
+
+def test_headers_say_only_the_buckets_there_are() -> None:
+    rate = Rate.of(120, None)
+    rate.take(1, 0.0)
+    assert rate.headers(0.0) == {
+        "x-ratelimit-limit-requests": "120",
+        "x-ratelimit-remaining-requests": "119",
+        "x-ratelimit-reset-requests": "500ms",
+    }
+    both = Rate.of(0.5, 1500.25)
+    assert set(both.headers(0.0)) == {
+        f"x-ratelimit-{what}-{which}"
+        for what in ("limit", "remaining", "reset")
+        for which in ("requests", "tokens")
+    }
+    assert both.headers(0.0)["x-ratelimit-limit-requests"] == "0.5"
+    assert both.headers(0.0)["x-ratelimit-limit-tokens"] == "1500.25"
+
+
+def test_the_binding_bucket_is_the_one_with_the_longest_wait() -> None:
+    rate = Rate.of(60, 600)  # 1 request, 10 tokens a second
+    assert rate.binding(10, 0.0) is None
+    rate.take(595, 0.0)
+    assert rate.binding(10, 0.0) == (0.5, "tokens")  # 5 tokens short: 0.5 s
+    for _ in range(59):
+        rate.requests.take(1, 0.0)  # type: ignore[union-attr]
+    assert rate.binding(10, 0.0) == (1.0, "requests")  # 1 request short: 1 s
+
+
+def test_a_429_names_its_limit_and_says_the_wait() -> None:
+    err = rate_limited("tokens", "org 'a'", "tpm", 1000, 1.25, {"x-ratelimit-limit-tokens": "1"})
+    assert (err.status, err.code, err.type, err.retry_after) == (
+        429,
+        "tpm",
+        "rate_limit_error",
+        1.25,
+    )
+    assert err.message == (
+        "Rate limit reached: org 'a' allows 1000 tokens per minute (tpm). Try again in 1.25s."
+    )
+    assert err.headers() == {"x-ratelimit-limit-tokens": "1", "Retry-After": "2"}
+    assert rate_limited("requests", "pool 'p'", "rate.requests_per_minute", 5, 1, {}).code == "rpm"

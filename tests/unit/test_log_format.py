@@ -146,7 +146,7 @@ def test_an_access_json_line_starts_with_ts_level_logger() -> None:
     made = access_log.AccessRecord("req-1", org="A", key="A#0", cls="batch", status=200)
     [line] = access_lines("json", [made])
     fields = json.loads(line)
-    assert list(fields)[:6] == ["ts", "level", "logger", "request_id", "org", "key"]
+    assert list(fields)[:7] == ["ts", "level", "logger", "request_id", "trace_id", "org", "key"]
     assert TS.fullmatch(fields["ts"])
     assert (fields["level"], fields["logger"]) == ("info", "sfq_proxy.access")
     assert (fields["key"], fields["class"], fields["status"]) == ("A#0", "batch", 200)

@@ -72,6 +72,22 @@ def test_usage_is_the_last_usage_object_not_the_word_nor_a_null() -> None:
     assert usage_of(sse(TOKEN, spaced, word, DONE)) == (7, 1)
 
 
+def test_usage_of_the_responses_api_in_its_completed_event_or_body() -> None:
+    """``input_tokens``/``output_tokens``, in ``response.usage``: the created event's null
+    usage is no usage, the last event's is."""
+    created = (
+        b'event: response.created\ndata: {"response":{"usage":null},"type":"response.created"}'
+    )
+    completed = (
+        b'event: response.completed\ndata: {"response":{"output":[],"usage":{"input_tokens":6,'
+        b'"input_tokens_details":{"cached_tokens":0},"output_tokens":4,'
+        b'"output_tokens_details":{"reasoning_tokens":0},"total_tokens":10},"user":null},'
+        b'"sequence_number":9,"type":"response.completed"}'
+    )
+    assert usage_of(sse(created, completed)) == (6, 4)
+    assert usage_of(b'{"object":"response","usage":{"input_tokens":3,"output_tokens":2}}') == (3, 2)
+
+
 def test_usage_of_a_json_answer() -> None:
     body = b'{"choices":[{"message":{"content":"\\"usage\\": {}"}}],"usage":{"prompt_tokens":5,'
     assert usage_of(body + b'"completion_tokens":9,"total_tokens":14}}') == (5, 9)
@@ -308,6 +324,11 @@ def test_where_a_broken_off_stream_needs_an_empty_line_before_its_error_event(
         (b'data: {"choices":[{"delta":{"content":"\\"error\\": no"}}]}\n\n', False),
         (b'data: {"id":"x","error":null}\n\n', False),  # not the event's first member
         (b'{"error": {"message": "a JSON body"}}', False),  # not an event
+        # the Responses API's: an error event, or the response failed
+        (b'event: error\ndata: {"code":"x","message":"m","type":"error"}\n\n', True),
+        (b'x\r\nevent: response.failed\r\ndata: {"response":{}}\r\n\r\n', True),
+        (b'event: response.completed\ndata: {"type":"response.completed"}\n\n', False),
+        (b'data: {"delta":"\\nevent: error\\n"}\n\n', False),  # an answer's text
     ],
 )
 def test_an_error_event_is_told_from_a_completion(tail: bytes, expected: bool) -> None:

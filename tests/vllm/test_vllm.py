@@ -17,6 +17,7 @@ import openai
 import pytest
 from proxy_lab import (
     KEYS,
+    AccessLines,
     Lab,
     Served,
     assert_alternate,
@@ -89,6 +90,51 @@ async def test_usage_through_the_proxy_is_what_vllm_counted(
         return Counter({k: after[k] - before[k] for k in expected}) == expected
 
     await eventually(counted_as_expected, within=5)  # vLLM counts just after answering
+
+
+async def test_the_responses_api_through_the_proxy_is_what_vllm_counted(
+    lab: Lab, vllm_servers: list[VllmServer], access_log: AccessLines
+) -> None:
+    """vLLM's own /v1/responses, streamed and not: the proxy relays its events and reads the
+    usage of its ``response.completed`` event as vLLM counted it."""
+    served = await proxy_for(lab, vllm_servers, slots=4)
+    client, http = lab.client(served), await lab.http()
+    before = await totals(http, vllm_servers)
+    answer = await client.responses.create(
+        model=SERVED_NAME, input="def fair_share(teams):", max_output_tokens=8, extra_body=EXACT
+    )
+    stream = await client.responses.create(
+        model=SERVED_NAME,
+        instructions="Write Python.",
+        input=[{"role": "user", "content": "import asyncio"}],
+        max_output_tokens=6,
+        stream=True,
+        extra_body=EXACT,
+    )
+    events = [event async for event in stream]
+    assert events[0].type == "response.created"
+    assert events[-1].type == "response.completed"
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    final = events[-1].response  # type: ignore[union-attr]
+    assert "".join(d.delta for d in deltas) == final.output_text  # type: ignore[union-attr]
+    usages = [answer.usage, final.usage]
+    assert [u.output_tokens for u in usages] == [8, 6]
+    expected = Counter(
+        {
+            "vllm:prompt_tokens_total": sum(u.input_tokens for u in usages),
+            "vllm:generation_tokens_total": 8 + 6,
+        }
+    )
+
+    async def counted_as_expected() -> bool:
+        after = await totals(http, vllm_servers)
+        return Counter({k: after[k] - before[k] for k in expected}) == expected
+
+    await eventually(counted_as_expected, within=5)
+    lines = await access_log()
+    assert [(x["prompt_tokens"], x["completion_tokens"]) for x in lines] == [
+        (u.input_tokens, u.output_tokens) for u in usages
+    ]
 
 
 async def test_streams_without_include_usage_carry_no_usage(
