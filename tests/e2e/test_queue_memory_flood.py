@@ -23,7 +23,7 @@ import openai
 import pytest
 import yaml
 from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config
-from redis_server import queued_in_redis, queued_is
+from redis_server import queued_in_redis
 
 from sfq_proxy.core.queue_memory import MIB, REQUEST_OVERHEAD_BYTES
 
@@ -222,8 +222,12 @@ async def test_with_redis_the_bound_is_the_processes_and_an_evicted_ticket_leave
     # B's requests, as large as A's: once what A left is used, each pushes out A's newest
     others = [ask(b) for _ in range(3)]
     await eventually(lambda: sum(task.done() for task in flood) > refused, within=30)
-    waiting = sum(not task.done() for task in [*flood, *others]) - 1  # one runs
-    await eventually(lambda: queued_is(redis_url, waiting), within=10)  # Redis agrees
+
+    async def agrees() -> bool:  # Redis's line is what waits in the process (one runs)
+        waiting = sum(not task.done() for task in [*flood, *others]) - 1
+        return await queued_in_redis(redis_url) == waiting
+
+    await eventually(agrees, within=10)
     sim.release()
     for task in others:
         assert (await task).choices[0].message.content is not None
