@@ -36,7 +36,8 @@ LIMIT_CODES = ("rpm", "tpm", "queue_full", "queue_age")
 _REASONS = {400: "invalid", 401: "auth", 403: "auth", 404: "invalid", 405: "invalid",
             409: "invalid", 413: "invalid", 415: "invalid", 503: "no_backend"}  # fmt: skip
 _REASONS_BY_CODE = {"rpm": "rate", "tpm": "rate", "queue_full": "queue_full",
-                    "queue_age": "queue_age", "deadline": "deadline"}  # fmt: skip
+                    "queue_age": "queue_age", "deadline": "deadline",
+                    "shutting_down": "shutting_down"}  # fmt: skip
 
 
 class ApiError(Exception):

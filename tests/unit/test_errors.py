@@ -40,6 +40,7 @@ def test_every_429_and_503_says_when_to_come_back(
     (429, "queue_full", "queue_full"), (429, "queue_age", "queue_age"),
     (429, "rpm", "rate"), (429, "tpm", "rate"), (504, "deadline", "deadline"), (401, None, "auth"),
     (400, "tokens_exceed_limit", "invalid"), (415, None, "invalid"), (503, None, "no_backend"),
+    (503, "shutting_down", "shutting_down"),
     (502, None, None), (500, None, None), (504, "upstream_timeout", None),
 ])  # fmt: skip
 def test_a_rejection_has_a_reason_and_a_failure_has_none(
