@@ -108,8 +108,11 @@ class Throttle:
         return min(1.0, grown)
 
     def wait(self, now: float) -> float:
-        """Seconds until the next dispatch may happen (0: now)."""
-        return max(0.0, self.paused_until - now, self._next_at - now)
+        """Seconds until the next dispatch may happen (0: now). A pause's part is at most
+        ``max_pause_s``, as ``_pause`` set it: ``(now + hold) - now`` can round above
+        ``hold`` by an ulp when ``now`` is large."""
+        pause = min(self.max_pause_s, self.paused_until - now)
+        return max(0.0, pause, self._next_at - now)
 
     def dispatched(self, tokens: float, now: float, rate: Rate | None) -> None:
         """A request was dispatched: below a factor of 1, the next waits its share of the

@@ -209,6 +209,14 @@ def test_any_headers_give_a_pause_within_the_cap_and_a_factor_within_its_bounds(
     assert throttle.wait(now + 60.0) == 0.0  # never frozen: 60 s on, the pool dispatches
 
 
+def test_a_pause_at_the_cap_waits_the_cap_not_an_ulp_more() -> None:
+    """(now + 60) - now is 60.000000000000114 at this now: the pause is still the cap."""
+    now = 970.6836150568391
+    throttle = Throttle(max_pause_s=60.0)
+    throttle.observe(429, {"retry-after": "3600"}, now, now)
+    assert throttle.wait(now) == 60.0
+
+
 def _scheduler(throttle: Throttle, rate: Rate | None = None) -> Scheduler:
     placement = Placement([BackendSpec(url="http://b", slots=8)])
     return Scheduler(placement, throttle=throttle, rate=rate)
