@@ -19,6 +19,7 @@ import contextlib
 import gc
 import logging
 import signal
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,13 @@ def run(main: Callable[[], Any]) -> None:
         uvloop.run(main())
 
 
+def announce(line: str) -> None:
+    """``line`` to stdout in one write: under ``PYTHONUNBUFFERED`` ``print`` writes the text
+    and its newline apart, and workers sharing the pipe interleave them."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 async def serve(config: Config, config_path: Path | None = None, *, worker: bool = False) -> None:
     """Serve until SIGTERM/SIGINT, then drain; a ``worker`` shares its port with others."""
     access_log.configure()
@@ -109,8 +117,8 @@ async def serve(config: Config, config_path: Path | None = None, *, worker: bool
         # process: out of the collector's sight, a full collection takes ~0 ms, not ~30 ms
         # of a stalled event loop.
         gc.freeze()
-        print(f"sfq-proxy listening on {bound_url(runner)}", flush=True)
+        announce(f"sfq-proxy listening on {bound_url(runner)}")
         proxy = runner.app[PROXY]
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload, proxy)
         await wait_for_signal()
-        print("sfq-proxy draining…", flush=True)
+        announce("sfq-proxy draining…")

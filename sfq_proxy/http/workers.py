@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..config import Config
 from . import process_metrics
-from .server import run, serve
+from .server import announce, run, serve
 
 log = logging.getLogger(__name__)
 RESTART_DELAY_S = 1.0  # between a worker's unexpected death and its replacement
@@ -33,7 +33,7 @@ def serve_workers(config: Config, config_path: Path, workers: int) -> int:
     reserved = _reserve(config.listen.host, config.listen.port)
     port = reserved.getsockname()[1]
     config = config.model_copy(update={"listen": config.listen.model_copy(update={"port": port})})
-    print(f"sfq-proxy: {workers} workers on http://{config.listen.host}:{port}", flush=True)
+    announce(f"sfq-proxy: {workers} workers on http://{config.listen.host}:{port}")
     stopping: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:

@@ -33,7 +33,8 @@ from sfq_proxy.state.redis_dispatch import pool_prefix
 
 pytestmark = pytest.mark.redis
 OTHER_MODEL = "sim-other"  # the model of the pool ``other``
-TTL_S = 1.5
+TTL_S = 1.5  # where a test waits for a lease to lapse
+CALM_TTL_S = 30  # elsewhere: a loaded machine may stall the loop (shared with clients) 1.5 s
 ORG_A = "sfq:{org:A}:"  # org A's admission keys
 
 
@@ -73,7 +74,7 @@ def two_pools(
     sim: SimBackend,
     other: SimBackend,
     entry: RedisClusterNode,
-    ttl_s: float = TTL_S,
+    ttl_s: float = CALM_TTL_S,
     **options: Any,
 ) -> Config:
     """Pools ``sim`` (MODEL, 1 slot) and ``other`` (OTHER_MODEL, 2 slots) sharing their
@@ -206,7 +207,7 @@ async def test_a_shard_that_comes_back_empty_is_joined_again(
     ``sim``, on its own shard, serves throughout."""
     _, other_owner, entry = shards(cluster)
     sim, other = await lab.backend(), await lab.backend(models=[OTHER_MODEL])
-    proxy = await lab.proxy(two_pools(sim, other, entry))
+    proxy = await lab.proxy(two_pools(sim, other, entry, ttl_s=TTL_S))
     assert [await ask(lab, proxy, "A", m) for m in (MODEL, OTHER_MODEL)] == ["ok 2"] * 2
     assert "sfq" in libraries(other_owner)
 
@@ -231,11 +232,10 @@ async def test_a_burst_wider_than_a_nodes_connections_is_served(
     """200 requests at once on one pool, through one proxy: about as many Redis calls at
     once to one primary. redis-py's cluster client cannot wait for a free connection to a
     node (it raises at its bound), so the bound must be above what a process has in flight:
-    at 64, most of these got 503. (A long lease TTL: a loaded machine may stall the loop,
-    that this process shares with its 200 clients, past a short one.)"""
+    at 64, most of these got 503."""
     _, _, entry = shards(cluster)
     sim = await lab.backend(max_num_seqs=256)
     other = await lab.backend(models=[OTHER_MODEL])
-    proxy = await lab.proxy(two_pools(sim, other, entry, ttl_s=30))
+    proxy = await lab.proxy(two_pools(sim, other, entry))
     outcomes = Counter(await asyncio.gather(*(ask(lab, proxy, "AB"[i % 2]) for i in range(200))))
     assert outcomes == {"ok 2": 200}

@@ -23,7 +23,8 @@ from sfq_proxy.sim.server import SimBackend
 pytestmark = pytest.mark.redis
 CHAT = [{"role": "user", "content": "hi"}]
 PER_ORG = 40
-TTL_S = 1.5
+TTL_S = 1.5  # where a test waits for a lease to lapse
+CALM_TTL_S = 30  # elsewhere: a loaded machine may stall the loop (shared with clients) 1.5 s
 
 
 def weighted(sims: list[SimBackend], state: Any, **options: Any) -> Config:
@@ -85,7 +86,7 @@ async def test_skewed_ingress_keeps_the_weights_across_two_proxies(
     lab: Lab, redis_url: str
 ) -> None:
     sim = await lab.backend(max_num_seqs=4)
-    shared = {"redis": redis_url, "lease_ttl_s": 2}
+    shared = {"redis": redis_url, "lease_ttl_s": CALM_TTL_S}
     proxies = [await lab.proxy(weighted([sim], shared)) for _ in range(2)]
 
     async def all_wait() -> bool:  # the first one holds the slot, in the held backend
@@ -206,7 +207,7 @@ async def test_an_orgs_rpm_holds_across_proxies_only_when_shared(
     6 pass and 2 get 429 with the wait; two independent proxies let all 8 through, each
     giving the org its whole rate (the failure seen with several instances of a gateway)."""
     sim = await lab.backend()
-    state = {"redis": redis_url, "lease_ttl_s": TTL_S} if shared else "memory"
+    state = {"redis": redis_url, "lease_ttl_s": CALM_TTL_S} if shared else "memory"
     config = proxy_config([sim.url], state=state, orgs={"A": {"rpm": 6}})
     proxies = [await lab.proxy(config) for _ in range(2)]
 
@@ -234,7 +235,7 @@ async def test_an_orgs_rpm_holds_across_proxies_only_when_shared(
 
 async def test_an_idempotency_key_is_one_request_across_proxies(lab: Lab, redis_url: str) -> None:
     sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=40.0)
-    config = proxy_config([sim.url], state={"redis": redis_url, "lease_ttl_s": TTL_S})
+    config = proxy_config([sim.url], state={"redis": redis_url, "lease_ttl_s": CALM_TTL_S})
     first, second = [await lab.proxy(config) for _ in range(2)]
     key = {"Idempotency-Key": "order-42"}
     running = asyncio.create_task(
