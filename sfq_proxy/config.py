@@ -675,6 +675,10 @@ class ResolvedKey:
     digest: bytes = field(repr=False)
     # the access log's name for it: keys[i].name, else "<org>#<i>"
     name: str = field(default="", compare=False)
+    pools: frozenset[str] | None = None  # the pools it may use; None: every pool
+    models: frozenset[str] | None = None  # the models it may use; None: every model
+    expires: float | None = None  # when it stops working (Unix time); None: never
+    managed: bool = False  # made through the admin API (a store), not read from the file
 
 
 _Errors = list[tuple[str, str]]

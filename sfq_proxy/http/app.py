@@ -32,13 +32,18 @@ log = logging.getLogger(__name__)
 
 
 def build_app(
-    config: Config, *, clock: Clock = time.monotonic, config_path: Path | None = None
+    config: Config,
+    *,
+    clock: Clock = time.monotonic,
+    config_path: Path | None = None,
+    wall: Clock = time.time,
 ) -> web.Application:
     """The proxy as an aiohttp application; raises ConfigError if a tokenizer won't load.
 
-    ``config_path`` is the file a reload reads again.
+    ``config_path`` is the file a reload reads again; ``wall`` is the Unix-time clock
+    (key expiry, usage periods, budgets), which tests replace.
     """
-    proxy = Proxy.from_config(config, clock, config_path)
+    proxy = Proxy.from_config(config, clock, config_path, wall)
     app = web.Application(client_max_size=config.limits.max_body_bytes)
     app[PROXY] = proxy
     app.cleanup_ctx.append(proxy.lifecycle)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ class Proxy:
     admission: Admission
     metrics: Metrics
     clock: Clock
+    wall: Clock = time.time  # Unix time: key expiry, usage periods, budgets; tests replace it
     calibration: Calibration | None = None
     limits: SharedLimits | None = None  # the org buckets and Idempotency-Keys, with Redis
     calibration_sync: CalibrationSync | None = None  # calibration shared, with Redis
@@ -56,7 +58,13 @@ class Proxy:
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
-    def from_config(cls, config: Config, clock: Clock, config_path: Path | None = None) -> Proxy:
+    def from_config(
+        cls,
+        config: Config,
+        clock: Clock,
+        config_path: Path | None = None,
+        wall: Clock = time.time,
+    ) -> Proxy:
         _hide_upstream_keys(config)
         calibration = _load_calibration(config.calibration)
         redis, holder = shared_state.connect(config), shared_state.holder_id()
@@ -82,6 +90,7 @@ class Proxy:
             admission=Admission(config),
             metrics=Metrics(pools, config.metrics.max_labelled_orgs, calibration),
             clock=clock,
+            wall=wall,
             calibration=calibration,
             limits=None if calls is None else SharedLimits(calls, config, _replicas(pools)),
             calibration_sync=sync,
