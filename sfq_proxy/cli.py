@@ -1,4 +1,4 @@
-"""The ``sfq-proxy`` command: serve, check-config, demo, sim-backend, simulate, loadgen.
+"""The ``sfq-proxy`` command: serve, check-config, keys, demo, sim-backend, simulate, loadgen.
 
 Serving needs only the proxy (``sfq_proxy.core``, ``sfq_proxy.http``). The demo, the
 simulated server and the scenario lab live in ``sfq_proxy.lab`` and ``sfq_proxy.sim``,
@@ -16,6 +16,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from . import keys_cli
 from .config import Config, ConfigError, load_config
 from .config_summary import summary, warnings
 from .http import logs
@@ -68,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_log_options(p)
     p.set_defaults(func=_demo)
 
+    keys_cli.add_parser(sub)
     _add_lab_parsers(sub)
     args = parser.parse_args(argv)
     if "log_level" in args:

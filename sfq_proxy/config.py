@@ -14,10 +14,11 @@ an input value, because the value might be a secret.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import resources
 from itertools import pairwise
@@ -51,8 +52,10 @@ from .core.queue_memory import MIB, REQUEST_OVERHEAD_BYTES
 
 __all__ = [
     "NAME_PATTERN",
+    "Access",
     "AffinitySpec",
     "BackendSpec",
+    "BudgetSpec",
     "CalibrationSpec",
     "ClassSpec",
     "Config",
@@ -69,6 +72,7 @@ __all__ = [
     "MetricsSpec",
     "OrgSpec",
     "PoolSpec",
+    "PriceSpec",
     "RateSpec",
     "RedisState",
     "ResolvedKey",
@@ -76,14 +80,18 @@ __all__ = [
     "SentinelSpec",
     "StrictModel",
     "TimeoutSpec",
+    "UsageSpec",
     "WeightedCost",
     "config_error",
     "default_classes",
     "default_config",
+    "did_you_mean",
+    "effective_access",
     "expand_env",
     "load_config",
     "parse_config",
     "read_yaml",
+    "usable_models",
     "without_credentials",
 ]
 
@@ -149,6 +157,54 @@ class Limits(StrictModel):
         return self.queue_memory_mb * MIB
 
 
+class BudgetSpec(StrictModel):
+    """A cap on an org's or a key's tokens or money per UTC day or calendar month
+    (docs/usage-and-budgets.md): requests are refused once it is used up; ``warn_at`` is the
+    fraction at which it warns (a log line, the ``sfq_budget_used_ratio`` alert)."""
+
+    period: Literal["day", "month"]
+    tokens: int | None = Field(None, gt=0, le=10**15)
+    money: float | None = Field(None, gt=0, le=1e12, allow_inf_nan=False)
+    warn_at: float = Field(0.8, gt=0, lt=1, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _one_unit(self) -> Self:
+        if (self.tokens is None) == (self.money is None):
+            raise ValueError("needs exactly one of tokens, money")
+        return self
+
+
+def _one_budget_per_period_and_unit(budgets: list[BudgetSpec]) -> list[BudgetSpec]:
+    """Two budgets of one period and unit: the smaller would be the only one that counts."""
+    seen = [(b.period, b.tokens is None) for b in budgets]
+    if len(set(seen)) != len(seen):
+        raise ValueError("has two budgets of the same period and unit")
+    return budgets
+
+
+Budgets = Annotated[
+    list[BudgetSpec], Field(max_length=4), AfterValidator(_one_budget_per_period_and_unit)
+]
+Price = Annotated[float, Field(ge=0, le=1e9, allow_inf_nan=False)]
+
+
+class PriceSpec(StrictModel):
+    """What a million tokens cost, in the currency of money budgets."""
+
+    prompt_per_1m: Price
+    completion_per_1m: Price
+
+
+class UsageSpec(StrictModel):
+    """Where usage is kept (docs/usage-and-budgets.md): in memory mode the SQLite ``file``
+    (None: in the process only, lost at restart); with ``state: redis``, in Redis, whose
+    hourly buckets expire after ``redis_ttl_days``. Written every ``flush_s``."""
+
+    file: NonEmptyStr | None = None
+    flush_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False)
+    redis_ttl_days: int = Field(400, ge=1, le=3650)
+
+
 class KeySpec(StrictModel):
     """An API key: who may call, as which org, with which classes (the first is default).
 
@@ -163,6 +219,10 @@ class KeySpec(StrictModel):
     org: Name
     classes: list[Name] = Field(min_length=1)
     name: Name | None = None
+    # what it may use, within its org's own lists (docs/access.md); None: no restriction
+    pools: list[Name] | None = None
+    models: list[NonEmptyStr] | None = None
+    budgets: Budgets = []
 
     @field_validator("key_sha256")
     @classmethod
@@ -253,12 +313,21 @@ def default_classes() -> dict[str, ClassSpec]:
 
 
 class OrgSpec(StrictModel):
-    """Per-organisation share (weight), concurrency cap and rate limits."""
+    """Per-organisation share (weight), concurrency cap and rate limits, and what its keys
+    may use at most (``pools``, ``models``; None: no restriction; docs/access.md).
+
+    ``keys_from_api`` says its keys are made through the admin API: an entry no key of the
+    file uses is then expected rather than an error (a typo of another org's name).
+    """
 
     weight: Weight = 1.0
     max_in_flight: PositiveInt | None = None
     rpm: PerMinute | None = None
     tpm: PerMinute | None = None
+    pools: list[Name] | None = None
+    models: list[NonEmptyStr] | None = None
+    keys_from_api: bool = False
+    budgets: Budgets = []
 
 
 class WeightedCost(StrictModel):
@@ -547,6 +616,8 @@ class PoolSpec(StrictModel):
     family: Family = "vllm"
     affinity: AffinitySpec | None = None  # None: every request to the least loaded backend
     extra_paths: list[ExtraPathSpec] = Field(default_factory=list, max_length=64)
+    # model (or "*": its other models) → price, for money (docs/usage-and-budgets.md)
+    prices: dict[NonEmptyStr, PriceSpec] = {}
 
     def extra_path(self, path: str) -> ExtraPathSpec | None:
         """The pool's rule for ``path``, if it lists it in ``extra_paths``."""
@@ -706,6 +777,10 @@ class Config(StrictModel):
     drain_timeout_s: NonNegativeSeconds = 30.0
     # None (``state: memory``, the default): each process its own scheduler; or Redis
     state: RedisState | None = None
+    usage: UsageSpec = UsageSpec()
+    # where keys made through the admin API persist in memory mode (docs/keys.md); with
+    # state: redis they live in Redis, and this must be unset
+    key_store_file: NonEmptyStr | None = None
 
     _resolved: tuple[ResolvedKey, ...] = PrivateAttr(default=())
     _upstream_keys: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -741,7 +816,10 @@ class Config(StrictModel):
         errors += _check_key_classes(self.keys, self.classes)
         errors += _check_priority_band(self.keys, self.classes, self.pools)
         errors += _check_size_buckets(self.classes)
-        key_errors, self._resolved = _resolve_keys(self.keys, environ)
+        errors += _check_prices(self.pools, self.orgs, self.keys)
+        errors += _check_access(self.keys, self.orgs, self.pools, self._pool_by_model)
+        errors += _check_orgs(self.keys, self.orgs)
+        key_errors, self._resolved = _resolve_keys(self.keys, environ, self.key_access)
         errors += key_errors
         for name, pool in self.pools.items():
             if pool.upstream_key_env is not None:
@@ -760,6 +838,8 @@ class Config(StrictModel):
             if sentinel is not None and sentinel.password_env is not None:
                 path = "state.sentinel.password_env"
                 self._redis_password = _env_secret(environ, sentinel.password_env, path, errors)
+        if self.state is not None and self.key_store_file is not None:
+            errors.append(("key_store_file", _KEYS_IN_REDIS))
         if self.admin_key_env is not None:
             secret = _env_secret(environ, self.admin_key_env, "admin_key_env", errors)
             self._admin_digest = hashlib.sha256(secret.encode()).digest() if secret else None
@@ -770,6 +850,30 @@ class Config(StrictModel):
     def org(self, name: str) -> OrgSpec:
         """The org's settings; an org without an entry has weight 1 and no caps."""
         return self.orgs.get(name, _DEFAULT_ORG)
+
+    def key_access(
+        self, org: str, pools: Iterable[str] | None, models: Iterable[str] | None
+    ) -> Access:
+        """What a key of ``org`` that lists ``pools`` and ``models`` may use: see
+        :func:`effective_access` (keys made through the admin API are resolved by it too)."""
+        return effective_access(self.org(org), pools, models, self._pool_by_model)
+
+    def api_key_errors(self, spec: KeySpec) -> _Errors:
+        """Why a key made through the admin API could not be in this config: the checks of
+        the file's keys (classes defined and allowed, pools and models that exist and leave
+        one to call), with paths from the key itself (``classes[0]``); an error of a class
+        (the priority band) has the path ``classes``."""
+        i, keys = len(self.keys), [*self.keys, spec]
+        errors = _check_key_classes(keys, self.classes)
+        errors += _check_priority_band(keys, self.classes, self.pools)
+        errors += _check_access(keys, self.orgs, self.pools, self._pool_by_model)
+        own = f"keys[{i}]"
+        return [
+            (path.removeprefix(own).lstrip(".") or "org", message)
+            if path.startswith(own)
+            else ("classes", f"{path}: {message}")
+            for path, message in errors
+        ]
 
     def flow_weight(self, org: str, cls: str) -> float:
         """Weight of the flow (org, class, any pool) = class weight × org weight."""
@@ -819,6 +923,7 @@ class Config(StrictModel):
 
 
 _DEFAULT_ORG = OrgSpec()
+_KEYS_IN_REDIS = "with state: redis, the admin API's keys are kept in Redis: remove it"
 
 
 def _check_models(pools: Mapping[str, PoolSpec]) -> tuple[_Errors, dict[str, str]]:
@@ -900,6 +1005,29 @@ def _check_shared(
                 f"with state: redis, c_max ({largest:g}) over the smallest flow weight "
                 f"({smallest:g}) must stay below 2^31: lower it, or raise that weight",
             ))  # fmt: skip
+    return errors
+
+
+def _check_prices(
+    pools: Mapping[str, PoolSpec], orgs: Mapping[str, OrgSpec], keys: Iterable[KeySpec]
+) -> _Errors:
+    """A price names one of its pool's models (or ``"*"``); a money budget needs some price,
+    or it could never be spent (a pool without prices is a check-config warning)."""
+    errors: _Errors = [
+        (f"pools.{name}.prices.{model}", "is not one of the pool's models, nor *")
+        for name, pool in pools.items()
+        for model in pool.prices
+        if model != "*" and model not in pool.models
+    ]
+    if any(pool.prices for pool in pools.values()):
+        return errors
+    owners = [(f"orgs.{n}", o.budgets) for n, o in orgs.items()]
+    owners += [(f"keys[{i}]", k.budgets) for i, k in enumerate(keys)]
+    for path, budgets in owners:
+        for j, budget in enumerate(budgets):
+            if budget.money is not None:
+                message = "a money budget needs prices: no pool has any (pools.<pool>.prices)"
+                errors.append((f"{path}.budgets[{j}].money", message))
     return errors
 
 
@@ -989,13 +1117,131 @@ def _check_priority_band(
     return errors + [(f"classes.{name}.max_in_flight", message) for name in capped]
 
 
+# what a key may use: its pools and its models, each None when unrestricted
+Access = tuple[frozenset[str] | None, frozenset[str] | None]
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """``"; did you mean 'x'?"`` for the choice closest to a mistyped ``word``, or ``""``
+    when none is close: a suggestion, never a guess that is acted upon."""
+    close = difflib.get_close_matches(word, sorted(set(choices)), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _meet(outer: Iterable[str] | None, inner: Iterable[str] | None) -> frozenset[str] | None:
+    """The intersection of two lists of names, None standing for "no restriction"."""
+    if outer is None or inner is None:
+        given = inner if outer is None else outer
+        return None if given is None else frozenset(given)
+    return frozenset(outer) & frozenset(inner)
+
+
+def effective_access(
+    org: OrgSpec,
+    pools: Iterable[str] | None,
+    models: Iterable[str] | None,
+    pool_by_model: Mapping[str, str],
+) -> Access:
+    """What a key of ``org`` listing ``pools`` and ``models`` may use: at each level the
+    intersection of the org's list and the key's, so that a key never widens its org. The
+    models are then kept to those of the allowed pools, so that ``models`` alone says what
+    may be called whenever it is set (docs/access.md)."""
+    allowed_pools, allowed_models = _meet(org.pools, pools), _meet(org.models, models)
+    if allowed_pools is not None and allowed_models is not None:
+        allowed_models = frozenset(
+            m for m in allowed_models if pool_by_model.get(m) in allowed_pools
+        )
+    return allowed_pools, allowed_models
+
+
+def usable_models(pools: Mapping[str, PoolSpec], access: Access) -> dict[str, list[str]]:
+    """Each pool of ``pools`` that ``access`` reaches, with its models that it may call."""
+    allowed_pools, allowed_models = access
+    usable = {
+        name: [m for m in spec.models if allowed_models is None or m in allowed_models]
+        for name, spec in pools.items()
+        if allowed_pools is None or name in allowed_pools
+    }
+    return {name: models for name, models in usable.items() if models}
+
+
+def _check_lists(
+    path: str, spec: KeySpec | OrgSpec, pools: Mapping[str, PoolSpec], served: Mapping[str, str]
+) -> _Errors:
+    """Each pool and model ``spec`` lists exists: a typo would otherwise narrow silently."""
+    errors = [
+        (f"{path}.pools[{j}]", f"pool {pool!r} is not defined{did_you_mean(pool, pools)}")
+        for j, pool in enumerate(spec.pools or ())
+        if pool not in pools
+    ]
+    errors += [
+        (f"{path}.models[{j}]", f"no pool serves model {model!r}{did_you_mean(model, served)}")
+        for j, model in enumerate(spec.models or ())
+        if model not in served
+    ]
+    return errors
+
+
+def _check_access(
+    keys: Iterable[KeySpec],
+    orgs: Mapping[str, OrgSpec],
+    pools: Mapping[str, PoolSpec],
+    served: Mapping[str, str],
+) -> _Errors:
+    """Every list of pools and models names what exists, and every org and key can still
+    call some model: an empty intersection is a key that could use nothing. Only the first
+    fault is told: lists with an unknown name are not judged empty too, nor the keys of an
+    org whose lists are at fault."""
+    errors: _Errors = []
+    faulty: set[str] = set()
+    for name, org in orgs.items():
+        wrong = _check_lists(f"orgs.{name}", org, pools, served)
+        if not wrong and not usable_models(pools, effective_access(org, None, None, served)):
+            wrong = [(f"orgs.{name}", "its pools and models leave no model to use")]
+        if wrong:
+            errors += wrong
+            faulty.add(name)
+    for i, key in enumerate(keys):
+        if wrong := _check_lists(f"keys[{i}]", key, pools, served):
+            errors += wrong
+            continue
+        org = orgs.get(key.org, _DEFAULT_ORG)
+        usable = usable_models(pools, effective_access(org, key.pools, key.models, served))
+        if not usable and key.org not in faulty:
+            errors.append((
+                f"keys[{i}]",
+                f"could use no model: its pools and models, within those of org "
+                f"{key.org!r}, leave none",
+            ))  # fmt: skip
+    return errors
+
+
+def _check_orgs(keys: Iterable[KeySpec], orgs: Mapping[str, OrgSpec]) -> _Errors:
+    """An ``orgs`` entry no key uses is most often a typo of the org's name, which leaves
+    the real org without its caps; one whose keys come from the admin API says so."""
+    used = {key.org for key in keys}
+    return [
+        (f"orgs.{name}", f"no key uses this org{did_you_mean(name, used) or _NO_KEY_HINT}")
+        for name, org in orgs.items()
+        if name not in used and not org.keys_from_api
+    ]
+
+
+_NO_KEY_HINT = (
+    ": give a key this org, or set keys_from_api: true if its keys are made through the admin API"
+)
+
+
 def _resolve_keys(
-    keys: Iterable[KeySpec], environ: Mapping[str, str]
+    keys: Iterable[KeySpec],
+    environ: Mapping[str, str],
+    access: Callable[[str, Iterable[str] | None, Iterable[str] | None], Access],
 ) -> tuple[_Errors, tuple[ResolvedKey, ...]]:
     """Hash every key now, so the plain secret read from the environment is not kept.
 
     Values read from the environment are stripped: secrets mounted from files often
-    end with a newline that no client would send.
+    end with a newline that no client would send. ``access`` gives each key's effective
+    pools and models (:meth:`Config.key_access`).
     """
     errors: _Errors = []
     resolved: list[ResolvedKey] = []
@@ -1017,7 +1263,8 @@ def _resolve_keys(
         if first != i:
             errors.append((f"keys[{i}]", f"duplicates the key of keys[{first}]"))
         name = key.name or f"{key.org}#{i}"
-        resolved.append(ResolvedKey(i, key.org, tuple(key.classes), digest, name))
+        pools, models = access(key.org, key.pools, key.models)
+        resolved.append(ResolvedKey(i, key.org, tuple(key.classes), digest, name, pools, models))
     return errors, tuple(resolved)
 
 

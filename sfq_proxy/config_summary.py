@@ -16,6 +16,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from .config import (
+    Access,
     AffinitySpec,
     ClassSpec,
     Config,
@@ -28,6 +29,7 @@ from .config import (
     band_cap,
     granted_classes,
     pool_slots,
+    usable_models,
     without_credentials,
 )
 from .config import (
@@ -55,11 +57,14 @@ def summary(config: Config) -> str:
     lines += [
         f"  keys[{i}]: {f'name={k.name}, ' if k.name else ''}org={k.org}, "
         f"classes=[{', '.join(k.classes)}] ({k.source})"
+        + _key_access(config.key_access(k.org, k.pools, k.models))
         for i, k in enumerate(config.keys)
     ]
-    if config.orgs:
-        lines.append("orgs:")
-        lines += [f"  {name}: {_org_summary(spec)}" for name, spec in config.orgs.items()]
+    lines.append("orgs (the pools their keys reach):")
+    lines += [
+        f"  {name}: {_org_summary(config.org(name))}; {_reach(config, name)}"
+        for name in dict.fromkeys([*config.orgs, *(k.org for k in config.keys)])
+    ]
     lines.append("flows (org/class/pool: weight):")
     lines += [f"  {flow}" for flow in _flow_summary(config)]
     cal = config.calibration
@@ -93,13 +98,18 @@ _WHEN_LOST = {
 
 
 def _flow_summary(config: Config) -> list[str]:
-    """Effective weight of every flow the keys can create (priority flows have none)."""
-    pairs = dict.fromkeys((k.org, c) for k in config.keys for c in k.classes)
+    """Effective weight of every flow the keys can create (priority flows have none): each
+    key's classes in the pools it may use."""
+    flows = dict.fromkeys(
+        (k.org, cls, pool)
+        for k in config.keys
+        for cls in k.classes
+        for pool in _usable(config, k.org, k.pools, k.models)
+    )
     return [
         f"{org}/{cls}/{pool}: "
         + ("priority" if config.classes[cls].priority else _num(config.flow_weight(org, cls)))
-        for org, cls in pairs
-        for pool in config.pools
+        for org, cls, pool in flows
     ]
 
 
@@ -164,6 +174,32 @@ def _share_summary(slots: int, classes: Mapping[str, ClassSpec]) -> list[str]:
     return lines
 
 
+def _key_access(access: Access) -> str:
+    """``, may use …`` for a key whose access is restricted (docs/access.md); else nothing.
+    Its models when listed (they are kept to its pools, so they say it all), else its pools."""
+    pools, models = access
+    kind, names = ("models", models) if models is not None else ("pools", pools)
+    return "" if names is None else f", may use {kind} [{', '.join(sorted(names))}]"
+
+
+def _reach(config: Config, org: str) -> str:
+    """The pools an org's keys of the file reach; for an org whose keys come from the admin
+    API only, the pools its own lists allow such keys."""
+    keys = [k for k in config.keys if k.org == org]
+    if not keys:
+        allowed = ", ".join(_usable(config, org, None, None))
+        return f"no key in this file; admin API keys reach at most [{allowed}]"
+    reached = {pool for k in keys for pool in _usable(config, org, k.pools, k.models)}
+    return f"reaches [{', '.join(pool for pool in config.pools if pool in reached)}]"
+
+
+def _usable(
+    config: Config, org: str, pools: Iterable[str] | None, models: Iterable[str] | None
+) -> list[str]:
+    """The pools a key of ``org`` listing ``pools`` and ``models`` can call a model of."""
+    return list(usable_models(config.pools, config.key_access(org, pools, models)))
+
+
 def _org_summary(spec: OrgSpec) -> str:
     caps = _fmt_caps(spec, ("max_in_flight", "rpm", "tpm"))
     return ", ".join([f"weight={_num(spec.weight)}", *caps])
@@ -222,7 +258,13 @@ def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
 
 def warnings(config: Config) -> list[str]:
     """What is valid in ``config`` but will not work here, as this user: one line each."""
-    out = []
+    used = {key.org for key in config.keys}
+    out = [
+        f"warning: orgs.{name}: no key in this file uses this org (keys_from_api: its keys "
+        "are made through the admin API); check its name if that is not so"
+        for name, spec in config.orgs.items()
+        if spec.keys_from_api and name not in used
+    ]
     state_file = config.calibration.state_file
     if state_file:
         problem = _unwritable(Path(state_file))
@@ -232,6 +274,30 @@ def warnings(config: Config) -> list[str]:
                 "learns will not be kept across restarts (the proxy logs a warning at every "
                 "save); create it, or run as a user who may write there"
             )
+    return out + _usage_warnings(config)
+
+
+def _usage_warnings(config: Config) -> list[str]:
+    """Usage that would be lost, or would count no money (docs/usage-and-budgets.md)."""
+    out = []
+    budgets = any(o.budgets for o in config.orgs.values()) or any(k.budgets for k in config.keys)
+    billing = budgets or any(pool.prices for pool in config.pools.values())
+    file = config.usage.file
+    if config.state is None and file is None and billing:
+        out.append(
+            "warning: usage.file is not set: usage is kept in this process only, lost at "
+            "restart (and budgets start again from nothing); set it to a SQLite file"
+        )
+    elif config.state is None and file is not None and (problem := _unwritable(Path(file))):
+        out.append(f"warning: usage.file {file}: {problem}: the proxy will not start")
+    if config.state is not None and file is not None:
+        out.append("warning: usage.file is not used with state: redis (usage is in Redis)")
+    if any(pool.prices for pool in config.pools.values()):
+        out += [
+            f"warning: pools.{name} has no prices: its requests count no money"
+            for name, pool in config.pools.items()
+            if not pool.prices
+        ]
     return out
 
 

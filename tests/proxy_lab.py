@@ -196,7 +196,7 @@ async def dispatched_behind(
     start = len(recent)
     await blocker.close()
     await replies
-    return [org_and_class(flow)[0] for flow, _ in list(recent)[start:]]
+    return [org_and_class(d.flow)[0] for d in list(recent)[start:]]
 
 
 async def eventually(predicate: Callable[[], bool | Awaitable[bool]], within: float = 2.0) -> None:

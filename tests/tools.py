@@ -17,6 +17,8 @@ PACKAGES = {
     "docker-compose": "docker-compose",
     "promtool": "prometheus",
     "redis-server": "redis-server",
+    "chromium": "chromium",
+    "chromedriver": "chromium-driver",
 }
 
 

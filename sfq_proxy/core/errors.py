@@ -27,16 +27,15 @@ _TYPES = {
 
 # The code of a 429 names the limit that refused it (docs/design.md §6, Errors): the org's
 # or the pool's requests (``rpm``) or tokens (``tpm``) per minute, the flow's queue
-# (``queue_full``), the class's wait (``queue_age``). ``budget`` is kept for a spend budget,
-# which does not exist yet: nothing raises it; a budget check would raise
-# ``ApiError(429, …, code="budget")`` and add it to ``_REASONS_BY_CODE``.
-LIMIT_CODES = ("rpm", "tpm", "queue_full", "queue_age")
+# (``queue_full``), the class's wait (``queue_age``), an org's or key's spend budget
+# (``budget_exceeded``, docs/usage-and-budgets.md).
+LIMIT_CODES = ("rpm", "tpm", "queue_full", "queue_age", "budget_exceeded")
 
 # Why a request was refused, for the metrics; an error without one is a failure to serve.
 _REASONS = {400: "invalid", 401: "auth", 403: "auth", 404: "invalid", 405: "invalid",
             409: "invalid", 413: "invalid", 415: "invalid", 503: "no_backend"}  # fmt: skip
 _REASONS_BY_CODE = {"rpm": "rate", "tpm": "rate", "queue_full": "queue_full",
-                    "queue_age": "queue_age", "deadline": "deadline",
+                    "queue_age": "queue_age", "deadline": "deadline", "budget_exceeded": "budget",
                     "shutting_down": "shutting_down"}  # fmt: skip
 
 

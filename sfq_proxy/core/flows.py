@@ -7,7 +7,7 @@ a client writes in a header or body can pick its org or raise its class.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import NewType
 
@@ -54,23 +54,42 @@ class Flow:
 
 
 class Authenticator:
-    """Maps a bearer token to its key entry by the token's SHA-256 digest.
+    """Maps a bearer token to its key entry by the token's SHA-256 digest: the file's keys
+    and those of the admin API's store (a file's key wins where both have a digest).
 
     A dict lookup, not a scan: it stays O(1) with thousands of keys, and its timing tells
-    nothing usable, because a caller cannot choose the digest it probes with.
+    nothing usable, because a caller cannot choose the digest it probes with. It notes when
+    each key was last used (``last_used``, by digest), in memory only: the shell persists
+    it now and then, never per request.
     """
 
-    def __init__(self, keys: list[ResolvedKey]) -> None:
-        self._keys = {key.digest: key for key in keys}
+    def __init__(self, keys: Iterable[ResolvedKey], managed: Iterable[ResolvedKey] = ()) -> None:
+        self.last_used: dict[bytes, float] = {}
+        self._file = {key.digest: key for key in keys}
+        self._keys = self._file
+        self.manage(managed)
 
-    def identify(self, headers: Mapping[str, str]) -> ResolvedKey:
-        """The key of a request with these ``headers`` (see :func:`credential`), or a 401."""
+    def manage(self, managed: Iterable[ResolvedKey]) -> None:
+        """Use ``managed`` as the admin API's keys from now on (the store changed)."""
+        self._keys = {**{key.digest: key for key in managed}, **self._file}
+
+    def reconfigure(self, keys: Iterable[ResolvedKey], managed: Iterable[ResolvedKey]) -> None:
+        """A reload: the file's keys are ``keys``; ``managed``, the store's, resolved anew."""
+        self._file = {key.digest: key for key in keys}
+        self.manage(managed)
+
+    def identify(self, headers: Mapping[str, str], now: float) -> ResolvedKey:
+        """The key of a request with these ``headers`` (see :func:`credential`) at Unix time
+        ``now``, or a 401: no key, an unknown or revoked one, or one that has expired."""
         token = credential(headers)
         if token is None:
             raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.")
         found = self._keys.get(key_digest(token))
         if found is None:
             raise ApiError(401, "Incorrect API key provided.")
+        if found.expires is not None and now >= found.expires:
+            raise ApiError(401, "This API key has expired.", code="key_expired")
+        self.last_used[found.digest] = now
         return found
 
 
@@ -90,7 +109,31 @@ def classify(config: Config, key: ResolvedKey, requested_class: str | None, mode
     pool = config.pool_for_model(model)
     if pool is None:
         raise ApiError(404, f"The model '{model}' does not exist or is not served here.")
+    if not may_use(key, model, pool):
+        raise ApiError(
+            403,
+            f"This key may not use the model '{model}' (pool '{pool}'); "
+            f"it may use: {_allowed(key)}.",
+            code="model_not_allowed",
+        )
     return Flow(org=key.org, cls=cls, pool=pool)
+
+
+def may_use(key: ResolvedKey, model: str, pool: str) -> bool:
+    """Whether ``key`` may call ``model`` of ``pool``: its pool is allowed, and its models
+    are unrestricted or list it (docs/access.md). Read from the key alone, so keys of the
+    file and keys made through the admin API are held to the same rule."""
+    return (key.pools is None or pool in key.pools) and (key.models is None or model in key.models)
+
+
+def _allowed(key: ResolvedKey) -> str:
+    """What a refused key may use, by name: its models when they are listed, else its
+    pools. Only names its own access holds, nothing of other tenants. (An admin API key
+    whose org a reload narrowed may be left with none.)"""
+    kind, names = ("models", key.models) if key.models is not None else ("pools", key.pools)
+    if not names:
+        return "no model"
+    return f"{kind} " + ", ".join(f"'{name}'" for name in sorted(names))
 
 
 def credential(headers: Mapping[str, str]) -> str | None:

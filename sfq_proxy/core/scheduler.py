@@ -53,6 +53,11 @@ class Ticket:
     # why its last dispatch went where it did (docs/design.md §5, Affinity)
     affinity: str | None = None
     placed: Reason = "fallback"
+    # at its last dispatch from the fair queue: its flow's meter (its start tag) and the
+    # virtual time just before; None in the strict band, which is never charged. Read, not
+    # used: /admin/state shows them so the order can be explained from the meters alone.
+    start_tag: float | None = None
+    virtual_time: float | None = None
     # the bytes of its body the process holds while it waits: what it costs the process's
     # queue memory besides a request's fixed part (``queue_memory.py``)
     size: int = 0
@@ -210,6 +215,8 @@ class Scheduler:
             if ticket.priority:
                 self.band.remove(ticket)
             else:
+                ticket.start_tag = self.queue.meter(ticket.flow)
+                ticket.virtual_time = self.queue.virtual_time
                 self.queue.pop()
             ticket.backend, ticket.placed = backend, reason
             ticket.dispatches += 1

@@ -22,8 +22,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import Config, ConfigError
 from ..core.errors import ApiError
-from ..core.flows import credential, key_digest
+from ..core.flows import credential, key_digest, may_use
 from ..core.inference_request import Kind
+from . import admin_keys, admin_page
+from .admin_usage import usage_handler
 from .error_response import error_response
 from .handler import Handler, handler
 from .runtime import PROXY, Clock, Proxy
@@ -58,12 +60,16 @@ def build_app(
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/admin/state", _answering_errors(_admin_state))
     app.router.add_post("/admin/reload", _answering_errors(_admin_reload))
+    for method, path, serve in admin_keys.ROUTES:
+        app.router.add_route(method, path, _answering_errors(_as_admin(serve)))
+    app.router.add_get("/admin/usage", _answering_errors(usage_handler(_admin)))
+    admin_page.add_routes(app)  # before the catch-all route below, which would take /admin/
     allowed: dict[str, set[str]] = {}
     for route in app.router.routes():
         assert route.resource is not None  # every route added through the router has one
         canonical = route.resource.canonical
-        if "{" in canonical:  # a model's path: by its prefix
-            canonical = canonical[: canonical.index("{")]
+        if "{" in canonical:  # a path with a parameter: by its prefix, then "{"
+            canonical = canonical[: canonical.index("{") + 1]
         allowed.setdefault(canonical, set()).add(route.method)
     app.router.add_route("*", "/{path:.*}", _unrouted(allowed, handler(Kind.EXTRA)))
     return app
@@ -105,32 +111,36 @@ def _unrouted(allowed: dict[str, set[str]], extra: Handler) -> Handler:
 
 
 def _by_prefix(allowed: dict[str, set[str]], path: str) -> set[str]:
-    """The methods of a route with a parameter whose prefix ``path`` has (``/v1/models/``)."""
+    """The methods of a route with a parameter whose prefix ``path`` has (``/v1/models/{``);
+    a route without one (``/admin/``) is not a prefix of anything."""
     for prefix, methods in allowed.items():
-        if prefix.endswith("/") and path.startswith(prefix) and len(path) > len(prefix):
+        if prefix.endswith("/{") and path.startswith(prefix[:-1]) and len(path) >= len(prefix):
             return methods
     return set()
 
 
 async def _models(request: web.Request) -> web.Response:
+    """The models the caller's key may use (docs/access.md), not every model served."""
     proxy = request.app[PROXY]
-    proxy.auth.identify(request.headers)
+    key = proxy.auth.identify(request.headers, proxy.wall())
     models = [
         _model_object(model, pool)
         for pool, spec in proxy.config.pools.items()
         for model in spec.models
+        if may_use(key, model, pool)
     ]
     return web.json_response({"object": "list", "data": models})
 
 
 async def _model(request: web.Request) -> web.Response:
-    """One model of ``/v1/models``, or 404 ``model_not_found`` (every key may see every
-    model a pool serves: keys do not restrict models)."""
+    """One model of ``/v1/models``, or 404 ``model_not_found``. A model the key may not use
+    gets the same 404 as one nobody serves: a tenant learns nothing of what others run
+    (a request for it says 403, once the key has been shown to know its name)."""
     proxy = request.app[PROXY]
-    proxy.auth.identify(request.headers)
+    key = proxy.auth.identify(request.headers, proxy.wall())
     model = request.match_info["model"]
     pool = proxy.config.pool_for_model(model)
-    if pool is None:
+    if pool is None or not may_use(key, model, pool):
         raise ApiError(404, f"The model '{model}' does not exist or is not served here.")
     return web.json_response(_model_object(model, pool))
 
@@ -166,6 +176,15 @@ async def _admin_reload(request: web.Request) -> web.Response:
         log.warning("reload refused, nothing changed:\n%s", err)
         raise ApiError(400, f"Invalid configuration, nothing changed: {err}") from None
     return web.json_response({"reloaded": True, "warnings": warnings})
+
+
+def _as_admin(serve: admin_keys.AdminHandler) -> Handler:
+    """``serve``, called with the proxy once the request has shown the admin key."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        return await serve(_admin(request), request)
+
+    return answer
 
 
 def _admin(request: web.Request) -> Proxy:

@@ -102,6 +102,8 @@ def handler(kind: Kind) -> Handler:
         finally:
             proxy.drain.exit(running)
             _count(proxy, record, proxy.clock() - arrived)
+            if proxy.usage is not None:  # what reached a backend is billed
+                proxy.usage.record(record)
             record.emit()
 
     return handle
@@ -126,7 +128,7 @@ async def _admit_and_serve(
     record: AccessRecord,
     trace: Mapping[str, str],
 ) -> web.StreamResponse:
-    key = proxy.auth.identify(request.headers)
+    key = proxy.auth.identify(request.headers, proxy.wall())
     record.org, record.key = key.org, key.name
     raw = await _read_body(request, proxy.config.limits.max_body_bytes)
     config = proxy.config
@@ -137,6 +139,8 @@ async def _admit_and_serve(
     record.model = inference.model
     flow = classify(proxy.config, key, request.headers.get(CLASS_HEADER), inference.model)
     record.cls, record.pool = flow.cls, flow.pool
+    if proxy.usage is not None:  # before any queue or rate token: a refusal costs nothing
+        proxy.usage.check(flow.org, key.name)
     timeout = _client_timeout(request)
     pool = proxy.pools[flow.pool]
     if not pool.placement.any_healthy():

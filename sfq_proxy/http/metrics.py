@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 
 from ..core.calibration import Calibration, InputModel
 from ..core.flows import org_and_class
+from ..core.usage import Level
 from . import process_metrics
 from .pool_runtime import Pool
 
@@ -124,6 +125,8 @@ class Metrics(Collector):
         self._series: dict[Key, _Series] = {}
         self._first_byte: dict[tuple[str, str], _Histogram] = {}
         self._placements: Counter[tuple[str, str, str]] = Counter()  # (pool, backend, reason)
+        # every budget as of now (http/usage_store.py), read at scrape time
+        self.budget_levels: Callable[[], list[Level]] = list
         self.registry = CollectorRegistry()
         self.registry.register(self)
         process_metrics.register(self.registry)
@@ -197,6 +200,7 @@ class Metrics(Collector):
         yield from self._backend_metrics()
         yield from self._provider_metrics()
         yield from self._calibration_metrics()
+        yield from self._budget_metrics()
 
     def _flow_counters(self) -> Iterable[Metric]:
         for name, (doc, extra) in COUNTERS.items():
@@ -274,6 +278,27 @@ class Metrics(Collector):
                     value.add_metric([pool, org, quantity], entry["value"])
                 samples.add_metric([pool, org, quantity], entry["samples"])
         yield from (value, samples)
+
+    def _budget_metrics(self) -> Iterable[Metric]:
+        """Each budget's used fraction and its ``warn_at`` (the alert compares the two); orgs
+        past the cardinality guard share ``other``, with the largest fraction."""
+        labels = ["org", "key", "period", "unit"]
+        used = GaugeMetricFamily(
+            "sfq_budget_used_ratio", "Budget used this period over its limit", labels=labels
+        )
+        warn = GaugeMetricFamily(
+            "sfq_budget_warn_ratio", "The fraction at which the budget warns", labels=labels
+        )
+        ratios: dict[tuple[str, ...], tuple[float, float]] = {}
+        for level in self.budget_levels():
+            b = level.budget
+            key = b.name if b.kind == "key" else ""
+            labelled = (self.org_label(b.org), key, b.spec.period, b.unit)
+            ratios[labelled] = max(ratios.get(labelled, (0.0, 0.0)), (level.ratio, b.spec.warn_at))
+        for values, (ratio, warn_at) in sorted(ratios.items()):
+            used.add_metric(list(values), ratio)
+            warn.add_metric(list(values), warn_at)
+        yield from (used, warn)
 
     def _provider_metrics(self) -> Iterable[Metric]:
         """A provider's feedback (its 429s and rate-limit headers) on each pool's dispatch."""

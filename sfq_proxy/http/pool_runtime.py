@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 RECENT_DISPATCHES = 1000  # how many of the last dispatches /admin/state shows, oldest first
+SERVED_WINDOW_S = 300.0  # /admin/state's share of each flow: the cost served in this window
 # the process's queue memory: waiting tickets by flow, the pool's name and the flow's id,
 # and the pool (where an evicted ticket waits)
 Memory = QueueMemory[tuple[str, str, "Pool"], Ticket]
@@ -52,6 +53,36 @@ def pool_limits(
     return org_caps, class_caps, paced
 
 
+class Dispatch(NamedTuple):
+    """One dispatch, as ``/admin/state`` shows it: what explains the order from the meters
+    alone (the eligible flow with the smallest start tag went; ``v`` moved up to that tag and
+    the flow's meter on to ``start_tag + cost / weight``). The tags are None where this
+    process's fair queue did not decide: the strict band, and a shared pool's grants."""
+
+    flow: str
+    backend: str
+    cost: float
+    weight: float
+    start_tag: float | None
+    virtual_time: float | None  # just before the dispatch
+    at: float  # the pool's clock
+
+    @classmethod
+    def of(cls, ticket: Ticket, backend: str, at: float, *, tagged: bool = True) -> Dispatch:
+        start, v = (ticket.start_tag, ticket.virtual_time) if tagged else (None, None)
+        return cls(ticket.flow, backend, ticket.cost, ticket.weight, start, v, at)
+
+    def view(self, now: float) -> dict[str, Any]:
+        """Its entry in ``recent_dispatches``; ``age_s``: how long ago, on the pool's clock."""
+        start = self.start_tag
+        finish = None if start is None else start + self.cost / self.weight
+        return {
+            "flow": self.flow, "backend": self.backend, "cost": self.cost,
+            "weight": self.weight, "start_tag": start, "finish_tag": finish,
+            "v": self.virtual_time, "age_s": now - self.at,
+        }  # fmt: skip
+
+
 class Pool:
     def __init__(
         self,
@@ -64,6 +95,7 @@ class Pool:
         """``memory``: the process's queue memory, which every pool shares (a pool made
         alone counts its own)."""
         self.name = name
+        self.config = config  # the flows' weights, for /admin/state
         self.spec = spec = config.pools[name]
         self.clock = clock
         self.placement = Placement(
@@ -83,7 +115,7 @@ class Pool:
         self.calibration = calibration
         self.cost = CostModel(spec.cost, f"pools.{name}.cost", pool=name, calibration=calibration)
         self.upstream_key = config.upstream_key(name)
-        self.recent: deque[tuple[str, str]] = deque(maxlen=RECENT_DISPATCHES)  # (flow, backend)
+        self.recent: deque[Dispatch] = deque(maxlen=RECENT_DISPATCHES)  # one append each
         self._timer: asyncio.TimerHandle | None = None
         self._revivals: dict[Backend, asyncio.TimerHandle] = {}  # passive: end of cooldowns
         limit = config.limits.queue_memory_bytes
@@ -97,6 +129,7 @@ class Pool:
         Meters, the virtual time and queued requests stay; queued flows take their new
         weights at their next charge.
         """
+        self.config = config
         self.spec = config.pools[self.name]
         self.placement.update(self.spec.backends)
         self.placement.failures_to_down = self.spec.health.consecutive_failures
@@ -314,7 +347,13 @@ class Pool:
         return self.scheduler.flow_running
 
     def state(self) -> dict[str, Any]:
-        """This pool in ``/admin/state``: what the operator needs to see who waits, and why."""
+        """This pool in ``/admin/state``: what the operator needs to see who waits, and why.
+
+        ``recent_dispatches`` (oldest first) and ``served_recent`` (each flow's share of the
+        cost dispatched in the last ``window_s``, among those dispatches) are this process's
+        own: with the shared state, other replicas dispatch too.
+        """
+        now = self.clock()
         return {
             "virtual_time": self.virtual_time(),
             "queued": self.scheduler.queued(),
@@ -322,6 +361,7 @@ class Pool:
             "flows": [
                 {
                     "flow": v.flow,
+                    "weight": self._weight(v.flow),
                     "meter": v.meter,
                     "lag": v.lag,
                     "queued": v.backlog,
@@ -340,10 +380,27 @@ class Pool:
                 }
                 for b in self.placement.backends
             ],
-            "recent_dispatches": [{"flow": f, "backend": b} for f, b in self.recent],
+            "recent_dispatches": [d.view(now) for d in self.recent],
+            "served_recent": {"window_s": SERVED_WINDOW_S, "shares": self._served(now)},
             "provider_feedback": self.throttle.state(self.clock(), self.scheduler.rate),
             "calibration": self._calibration_state(),
         }
+
+    def _weight(self, flow: str) -> float | None:
+        """The flow's configured weight; None for a class a reload removed."""
+        org, cls = org_and_class(flow)
+        return self.config.flow_weight(org, cls) if cls in self.config.classes else None
+
+    def _served(self, now: float) -> dict[str, float]:
+        """Each flow's share of the cost this process dispatched in the last
+        ``SERVED_WINDOW_S`` (at most the last ``RECENT_DISPATCHES`` dispatches)."""
+        served: dict[str, float] = {}
+        for dispatch in reversed(self.recent):
+            if now - dispatch.at > SERVED_WINDOW_S:
+                break
+            served[dispatch.flow] = served.get(dispatch.flow, 0.0) + dispatch.cost
+        total = sum(served.values())
+        return {flow: cost / total for flow, cost in sorted(served.items())}
 
     def _calibration_state(self) -> dict[str, Any]:
         """What calibration learned of this pool; the input model as its estimates use it,
@@ -372,7 +429,7 @@ class Pool:
         """Wake the requests that were just dispatched."""
         for ticket in tickets:
             assert ticket.backend is not None
-            self.recent.append((ticket.flow, ticket.backend.name))
+            self.recent.append(Dispatch.of(ticket, ticket.backend.name, self.clock()))
             self.memory.leave(self._line(ticket), ticket)  # it waits no more
             future = ticket.payload
             if future.done():  # cancelled in the instant it was dispatched: give the slot back

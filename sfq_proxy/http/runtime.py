@@ -12,21 +12,25 @@ from typing import Any, TypedDict
 
 import aiohttp
 from aiohttp import web
+from redis.exceptions import RedisError
 
-from ..config import CalibrationSpec, Config, ConfigError, load_config
+from ..config import CalibrationSpec, Config, ConfigError, ResolvedKey, load_config
 from ..core.admission import Admission
 from ..core.calibration import Calibration
 from ..core.cost import CostModel
+from ..core.errors import ApiError
 from ..core.flows import Authenticator
+from ..core.keys import clashes, resolved
 from ..core.queue_memory import QueueMemory
 from ..state.redis_dispatch import RedisDispatch
-from . import calibration_store, logs, shared_state
+from . import calibration_store, key_store, logs, shared_state
 from .drain import CUT_GRACE_S, Drain
 from .metrics import Metrics
 from .pool_runtime import Memory, Pool
 from .shared_calibration import CalibrationSync, SharedCalibration
 from .shared_limits import SharedLimits
 from .shared_pool import SharedPool
+from .usage_store import UsageBook, open_store
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
@@ -55,6 +59,8 @@ class Proxy:
     session: aiohttp.ClientSession | None = None
     drain: Drain = field(default_factory=Drain)  # the inference handlers, and the drain
     memory: Memory | None = None  # what waits in every pool's line, bounded
+    keys: key_store.KeyStore | None = None  # the admin API's keys; None: that API is off
+    usage: UsageBook | None = None  # usage you can bill from, and budgets
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
@@ -83,7 +89,10 @@ class Proxy:
             return SharedPool(name, config, clock, calibration, dispatch, memory)
 
         pools = {name: pool(name) for name in config.pools}
-        return cls(
+        keys = key_store.open_store(config, redis)  # a damaged file: a config error
+        if keys is not None and (clash := clashes(config, keys.records.values())):
+            raise clash
+        proxy = cls(
             config=config,
             pools=pools,
             auth=Authenticator(config.resolved_keys()),
@@ -96,7 +105,14 @@ class Proxy:
             calibration_sync=sync,
             config_path=config_path,
             memory=memory,
+            keys=keys,
         )
+        proxy.usage = UsageBook(config, open_store(config, redis, wall), wall)
+        proxy.metrics.budget_levels = proxy.usage.levels
+        if keys is not None:
+            keys.on_change = proxy.use_store_keys
+            proxy.use_store_keys()
+        return proxy
 
     def reload(self, config: Config) -> list[str]:
         """Apply ``config`` at once, or raise ConfigError and change nothing.
@@ -118,9 +134,17 @@ class Proxy:
             warnings.append("listen cannot change by a reload: restart to use the new address")
         if config.state != self.config.state:
             warnings.append("state cannot change by a reload: restart to use it")
+        if config.usage.file != self.config.usage.file:
+            warnings.append("usage.file cannot change by a reload: restart to use it")
+        if config.key_store_file != self.config.key_store_file:
+            warnings.append("key_store_file cannot change by a reload: restart to use it")
+        if self.keys is not None and (clash := clashes(config, self.keys.records.values())):
+            raise clash
         self.config = config
-        self.auth = Authenticator(config.resolved_keys())
+        self.auth.reconfigure(config.resolved_keys(), self._store_keys())
         self.admission.reconfigure(config)
+        if self.usage is not None:
+            self.usage.reconfigure(config)
         if self.limits is not None:
             self.limits.config = config
         for name, pool in self.pools.items():
@@ -129,6 +153,30 @@ class Proxy:
             log.warning("reload: %s", warning)
         log.warning("configuration reloaded")
         return warnings
+
+    def use_store_keys(self) -> None:
+        """The store's keys changed (or were read): the next request sees them."""
+        self.auth.manage(self._store_keys())
+
+    def _store_keys(self) -> list[ResolvedKey]:
+        records = () if self.keys is None else self.keys.records.values()
+        return [key for record in records if (key := resolved(record, self.config))]
+
+    async def save_last_used(self) -> None:
+        """Write when the store's keys were last used (never per request: here, every
+        ``LAST_USED_SAVE_S`` and at shutdown); a store that cannot be written keeps them
+        in memory until the next try."""
+        if self.keys is None:
+            return
+        try:
+            await self.keys.save_last_used(key_store.usage_times(self.keys, self.auth.last_used))
+        except (ApiError, RedisError) as err:
+            log.warning("cannot save when keys were last used: %s", err)
+
+    async def _save_last_used_forever(self) -> None:
+        while True:
+            await asyncio.sleep(key_store.LAST_USED_SAVE_S)
+            await self.save_last_used()
 
     def reload_from_file(self) -> list[str]:
         """SIGHUP and POST /admin/reload: read the config file again and apply it."""
@@ -153,6 +201,8 @@ class Proxy:
         await shared_state.start(self.config, shared)  # refuses to start without Redis
         if self.calibration_sync is not None:
             await self.calibration_sync.start()
+        if self.keys is not None:  # Redis's keys read before the first request
+            await self.keys.start()
         self._tasks = [
             asyncio.create_task(p.probe_forever(self.session)) for p in self.pools.values()
         ]
@@ -162,12 +212,20 @@ class Proxy:
             self._tasks.append(asyncio.create_task(renew))
         if self.config.calibration.state_file:
             self._tasks.append(asyncio.create_task(self._save_calibration_forever()))
+        if self.keys is not None:
+            self._tasks.append(asyncio.create_task(self.keys.follow()))
+            self._tasks.append(asyncio.create_task(self._save_last_used_forever()))
+        if self.usage is not None:  # what was used before, for budgets
+            await self.usage.flush()
+            self._tasks.append(asyncio.create_task(self.usage.flush_forever()))
         yield
         # the drain is over (server.py): every request has ended, what remains is bounded
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        stops = [shared_state.stop(shared, loops)]
+        if self.usage is not None:  # every request has ended: the last usage is final
+            await self.usage.close()
+        stops = [shared_state.stop(shared, loops), self.save_last_used()]
         if self.calibration_sync is not None:  # while its Redis client is open
             stops.append(self.calibration_sync.stop())
         try:

@@ -48,7 +48,7 @@ from ..core.queue_memory import evicted
 from ..core.scheduler import Ticket
 from ..state.library import shielded
 from ..state.redis_dispatch import Fenced, Grants, QueueFull, RedisDispatch, SharedTicket
-from .pool_runtime import Clock, Memory, Pool, pool_limits, shutting_down
+from .pool_runtime import Clock, Dispatch, Memory, Pool, pool_limits, shutting_down
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1.0  # what a client is told while the shared state cannot be reached
@@ -460,7 +460,7 @@ class SharedPool(Pool):
             ticket.dispatches += 1
             self._held[ticket] = (grant.lease, task)
             self.memory.leave(self._line(ticket), ticket)  # it waits no more
-            self.recent.append((ticket.flow, backend.name))
+            self.recent.append(Dispatch.of(ticket, backend.name, self.clock(), tagged=False))
             future.set_result(backend)
 
     def _wake_in(self, delay_s: float) -> None:

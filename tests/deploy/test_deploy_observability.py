@@ -76,6 +76,7 @@ REQUIRED_ALERTS = [
     "SfqBackendDown",
     "SfqRejectionsSpiking",
     "SfqPoolThrottledByProvider",
+    "SfqBudgetNearlySpent",
 ]
 
 Scrape = dict[str, list[dict[str, str]]]  # sample name → label sets of its samples
@@ -131,7 +132,8 @@ async def _run_workload(lab: Lab) -> str:
     /metrics while one request runs (a flow's gauges exist only while it queues or runs)."""
     sim = await lab.backend(time_scale=5.0)  # slow enough to hold one request open
     retry = {"max_attempts": 3, "budget_ratio": 0.5, "backoff_base_s": 0.01, "backoff_max_s": 0.02}
-    served = await lab.proxy(proxy_config([sim.url], retry=retry))
+    budget = {"C": {"budgets": [{"period": "day", "tokens": 10**9}]}}  # sfq_budget_*
+    served = await lab.proxy(proxy_config([sim.url], retry=retry, orgs=budget))
     registry = served.state.metrics.registry
     backend = served.state.pools["sim"].placement.backends[0]
     a, b, c = (lab.client(served, org) for org in "ABC")

@@ -73,7 +73,7 @@ async def test_weights_change_under_load_without_losing_a_request(
     assert not [r for r in results if isinstance(r, BaseException)]  # none failed
     assert sim.stats.completed == 120
     assert sim.stats.aborted == 1
-    after = [flow.split("/")[0] for flow, _ in list(recent)[at : at + 40]]
+    after = [d.flow.split("/")[0] for d in list(recent)[at : at + 40]]
     a = b = 0
     for org in after:
         a, b = a + (org == "A"), b + (org == "B")

@@ -338,5 +338,5 @@ async def test_a_stopped_server_is_routed_around_and_used_again_after_restart(
     recent = served.state.pools["sim"].recent
     start = len(recent)
     assert await asyncio.gather(*(one(i) for i in range(8))) == [6] * 8
-    used = {name for _, name in list(recent)[start:]}
+    used = {d.backend for d in list(recent)[start:]}
     assert backend.name in used  # back in rotation

@@ -249,6 +249,7 @@ def test_resolved_keys_digests_for_all_three_forms() -> None:
         {"key_env": "ENV_KEY", "org": "b", "classes": ["interactive", "batch"]},
         {"key_sha256": hashlib.sha256(b"sk-hashed").hexdigest(), "org": "c", "classes": ["system"]},
     ]
+    del data["orgs"]  # its org "product" has no key here
     resolved = parse(data, environ={"ENV_KEY": "sk-from-env\n"}).resolved_keys()
     assert [(r.index, r.org, r.classes) for r in resolved] == [
         (0, "a", ("batch",)),
@@ -1044,7 +1045,7 @@ def test_shared_state_takes_a_provider_rate_and_refuses_charges_redis_cannot_cou
     data = base()
     data["state"] = {"redis": "redis://r:6379/0"}
     data["pools"]["provider-a"]["rate"] = {"requests_per_minute": 600}
-    data["orgs"]["tiny"] = {"weight": 0.001}
+    data["orgs"]["product"] = {"weight": 0.001}
     data["pools"]["llama-8b"]["cost"] = {"max_request_tokens": 10_000_000, "output_weight": 10}
     assert error_lines(data) == [
         "pools.llama-8b.cost.max_request_tokens: with state: redis, c_max (1e+08) over the "

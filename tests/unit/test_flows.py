@@ -28,6 +28,7 @@ pools:  # each with more slots than the system class's max_in_flight (4)
     backends: [{{url: "https://provider.example/v1", slots: 8}}]
 """
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
+NOW = 1_800_000_000.0  # the Unix time identify is given
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def authorization(header: str | None) -> dict[str, str]:
 
 def unauthorized(auth: Authenticator, header: str | dict[str, str] | None) -> ApiError:
     with pytest.raises(ApiError) as info:
-        auth.identify(header if isinstance(header, dict) else authorization(header))
+        auth.identify(header if isinstance(header, dict) else authorization(header), NOW)
     err = info.value
     assert (err.status, err.type, err.code) == (401, "authentication_error", "invalid_api_key")
     return err
@@ -74,7 +75,7 @@ def unauthorized(auth: Authenticator, header: str | dict[str, str] | None) -> Ap
 def test_right_key_resolves_to_its_entry(
     auth: Authenticator, secret: str, index: int, org: str, classes: tuple[str, ...]
 ) -> None:
-    key = auth.identify(authorization(f"Bearer {secret}"))
+    key = auth.identify(authorization(f"Bearer {secret}"), NOW)
     assert key == ResolvedKey(index, org, classes, hashlib.sha256(secret.encode()).digest())
 
 
@@ -82,7 +83,7 @@ def test_right_key_resolves_to_its_entry(
 def test_scheme_is_case_insensitive_and_spaces_are_trimmed(
     auth: Authenticator, header: str
 ) -> None:
-    assert auth.identify(authorization(header)).org == "product"
+    assert auth.identify(authorization(header), NOW).org == "product"
 
 
 @pytest.mark.parametrize(
@@ -116,7 +117,7 @@ def test_wrong_key_is_401_and_not_echoed(auth: Authenticator, secret: str) -> No
 @pytest.mark.parametrize("name", ["api-key", "x-api-key"])
 def test_api_key_and_x_api_key_carry_a_key_too(auth: Authenticator, name: str) -> None:
     """Azure OpenAI's and Anthropic-style clients send the key alone, in these headers."""
-    assert auth.identify({name: f"  {PLAIN} "}).org == "product"
+    assert auth.identify({name: f"  {PLAIN} "}, NOW).org == "product"
     assert unauthorized(auth, {name: "sk-wrong"}).message == "Incorrect API key provided."
     assert "Missing" in unauthorized(auth, {name: "   "}).message
 
@@ -134,7 +135,7 @@ def test_the_first_key_header_present_decides(
     auth: Authenticator, headers: dict[str, str], org: str
 ) -> None:
     """Authorization first, then api-key, then x-api-key (docs/design.md §2)."""
-    assert auth.identify(headers).org == org
+    assert auth.identify(headers, NOW).org == org
     assert credential(headers) == (PLAIN if org == "product" else HASHED)
 
 

@@ -1,0 +1,371 @@
+"""Where the admin API's keys persist (docs/keys.md): a JSON file the proxy owns in memory
+mode (``key_store_file``), or Redis when the state is shared.
+
+Each store holds a snapshot, ``records`` (id → :class:`KeyRecord`), which the
+:class:`~sfq_proxy.core.flows.Authenticator` is built from: a request never waits on the
+store. A change is written first and applied to the snapshot before the admin API answers,
+so the next request to this process sees it; other processes on the same Redis hear of it
+on a channel, and re-read the version counter every ``poll_s`` in case a message was lost.
+Only digests are stored, never a secret. ``last_used`` times are written now and then
+(``Proxy`` flushes them every ``LAST_USED_SAVE_S`` and at shutdown), not per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import tempfile
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from ..config import Config, ConfigError
+from ..core.errors import ApiError
+from ..core.keys import LATEST, KeyRecord, record_from_json, record_to_json
+
+log = logging.getLogger(__name__)
+LAST_USED_SAVE_S = 60.0
+POLL_MAX_S = 2.0  # the safety net's period at most, whatever lease_ttl_s is
+# every key under one hash tag: one slot of a Redis Cluster, so one script can touch them all
+BY_ID, VERSION, USED = "sfq:{keys}:by_id", "sfq:{keys}:version", "sfq:{keys}:last_used"
+CHANNEL = "sfq:{keys}:changed"
+_ABSENT, _PRESENT, _ALIAS_TAKEN = -1, -2, -3
+
+_PUT = """
+local exists = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1
+if ARGV[4] == 'new' and exists then return -2 end
+if ARGV[4] == 'old' and not exists then return -1 end
+local all = redis.call('HGETALL', KEYS[1])
+for i = 1, #all, 2 do
+  if all[i] ~= ARGV[1] and cjson.decode(all[i + 1]).alias == ARGV[3] then return -3 end
+end
+redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+local version = redis.call('INCR', KEYS[2])
+redis.call('PUBLISH', ARGV[5], version)
+return version
+"""
+_REVOKE = """
+if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return -1 end
+redis.call('HDEL', KEYS[3], ARGV[1])
+local version = redis.call('INCR', KEYS[2])
+redis.call('PUBLISH', ARGV[2], version)
+return version
+"""
+_SNAPSHOT = "return {redis.call('GET', KEYS[2]) or '0', redis.call('HGETALL', KEYS[1])}"
+_USED = """
+for i = 1, #ARGV, 2 do
+  local old = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
+  if tonumber(ARGV[i + 1]) > old and redis.call('HEXISTS', KEYS[2], ARGV[i]) == 1 then
+    redis.call('HSET', KEYS[1], ARGV[i], ARGV[i + 1])
+  end
+end
+return 0
+"""
+
+
+class KeyStore(ABC):
+    """What both stores share: the snapshot, and telling the proxy it changed."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, KeyRecord] = {}
+        self.on_change: Callable[[], None] = lambda: None
+
+    @abstractmethod
+    async def start(self) -> None:
+        """Read what the store holds before the first request."""
+
+    @abstractmethod
+    async def follow(self) -> None:
+        """Keep the snapshot up to date with other processes' changes (Redis only)."""
+
+    @abstractmethod
+    async def create(self, record: KeyRecord) -> None:
+        """Add ``record``, whose id and alias no other key has."""
+
+    @abstractmethod
+    async def update(self, record: KeyRecord) -> None:
+        """Replace the key of ``record.id`` by ``record``."""
+
+    @abstractmethod
+    async def revoke(self, key_id: str) -> bool:
+        """Remove a key; False when the store has no such key."""
+
+    @abstractmethod
+    async def refresh(self) -> None:
+        """Read the store again (another process may have made the key asked for)."""
+
+    @abstractmethod
+    async def last_used(self) -> dict[str, float]:
+        """The ``last_used`` times written so far, by key id."""
+
+    @abstractmethod
+    async def save_last_used(self, times: Mapping[str, float]) -> None:
+        """Keep the later of each written time and ``times`` (by key id)."""
+
+    def _apply(self, records: dict[str, KeyRecord]) -> None:
+        self.records = records
+        self.on_change()
+
+
+def unavailable(what: str) -> ApiError:
+    return ApiError(
+        503, f"The key store is unavailable ({what}); nothing changed.",
+        code="key_store_unavailable", retry_after=1,
+    )  # fmt: skip
+
+
+class FileKeyStore(KeyStore):
+    """The keys in a JSON file, replaced atomically at each change (mode 0600: it holds
+    digests, which are no secret, but nothing else needs to read it). A missing file is no
+    key yet; one that cannot be read is a configuration error, as a bad config is: starting
+    without the keys would refuse every client the API made a key for."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+        self._used: dict[str, float] = {}
+        if not path.parent.is_dir():  # found now, not at the first key made
+            message = f"the directory of {path} does not exist"
+            raise ConfigError([("key_store_file", message)])
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError([("key_store_file", f"cannot read {path}: {err}")]) from None
+        try:
+            self.records, self._used = _decode(text)
+        except (ValueError, RecursionError) as err:
+            message = f"{path} is not a key store this proxy wrote ({err}): fix or move it"
+            raise ConfigError([("key_store_file", message)]) from None
+
+    async def start(self) -> None:
+        """Nothing more to read: the file was read when the proxy was built."""
+
+    async def follow(self) -> None:
+        """Nothing to follow: this process is the file's only writer."""
+
+    async def refresh(self) -> None:
+        """The snapshot is the file: every change went through this process."""
+
+    async def create(self, record: KeyRecord) -> None:
+        self._write({**self.records, record.id: record}, self._used)
+
+    async def update(self, record: KeyRecord) -> None:
+        self._write({**self.records, record.id: record}, self._used)
+
+    async def revoke(self, key_id: str) -> bool:
+        if key_id not in self.records:
+            return False
+        records = {i: r for i, r in self.records.items() if i != key_id}
+        self._write(records, {i: t for i, t in self._used.items() if i != key_id})
+        return True
+
+    async def last_used(self) -> dict[str, float]:
+        return dict(self._used)
+
+    async def save_last_used(self, times: Mapping[str, float]) -> None:
+        used = _later(self._used, times, self.records)
+        if used != self._used:
+            self._write(self.records, used)
+
+    def _write(self, records: dict[str, KeyRecord], used: dict[str, float]) -> None:
+        """Replace the file, then the snapshot: a failed write changes nothing."""
+        data = {"keys": [record_to_json(r) for r in records.values()], "last_used": used}
+        try:
+            _replace(self.path, json.dumps(data, allow_nan=False, indent=1))
+        except OSError as err:
+            log.warning("cannot write the key store %s: %s", self.path, err)
+            raise unavailable(f"cannot write {self.path.name}") from None
+        self._used = used
+        self._apply(records)
+
+
+def _decode(text: str) -> tuple[dict[str, KeyRecord], dict[str, float]]:
+    data = json.loads(text)
+    if not isinstance(data, dict) or set(data) != {"keys", "last_used"}:
+        raise ValueError("expected an object with keys and last_used")
+    if not isinstance(data["keys"], list) or not isinstance(data["last_used"], dict):
+        raise ValueError("keys must be a list, last_used an object")
+    records = {}
+    for i, item in enumerate(data["keys"]):
+        try:
+            record = record_from_json(item)
+        except ValueError as err:
+            raise ValueError(f"keys[{i}]: {err}") from None
+        records[record.id] = record
+    used = data["last_used"]
+    if not all(isinstance(t, int | float) and 0 <= t <= LATEST for t in used.values()):
+        raise ValueError("last_used must map key ids to numbers")
+    return records, {i: float(t) for i, t in used.items() if i in records}
+
+
+def _later(
+    old: Mapping[str, float], new: Mapping[str, float], records: Mapping[str, KeyRecord]
+) -> dict[str, float]:
+    """Each key's later time of ``old`` and ``new``, for keys that still exist."""
+    merged = dict(old)
+    for key_id, when in new.items():
+        if key_id in records and when > merged.get(key_id, float("-inf")):
+            merged[key_id] = when
+    return merged
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write ``path`` atomically: a temp file beside it, synced, renamed over it; a crash
+    leaves the old file or the new one, never half of one."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # the rename itself durable, where a dir can be opened
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+class RedisKeyStore(KeyStore):
+    """The keys in Redis (one hash, field id → JSON record), a version counter bumped and
+    published by the script that makes each change, so that every process sees it."""
+
+    def __init__(self, redis: Redis | RedisCluster, poll_s: float) -> None:
+        super().__init__()
+        self.redis = redis
+        self.poll_s = poll_s
+        self.version = -1
+
+    async def start(self) -> None:
+        try:
+            await self.refresh()
+        except RedisError as err:
+            raise ConfigError([("state", f"cannot read the keys from Redis: {err}")]) from err
+
+    async def create(self, record: KeyRecord) -> None:
+        await self._put(record, "new")
+
+    async def update(self, record: KeyRecord) -> None:
+        await self._put(record, "old")
+
+    async def revoke(self, key_id: str) -> bool:
+        done = await self._call(_REVOKE, [BY_ID, VERSION, USED], [key_id, CHANNEL])
+        if done == _ABSENT:
+            return False
+        self._applied({i: r for i, r in self.records.items() if i != key_id}, done)
+        return True
+
+    async def refresh(self) -> None:
+        version, fields = await self.redis.eval(_SNAPSHOT, 2, BY_ID, VERSION)
+        version = int(version)
+        if version < self.version:  # a later snapshot was applied meanwhile
+            return
+        records = {}
+        for i in range(0, len(fields), 2):
+            try:
+                record = record_from_json(json.loads(fields[i + 1]))
+            except (ValueError, RecursionError) as err:  # one bad entry must not hide the rest
+                log.warning("key store: skipping a malformed key in Redis: %s", err)
+                continue
+            records[record.id] = record
+        self.version = version
+        self._apply(records)
+
+    async def follow(self) -> None:
+        """Re-read the keys whenever another process publishes a change, and every
+        ``poll_s`` when the version moved without a message (one lost while Redis was
+        away); Redis unreachable: the snapshot stays as it was, and it tries again."""
+        while True:
+            try:
+                async with self.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(CHANNEL)
+                    await self.refresh()  # what changed before the subscription
+                    while True:
+                        message = await pubsub.get_message(
+                            ignore_subscribe_messages=True, timeout=self.poll_s
+                        )
+                        if message is not None or await self._moved():
+                            await self.refresh()
+            except (RedisError, OSError) as err:
+                log.warning("key store: Redis unreachable (%s); keys as last read", err)
+                await asyncio.sleep(self.poll_s)
+
+    async def last_used(self) -> dict[str, float]:
+        try:
+            times = await self.redis.hgetall(USED)
+        except RedisError as err:
+            raise unavailable(f"Redis: {err}") from None
+        return {_text(i): float(t) for i, t in times.items()}
+
+    async def save_last_used(self, times: Mapping[str, float]) -> None:
+        args = [str(part) for item in times.items() for part in item]
+        if args:
+            await self.redis.eval(_USED, 2, USED, BY_ID, *args)
+
+    async def _moved(self) -> bool:
+        version = await self.redis.get(VERSION)
+        return int(version or 0) != self.version
+
+    async def _put(self, record: KeyRecord, must: str) -> None:
+        data = json.dumps(record_to_json(record), allow_nan=False)
+        done = await self._call(
+            _PUT, [BY_ID, VERSION], [record.id, data, record.alias, must, CHANNEL]
+        )
+        if done == _ALIAS_TAKEN:
+            raise ApiError(400, "Invalid key: alias: another key has this name or alias")
+        if done == _ABSENT:
+            raise ApiError(404, f"No key {record.id}: it was revoked.", code="key_not_found")
+        if done == _PRESENT:
+            raise ApiError(409, f"Key {record.id} exists already.")
+        self._applied({**self.records, record.id: record}, done)
+
+    async def _call(self, script: str, keys: list[str], args: list[str]) -> int:
+        """Run a change's script: the version it made, or why it made none (< 0)."""
+        try:
+            return int(await self.redis.eval(script, len(keys), *keys, *args))
+        except RedisError as err:
+            log.warning("key store: Redis unreachable: %s", err)
+            raise unavailable(f"Redis: {err}") from None
+
+    def _applied(self, records: dict[str, KeyRecord], version: int) -> None:
+        """This process's own change, applied before the admin API answers (no round trip).
+        When it follows the snapshot's version directly, a snapshot read before it is not
+        applied over it; else the version stays, and the next look reads every change."""
+        if version == self.version + 1:
+            self.version = version
+        self._apply(records)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def open_store(config: Config, redis: Redis | RedisCluster | None) -> KeyStore | None:
+    """The store ``config`` asks for: Redis when the state is shared, else the file of
+    ``key_store_file``, else none (the key API then says how to turn it on)."""
+    if redis is not None and config.state is not None:
+        return RedisKeyStore(redis, min(config.state.lease_ttl_s, POLL_MAX_S))
+    if config.key_store_file is not None:
+        return FileKeyStore(Path(config.key_store_file))
+    return None
+
+
+def usage_times(store: KeyStore, used: Mapping[bytes, float]) -> dict[str, float]:
+    """The ``last_used`` times of ``store``'s keys among ``used`` (by digest), by key id."""
+    by_digest = {record.digest: record.id for record in store.records.values()}
+    return {by_digest[d]: t for d, t in used.items() if d in by_digest}

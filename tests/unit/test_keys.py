@@ -1,0 +1,293 @@
+"""Keys of the admin API, without a server: the checks of a create or update request, the
+record as a store writes it and reads it back, what the Authenticator looks it up as, and
+the file store's atomic writes and its refusal of a damaged file."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sfq_proxy.config import Config, ConfigError, parse_config
+from sfq_proxy.core.errors import ApiError
+from sfq_proxy.core.flows import Authenticator
+from sfq_proxy.core.keys import (
+    MAX_LIFETIME_S,
+    KeyRecord,
+    changed_record,
+    clashes,
+    key_id,
+    new_record,
+    record_from_json,
+    record_to_json,
+    resolved,
+)
+from sfq_proxy.http.key_store import FileKeyStore
+
+NOW = 1_800_000_000.0
+SECRET = "sk-sfq-test-secret"
+DIGEST = hashlib.sha256(SECRET.encode()).digest()
+CONFIG = """
+keys:
+  - {key: sk-file, org: product, classes: [interactive, batch], name: product-app}
+orgs:
+  limited: {pools: [small], keys_from_api: true}
+pools:
+  big:
+    models: [llama-70b]
+    backends: [{url: "http://127.0.0.1:8001", slots: 8}]
+  small:
+    models: [llama-8b, llama-1b]
+    backends: [{url: "http://127.0.0.1:8002", slots: 4}]  # no room for the system band
+"""
+
+
+@pytest.fixture(scope="module")
+def config() -> Config:
+    return parse_config(CONFIG, environ={})
+
+
+def body(**fields: Any) -> bytes:
+    return json.dumps({"alias": "bot", "org": "team", **fields}).encode()
+
+
+def refused(call: Any, *args: Any) -> str:
+    """The message of the 400 ``call(*args)`` raises."""
+    with pytest.raises(ApiError) as caught:
+        call(*args)
+    assert (caught.value.status, caught.value.code) == (400, "invalid_request")
+    return caught.value.message
+
+
+def test_a_new_record_takes_the_request_and_defaults_to_the_fair_queued_classes(
+    config: Config,
+) -> None:
+    record = new_record(body(), config, {}, DIGEST, NOW)
+    assert record.id == key_id(DIGEST) == "k_" + DIGEST.hex()[:12]
+    assert (record.alias, record.org, record.classes) == ("bot", "team", ("interactive", "batch"))
+    assert (record.created, record.expires, record.pools, record.models) == (NOW, None, None, None)
+    timed = new_record(body(expires_in_s=60, models=["llama-8b"]), config, {}, DIGEST, NOW)
+    assert (timed.expires, timed.models) == (NOW + 60, ("llama-8b",))
+    at = new_record(body(expires_at="2030-01-01T01:00:00+01:00"), config, {}, DIGEST, NOW)
+    assert at.expires == 1_893_456_000.0  # 2030-01-01T00:00:00Z
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"classes": ["system"]}, "classes: classes.system"),  # the band caps are unset
+        ({"classes": ["gold"]}, "classes[0]: class 'gold' is not defined"),
+        ({"pools": ["huge"]}, "pools[0]: pool 'huge' is not defined"),
+        ({"models": ["llama-7b"]}, "models[0]: no pool serves model 'llama-7b'"),
+        ({"org": "limited", "models": ["llama-70b"]}, "org: could use no model"),
+        ({"alias": "product-app"}, "alias: another key has this name"),
+        ({"alias": "a b"}, "alias: must start with a letter or digit"),
+        ({"expires_in_s": 0}, "expires_in_s: must be > 0"),
+        ({"expires_in_s": MAX_LIFETIME_S + 1}, "expires_in_s: must be <="),
+        ({"expires_at": "1999-01-01T00:00:00Z"}, "expires_at: must be in the future"),
+        ({"expires_at": 1_900_000_000}, "expires_at"),
+        ({"id": "k_000000000000"}, "id: unknown field"),
+        ({"classes": ["batch"] * 33}, "classes: "),
+    ],
+)
+def test_a_request_the_config_could_not_hold_is_refused_naming_the_field(
+    config: Config, fields: dict[str, Any], says: str
+) -> None:
+    assert says in refused(new_record, body(**fields), config, {}, DIGEST, NOW)
+
+
+def test_the_default_classes_leave_out_a_priority_class(config: Config) -> None:
+    assert "system" in config.classes
+    assert "system" not in new_record(body(), config, {}, DIGEST, NOW).classes
+
+
+def test_an_update_changes_what_it_names_and_null_lifts_a_restriction(config: Config) -> None:
+    record = new_record(body(pools=["small"], expires_in_s=60), config, {}, DIGEST, NOW)
+    later = NOW + 10
+    changed = changed_record(record, b'{"classes": ["batch"]}', config, {}, later)
+    assert (changed.classes, changed.pools, changed.expires) == (("batch",), ("small",), NOW + 60)
+    lifted = changed_record(record, b'{"pools": null, "expires_at": null}', config, {}, later)
+    assert (lifted.pools, lifted.expires, lifted.created) == (None, None, NOW)
+    renewed = changed_record(record, b'{"expires_in_s": 100}', config, {}, later)
+    assert renewed.expires == later + 100
+    for null in ("alias", "org", "classes"):
+        message = refused(changed_record, record, f'{{"{null}": null}}'.encode(), config, {}, NOW)
+        assert f"{null}: must not be null" in message
+
+
+def test_an_alias_is_unique_among_the_stores_keys_but_its_own(config: Config) -> None:
+    first = new_record(body(), config, {}, DIGEST, NOW)
+    records = {first.id: first}
+    other = hashlib.sha256(b"other").digest()
+    assert "alias" in refused(new_record, body(), config, records, other, NOW)
+    assert changed_record(first, b'{"alias": "bot"}', config, records, NOW) == first
+
+
+def test_a_record_resolves_within_its_orgs_access_and_the_configs_classes(config: Config) -> None:
+    record = new_record(body(org="limited", classes=["batch"]), config, {}, DIGEST, NOW)
+    key = resolved(record, config)
+    assert key is not None
+    assert (key.org, key.classes, key.digest, key.name) == ("limited", ("batch",), DIGEST, "bot")
+    assert (key.pools, key.models, key.managed) == (frozenset({"small"}), None, True)
+    gone = KeyRecord(**{**record.__dict__, "classes": ("retired",)})
+    assert resolved(gone, config) is None  # a reload removed its only class
+
+
+def test_a_record_goes_to_json_and_back_with_its_digest_never_a_secret(config: Config) -> None:
+    record = new_record(body(models=["llama-8b"], expires_in_s=5), config, {}, DIGEST, NOW)
+    data = record_to_json(record)
+    assert SECRET not in json.dumps(data)
+    assert record_from_json(json.loads(json.dumps(data))) == record
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"id": "k_000000000000"},  # not the digest's
+        {"digest": "zz" * 32},
+        {"created": math.inf},
+        {"expires": 1e20},  # past the year 9999: could not be written out
+        {"alias": "../etc"},
+        {"classes": []},
+        {"extra": 1},
+    ],
+)
+def test_a_malformed_stored_record_is_refused(config: Config, change: dict[str, Any]) -> None:
+    data = {**record_to_json(new_record(body(), config, {}, DIGEST, NOW)), **change}
+    with pytest.raises(ValueError, match=r"\w"):
+        record_from_json(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.one_of(
+        st.binary(max_size=200),
+        st.recursive(
+            st.none() | st.booleans() | st.floats() | st.integers() | st.text(max_size=20),
+            lambda inner: (
+                st.lists(inner, max_size=4)
+                | st.dictionaries(
+                    st.sampled_from(
+                        ["alias", "org", "classes", "pools", "models", "expires_at", "expires_in_s"]
+                    )
+                    | st.text(max_size=8),
+                    inner,
+                    max_size=6,
+                )
+            ),
+            max_leaves=12,
+        ).map(lambda value: json.dumps(value).encode()),
+    )
+)
+def test_any_body_makes_a_valid_record_or_a_400(body_bytes: bytes) -> None:
+    config = parse_config(CONFIG, environ={})
+    try:
+        record: KeyRecord | ApiError = new_record(body_bytes, config, {}, DIGEST, NOW)
+    except ApiError as err:
+        record = err
+    if isinstance(record, ApiError):
+        assert record.status == 400
+        return
+    assert record_from_json(json.loads(json.dumps(record_to_json(record)))) == record
+    assert record.expires is None or record.expires > NOW
+
+
+def test_the_authenticator_refuses_an_expired_key_and_notes_when_keys_were_used(
+    config: Config,
+) -> None:
+    record = new_record(body(expires_in_s=60), config, {}, DIGEST, NOW)
+    key = resolved(record, config)
+    assert key is not None
+    auth = Authenticator(config.resolved_keys(), [key])
+    headers = {"Authorization": f"Bearer {SECRET}"}
+    assert auth.identify(headers, NOW + 59) is key
+    assert auth.last_used == {DIGEST: NOW + 59}
+    with pytest.raises(ApiError) as caught:
+        auth.identify(headers, NOW + 60)
+    assert (caught.value.status, caught.value.code) == (401, "key_expired")
+    assert auth.last_used == {DIGEST: NOW + 59}  # a refused request is no use
+    auth.reconfigure(config.resolved_keys(), [])  # revoked, by a reload's resolution
+    with pytest.raises(ApiError) as caught:
+        auth.identify(headers, NOW)
+    assert caught.value.code == "invalid_api_key"
+    assert auth.identify({"Authorization": "Bearer sk-file"}, NOW).org == "product"
+
+
+def test_a_file_key_named_like_an_api_alias_is_a_clash(config: Config) -> None:
+    record = new_record(body(alias="product-2"), config, {}, DIGEST, NOW)
+    assert clashes(config, [record]) is None
+    renamed = parse_config(CONFIG.replace("name: product-app", "name: product-2"), environ={})
+    clash = clashes(renamed, [record])
+    assert clash is not None
+    assert clash.errors == [("keys[0].name", f"is the alias of key {record.id} of the admin API")]
+
+
+def test_the_file_store_writes_atomically_and_reads_back(config: Config, tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    store = FileKeyStore(path)
+    assert store.records == {}  # no file yet: no key
+    record = new_record(body(), config, {}, DIGEST, NOW)
+    asyncio.run(store.create(record))
+    asyncio.run(store.save_last_used({record.id: NOW + 5, "k_gone": NOW}))
+    asyncio.run(store.save_last_used({record.id: NOW + 1}))  # an older time changes nothing
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    assert sorted(os.listdir(tmp_path)) == ["keys.json"]
+    again = FileKeyStore(path)
+    assert again.records == {record.id: record}
+    assert asyncio.run(again.last_used()) == {record.id: NOW + 5}
+    assert asyncio.run(again.revoke(record.id)) is True
+    assert asyncio.run(again.revoke(record.id)) is False
+    assert FileKeyStore(path).records == {}
+
+
+def test_a_write_that_fails_changes_nothing(
+    config: Config, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = FileKeyStore(tmp_path / "keys.json")
+    record = new_record(body(), config, {}, DIGEST, NOW)
+
+    def full_disk(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(ApiError) as caught:
+        asyncio.run(store.create(record))
+    assert (caught.value.status, caught.value.code) == (503, "key_store_unavailable")
+    assert store.records == {}
+    assert os.listdir(tmp_path) == []  # the temp file is gone too
+
+
+def test_a_store_file_in_a_missing_directory_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as caught:
+        FileKeyStore(tmp_path / "missing" / "keys.json")
+    assert caught.value.errors[0][0] == "key_store_file"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "{",
+        "null",
+        '{"keys": {}, "last_used": {}}',
+        '{"keys": [], "last_used": {"k_1": "yesterday"}}',
+        '{"keys": [], "last_used": {}, "secrets": []}',
+        "[" * 100_000,
+    ],
+)
+def test_a_damaged_file_is_a_config_error_naming_it(tmp_path: Path, text: str) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        FileKeyStore(path)
+    ((where, message),) = caught.value.errors
+    assert where == "key_store_file"
+    assert str(path) in message
