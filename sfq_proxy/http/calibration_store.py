@@ -6,15 +6,13 @@ decoding of its JSON, which the copy shared in Redis uses too (``shared_calibrat
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from ..core.calibration import Calibration
+from .atomic_file import write_atomically
 
 __all__ = ["decode", "load", "save"]
 
@@ -25,18 +23,7 @@ def save(calibration: Calibration, path: Path) -> None:
     """Replace ``path`` atomically: a crash leaves either the old state or the new one."""
     path = Path(path)
     text = json.dumps(calibration.to_json(), allow_nan=False, indent=1, sort_keys=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
+    write_atomically(path, text)
 
 
 def load(path: Path, **settings: Any) -> Calibration:
@@ -70,13 +57,3 @@ def decode(text: str | bytes, **settings: Any) -> Calibration:
         return Calibration.from_json(json.loads(text), **settings)
     except RecursionError as exc:
         raise ValueError(f"nested too deeply ({exc})") from exc
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename itself durable; best effort, as not every platform can open a dir."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)

@@ -13,11 +13,8 @@ Only digests are stored, never a secret. ``last_used`` times are written now and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
-import tempfile
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -29,6 +26,7 @@ from redis.exceptions import RedisError
 from ..config import Config, ConfigError
 from ..core.errors import ApiError
 from ..core.keys import LATEST, KeyRecord, record_from_json, record_to_json
+from .atomic_file import write_atomically
 
 log = logging.getLogger(__name__)
 LAST_USED_SAVE_S = 60.0
@@ -180,7 +178,7 @@ class FileKeyStore(KeyStore):
         """Replace the file, then the snapshot: a failed write changes nothing."""
         data = {"keys": [record_to_json(r) for r in records.values()], "last_used": used}
         try:
-            _replace(self.path, json.dumps(data, allow_nan=False, indent=1))
+            write_atomically(self.path, json.dumps(data, allow_nan=False, indent=1), 0o600)
         except OSError as err:
             log.warning("cannot write the key store %s: %s", self.path, err)
             raise unavailable(f"cannot write {self.path.name}") from None
@@ -216,29 +214,6 @@ def _later(
         if key_id in records and when > merged.get(key_id, float("-inf")):
             merged[key_id] = when
     return merged
-
-
-def _replace(path: Path, text: str) -> None:
-    """Write ``path`` atomically: a temp file beside it, synced, renamed over it; a crash
-    leaves the old file or the new one, never half of one."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):  # the rename itself durable, where a dir can be opened
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
 
 class RedisKeyStore(KeyStore):

@@ -18,7 +18,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from sfq_proxy.core.calibration import FORMAT_VERSION, Calibration, InputModel, Ratio
-from sfq_proxy.http import calibration_store as calibration_module
+from sfq_proxy.http import atomic_file
 from sfq_proxy.http.calibration_store import load, save
 from sfq_proxy.http.shared_calibration import SharedCalibration
 
@@ -937,7 +937,7 @@ def test_failed_save_keeps_the_old_file_and_leaves_no_temp_files(
     def failing_replace(src: str, dst: str) -> None:
         raise OSError("disk on fire")
 
-    monkeypatch.setattr(calibration_module.os, "replace", failing_replace)
+    monkeypatch.setattr(atomic_file.os, "replace", failing_replace)
     with pytest.raises(OSError, match="disk on fire"):
         save(learned_cal(), path)
     assert os.listdir(tmp_path) == ["calibration.json"]
