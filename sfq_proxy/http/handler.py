@@ -42,6 +42,7 @@ from .pool_runtime import Pool
 from .relay import (
     COST_HEADER,
     QUEUE_WAIT_HEADER,
+    STREAM_TOKENS,
     Relayed,
     UpstreamFailed,
     backend_failed,
@@ -245,10 +246,10 @@ async def _serve(
             record.outcome = "failed"
             raise
         except asyncio.CancelledError:
-            record.outcome = "cancelled_running"
+            _bill_hang_up(record, request, estimate)
             raise
         except ConnectionResetError:  # the client hung up as we wrote: a cancellation too
-            record.outcome = "cancelled_running"
+            _bill_hang_up(record, request, estimate)
             raise asyncio.CancelledError from None
         finally:
             slot.release(refund=not generated)
@@ -272,6 +273,16 @@ async def _serve(
         raise ApiError(502, f"No backend of pool '{flow.pool}' gave an answer.")
     _count_answer(proxy, flow, record, estimate, relayed)
     return relayed.response
+
+
+def _bill_hang_up(record: AccessRecord, request: web.Request, estimate: Estimate) -> None:
+    """The client left a dispatched request before its answer's end, so before its usage:
+    it is billed its prompt as estimated and the token events relayed to it (none for a
+    whole body). Hanging up cannot shorten a bill, nor dodge a budget."""
+    record.outcome = "cancelled_running"
+    counted = request.get(STREAM_TOKENS)
+    record.prompt_tokens = estimate.input_tokens
+    record.completion_tokens = 0 if counted is None else counted.tokens
 
 
 @dataclass(frozen=True, slots=True)

@@ -45,6 +45,8 @@ QUEUE_WAIT_HEADER = "X-Queue-Wait"
 COST_HEADER = "X-Cost-Charged"
 _TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
 _USAGE = b'"usage"'
+# a stream's token events as counted so far (``sse.TokenEvents``), on its client's request
+STREAM_TOKENS = web.RequestKey("sfq_stream_tokens", TokenEvents)
 _USAGE_BYTES = 4096  # more than any usage object: the part of the tail that is parsed
 _DECODER = json.JSONDecoder()
 # an error instead of an answer: an event whose first data line is an OpenAI error object,
@@ -230,8 +232,11 @@ async def forward(
         out_of_time = partial(upstream_end, out_of_time=True)
         watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s, until, out_of_time)
 
+        # its tokens where no usage comes: a server that reports none, or a client that
+        # leaves before it (the handler reads them here then: they are what its org pays)
+        counter = client[STREAM_TOKENS] = TokenEvents()
         await _relay_stream(
-            upstream, relayed, inference.strip_usage, pool, sent, inflater,
+            upstream, relayed, inference.strip_usage, pool, sent, inflater, counter,
             watchdog=watchdog, expiry=expiry, upstream_end=upstream_end,
         )  # fmt: skip
         return relayed
@@ -271,7 +276,8 @@ async def _relay_stream(
     strip_usage: bool,
     pool: Pool,
     sent: float,
-    inflater: Inflater | None = None,
+    inflater: Inflater | None,
+    counter: TokenEvents,
     *,
     watchdog: _Watchdog | None = None,
     expiry: ApiError | None = None,
@@ -286,7 +292,6 @@ async def _relay_stream(
     kept = 0
     written = b""  # the last bytes the client was sent
     stripper = _UsageStripper() if strip_usage else None
-    counter = None if pool.spec.stream_usage else TokenEvents()
     if watchdog is None:
         watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s)
     message = _CUT
@@ -296,8 +301,7 @@ async def _relay_stream(
             watchdog.busy()
             if relayed.first_chunk_s is None:
                 relayed.first_chunk_s = pool.clock() - sent
-            if counter is not None:
-                counter.feed(chunk)
+            counter.feed(chunk)
             tail.append(chunk)
             kept += len(chunk)
             while kept - len(tail[0]) >= _TAIL_BYTES:
@@ -339,7 +343,7 @@ async def _relay_stream(
         rest += (b"" if at_boundary else b"\n\n") + _error_event(relayed.fault, message)
     await relayed.response.write_eof(rest)  # one write
     relayed.tail = b"".join(tail)
-    if counter is not None and counter.tokens > 0:  # a usage chunk, if any, is read later
+    if counter.tokens > 0:  # a usage chunk, if any, is read later and wins
         relayed.completion_tokens = counter.tokens
 
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_lab import KEYS, MODEL, Lab, Served, config_yaml
+from proxy_lab import KEYS, MODEL, Lab, Served, config_yaml, eventually
 
 from sfq_proxy.config import Config, parse_config
 from sfq_proxy.sim.server import SimBackend
@@ -205,3 +205,44 @@ async def test_replicas_on_one_redis_share_a_budget_at_their_flush(
     await second.state.usage.flush()
     await refused(lab, second, "A")
     await ask(lab, second, "B")
+
+
+async def hang_up_after(lab: Lab, served: Served, org: str, events: int) -> None:
+    """A stream of up to 400 tokens whose client reads ``events`` token events and leaves:
+    the usage chunk at the stream's end never comes."""
+    http = await lab.http()
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 400, "stream": True, "user": org}
+    headers = {"Authorization": f"Bearer {KEYS[org]}"}
+    async with http.post(f"{served.url}/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status == 200
+        seen = 0
+        async for line in r.content:
+            seen += line.startswith(b"data: {") and b'"content"' in line
+            if seen > events:  # the role's event, then ``events`` tokens
+                break
+        r.close()  # the connection with it
+
+
+async def test_hanging_up_before_the_usage_does_not_dodge_a_budget(lab: Lab) -> None:
+    """A client that leaves every stream before its usage chunk is billed its prompt as
+    estimated and the tokens it was sent (not nothing), so its budget still runs out; the
+    backend stopped generating when the proxy closed the connection."""
+    sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=100.0)
+    served = await lab.proxy(
+        budgeted(sim, orgs={"A": {"budgets": [{"period": "day", "tokens": 60}]}}), wall=Wall(LATE)
+    )
+    for hung_up in range(1, 20):
+        await hang_up_after(lab, served, "A", 5)
+        await eventually(lambda: all(r.outcome is not None for r in sim.stats.log), within=5)
+        try:
+            await ask(lab, served, "A", tokens=1)
+        except openai.RateLimitError as err:
+            assert err.body["code"] == "budget_exceeded"  # type: ignore[index]
+            break
+    else:
+        raise AssertionError("hanging up dodged the budget")
+    assert hung_up <= 4  # each billed at least its prompt and 5 tokens
+    hung = [r for r in sim.stats.log if r.max_tokens == 400]
+    assert len(hung) == hung_up
+    for rec in hung:
+        assert (rec.outcome, 5 <= rec.completion_tokens < 400) == ("aborted", True)
