@@ -207,13 +207,15 @@ async def test_replicas_on_one_redis_share_a_budget_at_their_flush(
     await ask(lab, second, "B")
 
 
-async def hang_up_after(lab: Lab, served: Served, org: str, events: int) -> None:
+async def hang_up_after(lab: Lab, served: Served, org: str, events: int) -> bool:
     """A stream of up to 400 tokens whose client reads ``events`` token events and leaves:
-    the usage chunk at the stream's end never comes."""
+    the usage chunk at the stream's end never comes. False: refused for ``org``'s budget."""
     http = await lab.http()
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 400, "stream": True, "user": org}
     headers = {"Authorization": f"Bearer {KEYS[org]}"}
     async with http.post(f"{served.url}/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status == 429 and (await r.json())["error"]["code"] == "budget_exceeded":
+            return False
         assert r.status == 200
         seen = 0
         async for line in r.content:
@@ -221,6 +223,7 @@ async def hang_up_after(lab: Lab, served: Served, org: str, events: int) -> None
             if seen > events:  # the role's event, then ``events`` tokens
                 break
         r.close()  # the connection with it
+    return True
 
 
 async def test_hanging_up_before_the_usage_does_not_dodge_a_budget(lab: Lab) -> None:
@@ -231,18 +234,12 @@ async def test_hanging_up_before_the_usage_does_not_dodge_a_budget(lab: Lab) -> 
     served = await lab.proxy(
         budgeted(sim, orgs={"A": {"budgets": [{"period": "day", "tokens": 60}]}}), wall=Wall(LATE)
     )
-    for hung_up in range(1, 20):
-        await hang_up_after(lab, served, "A", 5)
+    hung_up = 0
+    while await hang_up_after(lab, served, "A", 5):
+        hung_up += 1
+        assert hung_up < 20, "hanging up dodged the budget"
         await eventually(lambda: all(r.outcome is not None for r in sim.stats.log), within=5)
-        try:
-            await ask(lab, served, "A", tokens=1)
-        except openai.RateLimitError as err:
-            assert err.body["code"] == "budget_exceeded"  # type: ignore[index]
-            break
-    else:
-        raise AssertionError("hanging up dodged the budget")
-    assert hung_up <= 4  # each billed at least its prompt and 5 tokens
-    hung = [r for r in sim.stats.log if r.max_tokens == 400]
-    assert len(hung) == hung_up
-    for rec in hung:
+    assert 1 <= hung_up < 60 / 5  # each billed its prompt and at least the 5 tokens it read
+    assert len(sim.stats.log) == hung_up
+    for rec in sim.stats.log:
         assert (rec.outcome, 5 <= rec.completion_tokens < 400) == ("aborted", True)
