@@ -103,7 +103,7 @@ bench: $(STAMP)
 bench-proxy: $(STAMP)
 	$(call apt_need,nginx-light wrk,nginx wrk)
 	$(PY) bench/overhead.py
-	$(PY) bench/queue.py
+	$(PY) bench/queueing.py
 
 # 10× more clients than slots through the real proxy and two simulated backends, with
 # disconnects, for 3 minutes: every answer accounted for, slots never exceeded, RSS flat

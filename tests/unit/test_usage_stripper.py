@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sfq_proxy.http.relay import Relayed, error_event, read_usage
+from sfq_proxy.http.relay import _ERROR_EVENT, Relayed, error_event, read_usage
 from sfq_proxy.http.sse import UsageStripper as _UsageStripper
 from sfq_proxy.http.sse import ends_event
 
@@ -334,3 +334,16 @@ def test_where_a_broken_off_stream_needs_an_empty_line_before_its_error_event(
 def test_an_error_event_is_told_from_a_completion(tail: bytes, expected: bool) -> None:
     relayed = Relayed(response=None, upstream_s=0.0, tail=tail)  # type: ignore[arg-type]
     assert error_event(relayed) is expected
+
+
+_PIECES = [b"data:", b"data: ", b"{", b" ", b'"error"', b":", b"\n", b"\r", b"event:",
+           b"event: ", b"error", b"response.failed", b"response.", b"failed", b"x", b"}"]  # fmt: skip
+
+
+@given(st.lists(st.sampled_from(_PIECES), max_size=30))
+def test_the_words_looked_for_first_never_change_the_answer(pieces: list[bytes]) -> None:
+    """``error_event`` skips the pattern when the tail lacks the words it needs: on tails
+    made of the pattern's own pieces, that never changes the answer."""
+    tail = b"".join(pieces)
+    relayed = Relayed(response=None, upstream_s=0.0, tail=tail)  # type: ignore[arg-type]
+    assert error_event(relayed) is (_ERROR_EVENT.search(tail) is not None)

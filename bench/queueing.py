@@ -1,6 +1,6 @@
 """Queueing cost: RSS per queued request, dispatch rate as slots free up, event-loop lag.
 
-    python bench/queue.py [--requests 10000] [--slots 8] [--rate 1000] [--seconds 10]
+    python bench/queueing.py [--requests 10000] [--slots 8] [--rate 1000] [--seconds 10]
 
 The proxy runs in this process, so that its RSS (VmRSS) and its event loop are measured
 exactly, on a realistic config: four keys and orgs, two classes, a capped org, metrics and
