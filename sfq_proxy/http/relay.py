@@ -51,9 +51,15 @@ _USAGE_BYTES = 4096  # more than any usage object: the part of the tail that is 
 _DECODER = json.JSONDecoder()
 # an error instead of an answer: an event whose first data line is an OpenAI error object,
 # or (the Responses API) an ``error`` or ``response.failed`` event
-_ERROR_EVENT = re.compile(
-    rb'(?:^|[\r\n])(?:data: ?\{\s*"error"\s*:|event: ?(?:error|response\.failed)[ \t]*[\r\n])'
-)
+# An error event: ``data: {"error": …`` or ``event: error`` / ``event: response.failed``
+# where a line starts. Each search begins with a literal, so the regex engine leaps between
+# the places it occurs; one pattern led by ``(?:^|[\r\n])`` tried every byte instead
+# (40 ns a byte: 1.6 ms for a 40 KiB tail). What precedes ``"error":`` is checked in a
+# window before it.
+_ERROR_MEMBER = re.compile(rb'"error"\s*:')
+_DATA_OPEN = re.compile(rb"(?:^|[\r\n])data: ?\{\s*\Z")
+_OPEN_AT_MOST = 256  # bytes of ``data: {`` and blanks before the member
+_ERROR_TYPE = re.compile(rb"event: ?(?:error|response\.failed)[ \t]*[\r\n]")
 MAX_USAGE_TOKENS = 1_000_000_000  # a usage count above this is a lying backend, not usage
 _ERROR_STATUSES = frozenset({429, 503})  # what must say when to come back
 
@@ -342,7 +348,7 @@ async def _relay_stream(
         at_boundary = ends_event(rest or written)  # whatever its line endings
         rest += (b"" if at_boundary else b"\n\n") + _error_event(relayed.fault, message)
     await relayed.response.write_eof(rest)  # one write
-    relayed.tail = b"".join(tail)
+    relayed.tail = b"".join(tail)[-_TAIL_BYTES:]  # a chunk may hold the whole stream
     if counter.tokens > 0:  # a usage chunk, if any, is read later and wins
         relayed.completion_tokens = counter.tokens
 
@@ -387,14 +393,17 @@ def error_event(relayed: Relayed) -> bool:
     """Whether a stream that ended as a 200 carried an error event instead of its answer:
     TGI refuses a request mid-stream so (``data: {"error": ...}`` then ``[DONE]``), vLLM
     reports an error during generation so, and a Responses API stream with an ``error`` or
-    ``response.failed`` event; it is no completion.
-
-    The pattern is tried at every byte (~40 ns each: 20 µs for a 500-byte body, 190 µs for
-    a stream's 4 KiB tail), so the words it cannot match without are looked for first."""
+    ``response.failed`` event; it is no completion."""
     tail = relayed.tail
-    if b"error" not in tail and b"response.failed" not in tail:
+    if b"error" not in tail and b"response.failed" not in tail:  # the usual: ~1 ns a byte
         return False
-    return _ERROR_EVENT.search(tail) is not None
+    return any(
+        _DATA_OPEN.search(tail, max(0, found.start() - _OPEN_AT_MOST), found.start())
+        for found in _ERROR_MEMBER.finditer(tail)
+    ) or any(
+        found.start() == 0 or tail[found.start() - 1] in b"\r\n"
+        for found in _ERROR_TYPE.finditer(tail)
+    )
 
 
 def read_usage(relayed: Relayed) -> None:
