@@ -1,14 +1,21 @@
-"""Side-by-side overhead: direct to a fast fake backend, a bare pass-through, sfq-proxy.
+"""Side by side: direct to a fast backend, a bare pass-through, sfq-proxy, vllm-router.
 
     python bench/overhead.py [--seconds 5] [--connections 1 16 64] [--rounds 3]
+                             [--modes json stream paced] [--no-router]
 
-nginx (Debian's package) plays two OpenAI-compatible backends much faster than any Python
-proxy: a fixed chat-completion JSON (with usage) and a 200-event SSE stream ending with a
-usage chunk and [DONE]. wrk (Debian's package) drives load with a realistic chat body and a
-key. The proxy runs `sfq-proxy serve` on a realistic config (several keys and orgs, two
-classes, metrics and the access log on, generous slots). One table: req/s, p50/p99 latency,
-ratio to direct, and the CPU microseconds per request of the process in the middle and its
-ratio to the bare pass-through's: medians of --rounds runs, interleaved across targets.
+Three kinds of answer: ``json``, a fixed chat completion with usage, and ``stream``, a
+200-event SSE stream ending with a usage chunk and [DONE], both from nginx (Debian's
+package), much faster than any Python proxy, which sends a stream in one burst; and
+``paced``, the same stream from ``paced_backend.py``, each event its own write 1 ms apart,
+as a model server writes tokens. wrk (Debian's package) drives load with a realistic chat
+body and a key. sfq-proxy runs ``sfq-proxy serve`` on a config with every feature on as
+in config/example.yaml (keys, orgs with caps and rates, classes with queue limits, metrics,
+the access log, calibration, the queue-memory bound); the bare floor is ``passthrough.py``
+(aiohttp + uvloop, nothing else); the peer is vllm-router (Rust), round robin, installed
+with pip into ``bench/.venv-router`` on first use. One table: req/s, p50/p99 latency, ratio
+to direct, and the CPU microseconds per request (per event too, for ``paced``) of the
+process in the middle with its ratio to the bare pass-through's: medians of --rounds runs,
+interleaved across targets so a noisy spell hits all alike.
 Requires: apt-get install nginx-light wrk.
 """
 
@@ -29,7 +36,12 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 NGINX_PORTS = {"json": (18301, 18302), "stream": (18311, 18312)}
-PASS_PORT, PROXY_PORT = 18320, 18330
+PACED_PORTS = (18351, 18352)  # paced_backend.py
+MODES = ("json", "stream", "paced")
+PASS_PORT, PROXY_PORT, ROUTER_PORT = 18320, 18330, 18340
+PACED_EVENTS = 200  # as nginx's stream: 200 chunks, then a usage event and [DONE]
+ROUTER = "vllm-router==0.1.17"
+ROUTER_VENV = HERE / ".venv-router"
 KEYS = {"sk-bench-a": ("team-a", "interactive"), "sk-bench-b": ("team-b", "batch"),
         "sk-bench-c": ("team-c", "batch"), "sk-bench-d": ("team-d", "interactive")}  # fmt: skip
 CHAT = {"messages": [{"role": "system", "content": "You are a helpful assistant."},
@@ -97,17 +109,49 @@ http {{
 }}"""
 
 
-def proxy_config() -> str:
+def backend_ports() -> dict[str, tuple[int, ...]]:
+    """Each mode's two backends (other benches replace NGINX_PORTS)."""
+    return {**NGINX_PORTS, "paced": PACED_PORTS}
+
+
+def proxy_config(work: Path | None = None) -> str:
+    """config/example.yaml's features on bench backends: keys, orgs with caps and rates,
+    classes with queue limits, the queue-memory bound, calibration kept in a state file,
+    metrics and the access log (on by default). Caps and rates far above what the bench
+    sends: their code runs on every request, and nothing is refused."""
     pools = {
         mode: {"models": [f"bench-{mode}"], "health": {"interval_s": 5},
                "backends": [{"url": f"http://127.0.0.1:{p}", "slots": 512} for p in ports]}
-        for mode, ports in NGINX_PORTS.items()
+        for mode, ports in backend_ports().items()
     }  # fmt: skip
-    lines = [f"listen: {{host: 127.0.0.1, port: {PROXY_PORT}}}", "keys:"]
-    lines += [f"  - {{key: {k}, org: {o}, classes: [{c}, batch]}}" for k, (o, c) in KEYS.items()]
-    lines += ["orgs: {team-a: {weight: 2}, team-b: {weight: 1, max_in_flight: 400}}"]
-    lines += [f"pools: {json.dumps(pools)}"]
-    return "\n".join(lines) + "\n"
+    config: dict[str, object] = {
+        "listen": {"host": "127.0.0.1", "port": PROXY_PORT},
+        "limits": {"queue_memory_mb": 512},
+        "keys": [{"key": k, "org": o, "classes": [c, "batch"]} for k, (o, c) in KEYS.items()],
+        "classes": {
+            "interactive": {"weight": 6, "max_queue_age_s": 45, "max_queue_len": 1000},
+            "batch": {"weight": 1, "max_queue_age_s": 7200, "max_queue_len": 100000},
+        },
+        "orgs": {
+            "team-a": {"weight": 2, "max_in_flight": 4096, "rpm": 10**9, "tpm": 10**12},
+            "team-b": {"weight": 1, "max_in_flight": 400},
+        },
+        "pools": pools,
+    }
+    if work is not None:
+        config["calibration"] = {"state_file": str(work / "calibration.json")}
+    return json.dumps(config, indent=1)
+
+
+def ensure_router() -> Path:
+    """vllm-router in its own venv (its pins are not ours), installed on first use."""
+    binary = ROUTER_VENV / "bin" / "vllm-router"
+    if not binary.exists():
+        print(f"installing {ROUTER} into {ROUTER_VENV} …", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(ROUTER_VENV)], check=True)
+        pip = [str(ROUTER_VENV / "bin" / "pip"), "install", "-q", ROUTER]
+        subprocess.run(pip, check=True)
+    return binary
 
 
 def wrk(url: str, model: str, connections: int, seconds: float, work: Path) -> dict[str, float]:
@@ -144,10 +188,10 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def wait_listening(port: int) -> None:
+def wait_listening(port: int, seconds: float = 10) -> None:
     import socket
 
-    for _ in range(200):
+    for _ in range(round(seconds / 0.05)):
         with socket.socket() as sock:
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return
@@ -160,67 +204,86 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--rounds", type=int, default=3, help="runs per target; medians shown")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
     args = parser.parse_args()
     for tool in ("nginx", "wrk"):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: apt-get install nginx-light wrk")
+    router = None if args.no_router else ensure_router()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         work.chmod(0o755)  # nginx's workers (not root) read the bodies from here
         (work / "nginx.conf").write_text(nginx_conf(work))
-        (work / "proxy.yaml").write_text(proxy_config())
+        (work / "proxy.yaml").write_text(proxy_config(work))
         procs = [subprocess.Popen(["nginx", "-c", str(work / "nginx.conf")])]
+        paced = [sys.executable, str(HERE / "paced_backend.py"), "--events", str(PACED_EVENTS)]
+        procs += [subprocess.Popen([*paced, str(port)]) for port in PACED_PORTS]
         try:
-            for ports in NGINX_PORTS.values():
+            for ports in backend_ports().values():
                 for port in ports:
                     wait_listening(port)
             print(HEADER)
-            for mode, ports in NGINX_PORTS.items():
-                backends = [f"http://127.0.0.1:{p}" for p in ports]
-                passthrough = subprocess.Popen(
-                    [sys.executable, str(HERE / "passthrough.py"), str(PASS_PORT), *backends],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,  # a traceback for each request wrk cuts at its end
-                )
-                proxy = subprocess.Popen(
-                    [sys.executable, "-m", "sfq_proxy.cli", "serve", "--config",
-                     str(work / "proxy.yaml")], stdout=subprocess.DEVNULL,  # the access log
-                )  # fmt: skip
-                procs += [passthrough, proxy]
-                wait_listening(PASS_PORT)
-                wait_listening(PROXY_PORT)
-                for connections in args.connections:
-                    targets = [
-                        ("direct", backends[0], None),
-                        ("bare", f"http://127.0.0.1:{PASS_PORT}", passthrough),
-                        ("sfq-proxy", f"http://127.0.0.1:{PROXY_PORT}", proxy),
-                    ]
-                    runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in targets}
-                    for _ in range(args.rounds):  # interleaved: a noisy spell hits all alike
-                        for name, url, proc in targets:
-                            before = cpu_seconds(proc.pid) if proc else 0.0
-                            result = wrk(url, f"bench-{mode}", connections, args.seconds, work)
-                            if proc:
-                                result["cpu_us"] = (cpu_seconds(proc.pid) - before) * 1e6
-                                result["cpu_us"] /= result["requests"]
-                            runs[name].append(result)
-                    direct, bare = _median(runs["direct"]), _median(runs["bare"])
-                    for name, *_ in targets:
-                        row = _row(mode, connections, name, _median(runs[name]), direct, bare)
-                        print(row, flush=True)
-                for proc in (passthrough, proxy):
-                    proc.send_signal(signal.SIGTERM)
-                    proc.wait()
+            for mode in args.modes:
+                procs += _compare(mode, args, work, router)
         finally:
             for proc in procs:
-                if proc.poll() is None:
-                    proc.send_signal(signal.SIGTERM)
-                    proc.wait()
+                _stop(proc)
+
+
+def _compare(
+    mode: str, args: argparse.Namespace, work: Path, router: Path | None
+) -> list[subprocess.Popen[bytes]]:
+    """One mode's rows: every target in front of the mode's two backends, at each count of
+    connections. Returns the processes it started (stopped already)."""
+    backends = [f"http://127.0.0.1:{p}" for p in backend_ports()[mode]]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    middles = {
+        # the bare floor prints a traceback for each request wrk cuts at its end: quiet
+        "bare": (PASS_PORT, subprocess.Popen(
+            [sys.executable, str(HERE / "passthrough.py"), str(PASS_PORT), *backends], **quiet)),
+        "sfq-proxy": (PROXY_PORT, subprocess.Popen(
+            [sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(work / "proxy.yaml")],
+            **quiet)),  # the access log, and a first start's "no calibration state yet"
+    }  # fmt: skip
+    if router is not None:
+        command = [str(router), "--host", "127.0.0.1", "--port", str(ROUTER_PORT), "--policy",
+                   "round_robin", "--log-level", "warning", "--worker-urls", *backends]  # fmt: skip
+        middles["vllm-router"] = (ROUTER_PORT, subprocess.Popen(command, **quiet))
+    for port, _ in middles.values():
+        wait_listening(port, seconds=60)
+    try:
+        for connections in args.connections:
+            targets = [("direct", backends[0], None)] + [
+                (name, f"http://127.0.0.1:{port}", proc) for name, (port, proc) in middles.items()
+            ]
+            runs: dict[str, list[dict[str, float]]] = {name: [] for name, *_ in targets}
+            for _ in range(args.rounds):  # interleaved: a noisy spell hits all alike
+                for name, url, proc in targets:
+                    before = cpu_seconds(proc.pid) if proc else 0.0
+                    result = wrk(url, f"bench-{mode}", connections, args.seconds, work)
+                    if proc:
+                        result["cpu_us"] = (cpu_seconds(proc.pid) - before) * 1e6
+                        result["cpu_us"] /= result["requests"]
+                    runs[name].append(result)
+            direct, bare = _median(runs["direct"]), _median(runs["bare"])
+            for name, *_ in targets:
+                print(_row(mode, connections, name, _median(runs[name]), direct, bare), flush=True)
+    finally:
+        for _, proc in middles.values():
+            _stop(proc)
+    return [proc for _, proc in middles.values()]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait()
 
 
 HEADER = (
-    f"{'mode':<7}{'conn':>5} {'target':<10}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
-    f"{'×direct':>8}{'cpu µs/req':>12}{'cpu ×bare':>10}"
+    f"{'mode':<7}{'conn':>5} {'target':<12}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+    f"{'×direct':>8}{'cpu µs/req':>12}{'cpu ×bare':>10}{'µs/event':>10}"
 )
 
 
@@ -230,8 +293,12 @@ def _median(results: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _row(mode: str, conns: int, name: str, r: dict, direct: dict, bare: dict) -> str:
-    cpu = f"{r['cpu_us']:>12.0f}{r['cpu_us'] / bare['cpu_us']:>10.2f}" if "cpu_us" in r else ""
-    return (f"{mode:<7}{conns:>5} {name:<10}{r['rps']:>9.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}"
+    cpu = ""
+    if "cpu_us" in r:
+        cpu = f"{r['cpu_us']:>12.0f}{r['cpu_us'] / bare['cpu_us']:>10.2f}"
+        if mode == "paced":
+            cpu += f"{r['cpu_us'] / (PACED_EVENTS + 2):>10.1f}"
+    return (f"{mode:<7}{conns:>5} {name:<12}{r['rps']:>9.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}"
             f"{r['rps'] / direct['rps']:>8.2f}{cpu}")  # fmt: skip
 
 
