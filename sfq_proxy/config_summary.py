@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from .config import (
     Access,
     AffinitySpec,
+    BudgetSpec,
     ClassSpec,
     Config,
     CostSpec,
@@ -58,8 +59,10 @@ def summary(config: Config) -> str:
         f"  keys[{i}]: {f'name={k.name}, ' if k.name else ''}org={k.org}, "
         f"classes=[{', '.join(k.classes)}] ({k.source})"
         + _key_access(config.key_access(k.org, k.pools, k.models))
+        + _budgets(k.budgets)
         for i, k in enumerate(config.keys)
     ]
+    lines += _stores(config)
     lines.append("orgs (the pools their keys reach):")
     lines += [
         f"  {name}: {_org_summary(config.org(name))}; {_reach(config, name)}"
@@ -202,7 +205,29 @@ def _usable(
 
 def _org_summary(spec: OrgSpec) -> str:
     caps = _fmt_caps(spec, ("max_in_flight", "rpm", "tpm"))
-    return ", ".join([f"weight={_num(spec.weight)}", *caps])
+    return ", ".join([f"weight={_num(spec.weight)}", *caps]) + _budgets(spec.budgets)
+
+
+def _budgets(budgets: list[BudgetSpec]) -> str:
+    """``, budgets [day 100000 tokens (warn 80%), month 50 money (warn 90%)]``, or nothing."""
+    if not budgets:
+        return ""
+    each = [
+        f"{b.period} {_num(b.tokens)} tokens" if b.tokens is not None else
+        f"{b.period} {_num(b.money or 0)} money"
+        for b in budgets
+    ]  # fmt: skip
+    warns = [f" (warn {_num(b.warn_at * 100)}%)" for b in budgets]
+    return f", budgets [{', '.join(a + w for a, w in zip(each, warns, strict=True))}]"
+
+
+def _stores(config: Config) -> list[str]:
+    """Where the admin API keeps the keys it makes, and where usage is kept."""
+    if config.state is not None:
+        return ["admin API keys: in Redis", "usage: in Redis"]
+    keys = config.key_store_file or "off (no key_store_file: only the keys of this file)"
+    usage = config.usage.file or "in the process only (no usage.file)"
+    return [f"admin API keys: {keys}", f"usage: {usage}"]
 
 
 def _injection(cost: CostSpec) -> str:

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sfq_proxy.config import ConfigError, parse_config
-from sfq_proxy.config_summary import warnings
+from sfq_proxy.config_summary import summary, warnings
 from sfq_proxy.core.usage import (
     Budget,
     Counts,
@@ -287,3 +287,25 @@ def test_check_config_says_where_usage_is_lost_or_counts_no_money(tmp_path: Any)
     assert "warning: pools.q has no prices: its requests count no money" in warnings(
         config(pools=pools, usage={"file": str(tmp_path / "u.db")})
     )
+
+
+def test_check_config_shows_the_budgets_and_where_keys_and_usage_are_kept() -> None:
+    day = {"period": "day", "tokens": 100000}
+    month = {"period": "month", "money": 50, "warn_at": 0.9}
+    prices = {"*": {"prompt_per_1m": 1.0, "completion_per_1m": 2.0}}
+    backends = [{"url": "http://b:8000", "slots": 4}]
+    pools = {"p": {"models": ["m"], "backends": backends, "prices": prices}}
+    cfg = config(
+        orgs={"A": {"budgets": [day, month]}},
+        pools=pools,
+        usage={"file": "/var/lib/sfq/usage.db"},
+        key_store_file="/var/lib/sfq/keys.json",
+    )
+    text = summary(cfg)
+    assert (
+        "  A: weight=1, budgets [day 100000 tokens (warn 80%), month 50 money (warn 90%)];" in text
+    )
+    assert "admin API keys: /var/lib/sfq/keys.json\nusage: /var/lib/sfq/usage.db\n" in text
+    plain = summary(config())
+    assert "admin API keys: off (no key_store_file: only the keys of this file)" in plain
+    assert "usage: in the process only (no usage.file)" in plain
