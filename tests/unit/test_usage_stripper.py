@@ -341,7 +341,8 @@ _EVERY_BYTE = re.compile(
     rb'(?:^|[\r\n])(?:data: ?\{\s*"error"\s*:|event: ?(?:error|response\.failed)[ \t]*[\r\n])'
 )
 _PIECES = [b"data:", b"data: ", b"{", b" ", b"\t", b'"error"', b":", b"\n", b"\r", b"event:",
-           b"event: ", b"error", b"response.failed", b"response.", b"failed", b"x", b"}"]  # fmt: skip
+           b"event: ", b"error", b"response.failed", b"response.", b"failed", b"x",
+           b"}"]  # fmt: skip
 
 
 @given(st.lists(st.sampled_from(_PIECES), max_size=30))
