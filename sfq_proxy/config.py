@@ -861,12 +861,13 @@ class Config(StrictModel):
     def api_key_errors(self, spec: KeySpec) -> _Errors:
         """Why a key made through the admin API could not be in this config: the checks of
         the file's keys (classes defined and allowed, pools and models that exist and leave
-        one to call), with paths from the key itself (``classes[0]``); an error of a class
-        (the priority band) has the path ``classes``."""
+        one to call, money budgets only with prices), with paths from the key itself
+        (``classes[0]``); an error of a class (the priority band) has the path ``classes``."""
         i, keys = len(self.keys), [*self.keys, spec]
         errors = _check_key_classes(keys, self.classes)
         errors += _check_priority_band(keys, self.classes, self.pools)
         errors += _check_access(keys, self.orgs, self.pools, self._pool_by_model)
+        errors += _check_prices(self.pools, {}, keys)  # a money budget needs prices
         own = f"keys[{i}]"
         return [
             (path.removeprefix(own).lstrip(".") or "org", message)

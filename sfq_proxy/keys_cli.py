@@ -20,8 +20,10 @@ DEFAULT_ADMIN_KEY_ENV = "SFQ_ADMIN_KEY"
 TIMEOUT_S = 10.0
 ANY = "*"  # --pools '*' / --models '*': no restriction (on update, lifts one)
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400}
-_COLUMNS = ("id", "alias", "org", "classes", "pools", "models", "created", "expires",
-            "last_used", "source")  # fmt: skip
+_COLUMNS = ("id", "alias", "org", "classes", "pools", "models", "budgets", "created",
+            "expires", "last_used", "source")  # fmt: skip
+_NUMBER = r"(\d+(?:\.\d+)?)"
+_BUDGET = re.compile(rf"(day|month):(?:tokens=(\d+)|money={_NUMBER})(?::warn={_NUMBER})?")
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -39,6 +41,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     update.add_argument("--org", help="a new org")
     _fields(update)
     update.add_argument("--no-expiry", action="store_true", help="the key never expires")
+    update.add_argument("--no-budgets", action="store_true", help="remove the key's budgets")
     revoke = _action(actions, "revoke", "revoke a key made through the API, at once")
     revoke.add_argument("id", help="the key's id (k_...)")
 
@@ -61,6 +64,11 @@ def _fields(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pools", help=f"comma-separated pools it may use ('{ANY}': any)")
     p.add_argument("--models", help=f"comma-separated models it may use ('{ANY}': any)")
     p.add_argument("--expires-in", help="lifetime from now: 3600, 90m, 12h, 30d")
+    p.add_argument(
+        "--budget", action="append", metavar="PERIOD:UNIT=N[:warn=F]",
+        help="a budget, repeatable: day:tokens=100000[:warn=0.8], month:money=50 (on update, "
+        "the --budget options given replace every budget of the key)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,7 +108,31 @@ def body(args: argparse.Namespace) -> dict[str, Any]:
         fields["expires_in_s"] = _seconds(args)
     if getattr(args, "no_expiry", False):
         fields["expires_at"] = None
+    if args.budget is not None:
+        fields["budgets"] = [_budget(args, text) for text in args.budget]
+    if getattr(args, "no_budgets", False):
+        if args.budget is not None:
+            args.parser.error("--budget and --no-budgets: give one or the other")
+        fields["budgets"] = None
     return fields
+
+
+def _budget(args: argparse.Namespace, text: str) -> dict[str, Any]:
+    """One ``--budget``, as the API's JSON (the proxy checks its bounds)."""
+    match = _BUDGET.fullmatch(text.strip())
+    if match is None:
+        parser: argparse.ArgumentParser = args.parser
+        parser.error(f"--budget {text!r}: write day:tokens=100000, month:money=50, "
+                     "or either with :warn=0.9")  # fmt: skip
+    period, tokens, money, warn = match.groups()
+    budget: dict[str, Any] = {"period": period}
+    if tokens is not None:
+        budget["tokens"] = int(tokens)
+    else:
+        budget["money"] = float(money)
+    if warn is not None:
+        budget["warn_at"] = float(warn)
+    return budget
 
 
 def _seconds(args: argparse.Namespace) -> float:
@@ -147,14 +179,14 @@ def _describe(key: dict[str, Any]) -> str:
     expires = key["expires"] or "never"
     return (
         f"{key['id']} (alias {key['alias']}, org {key['org']}, classes {classes}, "
-        f"expires {expires})"
+        f"budgets {_cell('budgets', key['budgets'])}, expires {expires})"
     )
 
 
 def table(keys: list[dict[str, Any]]) -> str:
     """The keys as aligned columns, one line each under a header."""
     rows = [[c.upper().replace("_", " ") for c in _COLUMNS]]
-    rows += [[_cell(key[c]) for c in _COLUMNS] for key in keys]
+    rows += [[_cell(c, key[c]) for c in _COLUMNS] for key in keys]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
@@ -162,7 +194,15 @@ def table(keys: list[dict[str, Any]]) -> str:
     )
 
 
-def _cell(value: Any) -> str:
+def _cell(column: str, value: Any) -> str:
+    if column == "budgets":
+        return ",".join(map(_budget_text, value)) or "-"
     if value is None:
         return "-"
     return ",".join(value) if isinstance(value, list) else str(value)
+
+
+def _budget_text(budget: dict[str, Any]) -> str:
+    """A budget as ``--budget`` writes it: day:tokens=100000:warn=0.8."""
+    amount = f"tokens={budget['tokens']}" if "tokens" in budget else f"money={budget['money']:g}"
+    return f"{budget['period']}:{amount}:warn={budget['warn_at']:g}"

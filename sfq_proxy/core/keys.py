@@ -17,6 +17,8 @@ from pydantic import AwareDatetime, Field, StringConstraints, ValidationError
 
 from ..config import (
     NAME_PATTERN,
+    Budgets,
+    BudgetSpec,
     Config,
     ConfigError,
     KeySpec,
@@ -49,6 +51,7 @@ class KeyRecord:
     created: float
     expires: float | None
     digest: bytes = field(repr=False)
+    budgets: tuple[BudgetSpec, ...] = ()  # counted under its alias (docs/usage-and-budgets.md)
 
 
 def key_id(digest: bytes) -> str:
@@ -59,7 +62,7 @@ def key_id(digest: bytes) -> str:
 
 class _Fields(StrictModel):
     """A create or update request's body; on an update, a field left out is unchanged and
-    ``null`` clears ``pools``, ``models`` or the expiry."""
+    ``null`` clears ``pools``, ``models``, ``budgets`` or the expiry."""
 
     alias: _Name | None = None
     org: _Name | None = None
@@ -68,6 +71,7 @@ class _Fields(StrictModel):
     models: list[_Model] | None = Field(None, max_length=1024)
     expires_at: AwareDatetime | None = None
     expires_in_s: float | None = Field(None, gt=0, le=MAX_LIFETIME_S, allow_inf_nan=False)
+    budgets: Budgets | None = None
 
 
 def new_record(
@@ -104,8 +108,8 @@ def _parse(body: bytes) -> _Fields:
 
 
 def _applied(record: KeyRecord, fields: _Fields, now: float) -> KeyRecord:
-    """``record`` with what ``fields`` sets (``pools``, ``models`` and the expiry may be
-    set to null; the other fields may not)."""
+    """``record`` with what ``fields`` sets (``pools``, ``models``, ``budgets`` and the
+    expiry may be set to null; the other fields may not)."""
     given = fields.model_fields_set
     required = ("alias", "org", "classes")
     nulls = [(n, "must not be null") for n in required if n in given and getattr(fields, n) is None]
@@ -120,6 +124,8 @@ def _applied(record: KeyRecord, fields: _Fields, now: float) -> KeyRecord:
         if name in given:
             value = getattr(fields, name)
             changes[name] = None if value is None else tuple(value)
+    if "budgets" in given:
+        changes["budgets"] = tuple(fields.budgets or ())
     if "expires_at" in given:
         at = fields.expires_at
         changes["expires"] = None if at is None else at.timestamp()
@@ -137,6 +143,7 @@ def _checked(record: KeyRecord, config: Config, records: Mapping[str, KeyRecord]
         key_sha256=record.digest.hex(), org=record.org, classes=list(record.classes),
         pools=None if record.pools is None else list(record.pools),
         models=None if record.models is None else list(record.models),
+        budgets=list(record.budgets),
     )  # fmt: skip
     errors = config.api_key_errors(spec)
     taken = {key.name for key in config.resolved_keys()}
@@ -167,6 +174,16 @@ def resolved(record: KeyRecord, config: Config) -> ResolvedKey | None:
     )  # fmt: skip
 
 
+def in_force(records: Iterable[KeyRecord], config: Config) -> list[tuple[KeyRecord, ResolvedKey]]:
+    """The records that work under ``config``, each with what it is looked up as. Not one
+    whose classes a reload removed, nor one whose alias names a key of the file (a config
+    rolled out to some of the replicas on a Redis only, see :func:`clashes`): usage and
+    budgets count by name, and the two would share them."""
+    names = {key.name for key in config.resolved_keys()}
+    found = ((record, resolved(record, config)) for record in records if record.alias not in names)
+    return [(record, key) for record, key in found if key is not None]
+
+
 def clashes(config: Config, records: Iterable[KeyRecord]) -> ConfigError | None:
     """A config that names a key of its file like an API key's alias cannot be loaded: the
     access log and ``/admin/keys`` would not tell them apart. None when it can."""
@@ -191,6 +208,7 @@ class _Stored(StrictModel):
     created: _Time
     expires: _Time | None
     digest: _Digest
+    budgets: Budgets = Field(default_factory=list)  # none in older stores
 
 
 def record_to_json(record: KeyRecord) -> dict[str, Any]:
@@ -201,7 +219,13 @@ def record_to_json(record: KeyRecord) -> dict[str, Any]:
         "pools": None if record.pools is None else list(record.pools),
         "models": None if record.models is None else list(record.models),
         "created": record.created, "expires": record.expires, "digest": record.digest.hex(),
+        "budgets": [budget_json(budget) for budget in record.budgets],
     }  # fmt: skip
+
+
+def budget_json(budget: BudgetSpec) -> dict[str, Any]:
+    """A budget as the stores and the admin API write it: its unit, not the other's null."""
+    return budget.model_dump(exclude_none=True)
 
 
 def record_from_json(data: Any) -> KeyRecord:
@@ -218,4 +242,5 @@ def record_from_json(data: Any) -> KeyRecord:
         pools=None if stored.pools is None else tuple(stored.pools),
         models=None if stored.models is None else tuple(stored.models),
         created=stored.created, expires=stored.expires, digest=digest,
+        budgets=tuple(stored.budgets),
     )  # fmt: skip

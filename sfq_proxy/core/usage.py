@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from ..config import BudgetSpec, Config, PriceSpec
+from .keys import KeyRecord
 
 HOUR = 3600
 DAY = 86400
@@ -214,12 +215,15 @@ class Budget:
         return spent[0] if self.unit == "tokens" else spent[1]
 
 
-def budgets_of(config: Config) -> list[Budget]:
-    """Every budget of the config: the orgs', then the named keys'."""
+def budgets_of(config: Config, records: Iterable[KeyRecord] = ()) -> list[Budget]:
+    """Every budget: the orgs', the file's keys', then those of the admin API's keys
+    ``records`` (the ones in force, :func:`~sfq_proxy.core.keys.in_force`), each key's
+    under its name (an API key's alias), which no two keys in force share."""
     budgets = [Budget("org", n, b, n) for n, org in config.orgs.items() for b in org.budgets]
     for i, key in enumerate(config.keys):
         name = key.name or f"{key.org}#{i}"
         budgets += [Budget("key", name, b, key.org) for b in key.budgets]
+    budgets += [Budget("key", r.alias, b, r.org) for r in records for b in r.budgets]
     return budgets
 
 

@@ -19,7 +19,7 @@ from redis.exceptions import RedisError
 
 from ..config import ResolvedKey
 from ..core.errors import ApiError
-from ..core.keys import KeyRecord, changed_record, new_record
+from ..core.keys import KeyRecord, budget_json, changed_record, new_record
 from .key_store import KeyStore, unavailable, usage_times
 from .runtime import Proxy
 
@@ -147,6 +147,7 @@ def _api_key(record: KeyRecord, last_used: float | None) -> dict[str, Any]:
         "expires": _iso(record.expires),
         "last_used": _iso(last_used),
         "source": "api",
+        "budgets": [budget_json(budget) for budget in record.budgets],
     }
 
 
@@ -164,6 +165,7 @@ def _file_key(proxy: Proxy, key: ResolvedKey, last_used: float | None) -> dict[s
         "expires": _iso(key.expires),
         "last_used": _iso(last_used),
         "source": "config",
+        "budgets": [budget_json(budget) for budget in spec.budgets],
     }
 
 

@@ -20,7 +20,7 @@ from ..core.calibration import Calibration
 from ..core.cost import CostModel
 from ..core.errors import ApiError
 from ..core.flows import Authenticator
-from ..core.keys import clashes, resolved
+from ..core.keys import KeyRecord, clashes, in_force
 from ..core.queue_memory import QueueMemory
 from ..state.redis_dispatch import RedisDispatch
 from . import calibration_store, key_store, logs, shared_state
@@ -141,10 +141,11 @@ class Proxy:
         if self.keys is not None and (clash := clashes(config, self.keys.records.values())):
             raise clash
         self.config = config
-        self.auth.reconfigure(config.resolved_keys(), self._store_keys())
+        keys = self._store_keys()
+        self.auth.reconfigure(config.resolved_keys(), [key for _, key in keys])
         self.admission.reconfigure(config)
         if self.usage is not None:
-            self.usage.reconfigure(config)
+            self.usage.reconfigure(config, [record for record, _ in keys])
         if self.limits is not None:
             self.limits.config = config
         for name, pool in self.pools.items():
@@ -155,12 +156,22 @@ class Proxy:
         return warnings
 
     def use_store_keys(self) -> None:
-        """The store's keys changed (or were read): the next request sees them."""
-        self.auth.manage(self._store_keys())
+        """The store's keys changed (or were read): the next request sees them, and is
+        held to their budgets (a revoked key's go with it)."""
+        keys = self._store_keys()
+        self.auth.manage([key for _, key in keys])
+        if self.usage is not None:
+            self.usage.reconfigure(self.config, [record for record, _ in keys])
 
-    def _store_keys(self) -> list[ResolvedKey]:
+    def _store_keys(self) -> list[tuple[KeyRecord, ResolvedKey]]:
+        """The store's keys in force. One whose alias a key of this process's file is
+        named (a config that reached some of the replicas on a Redis only) is refused here,
+        and the log says why: it would share that key's usage and budgets."""
         records = () if self.keys is None else self.keys.records.values()
-        return [key for record in records if (key := resolved(record, self.config))]
+        if (clash := clashes(self.config, records)) is not None:
+            text = str(clash).replace("\n", "; ")
+            log.warning("key store: keys refused here, named like keys of the file: %s", text)
+        return in_force(records, self.config)
 
     async def save_last_used(self) -> None:
         """Write when the store's keys were last used (never per request: here, every

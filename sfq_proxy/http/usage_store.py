@@ -17,7 +17,7 @@ import json
 import logging
 import secrets
 import sqlite3
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -27,6 +27,7 @@ from redis.exceptions import RedisError
 
 from ..config import Config, ConfigError
 from ..core.errors import ApiError
+from ..core.keys import KeyRecord
 from ..core.usage import (
     COUNTERS,
     DAY,
@@ -250,10 +251,11 @@ class UsageBook:
         self._unwritten: list[tuple[str, Table]] = []  # (id, batch): sent again as they were
         self._ids = (f"{secrets.token_hex(8)}.{n}" for n in itertools.count())
 
-    def reconfigure(self, config: Config) -> None:
-        """A reload: new budgets and prices apply at once; what was used stays."""
+    def reconfigure(self, config: Config, records: Iterable[KeyRecord]) -> None:
+        """A reload, or a change of the admin API's keys in force (``records``): new
+        budgets and prices apply at once; what was used stays."""
         self.config = config
-        self.ledger.budgets = budgets_of(config)
+        self.ledger.budgets = budgets_of(config, records)
 
     def record(self, record: AccessRecord) -> None:
         """A request that reached a backend, at its end (its tokens as the backend reported)."""

@@ -24,12 +24,14 @@ from sfq_proxy.core.keys import (
     KeyRecord,
     changed_record,
     clashes,
+    in_force,
     key_id,
     new_record,
     record_from_json,
     record_to_json,
     resolved,
 )
+from sfq_proxy.core.usage import Budget, budgets_of
 from sfq_proxy.http.key_store import FileKeyStore
 
 NOW = 1_800_000_000.0
@@ -96,6 +98,19 @@ def test_a_new_record_takes_the_request_and_defaults_to_the_fair_queued_classes(
         ({"expires_at": 1_900_000_000}, "expires_at"),
         ({"id": "k_000000000000"}, "id: unknown field"),
         ({"classes": ["batch"] * 33}, "classes: "),
+        ({"budgets": [{"period": "day", "tokens": 0}]}, "budgets[0].tokens: must be > 0"),
+        ({"budgets": [{"period": "day", "tokens": 1.5}]}, "budgets[0].tokens"),
+        ({"budgets": [{"period": "day", "tokens": "9"}]}, "budgets[0].tokens"),
+        ({"budgets": [{"period": "day", "tokens": 10**16}]}, "budgets[0].tokens: must be <="),
+        ({"budgets": [{"period": "week", "tokens": 9}]}, "budgets[0].period"),
+        ({"budgets": [{"period": "day"}]}, "budgets[0]: needs exactly one of tokens, money"),
+        ({"budgets": [{"period": "day", "tokens": 9, "money": 1}]}, "budgets[0]: needs exactly"),
+        ({"budgets": [{"period": "day", "tokens": 9, "warn_at": 1}]}, "budgets[0].warn_at"),
+        ({"budgets": [{"period": "day", "tokens": 9, "cap": 1}]}, "budgets[0].cap: unknown"),
+        ({"budgets": [{"period": "day", "money": 5}]}, "budgets[0].money: a money budget needs"),
+        ({"budgets": [{"period": "day", "tokens": n} for n in (1, 2)]}, "budgets: has two"),
+        ({"budgets": {"period": "day", "tokens": 9}}, "budgets: "),
+        ({"budgets": [{"period": p, "tokens": 9} for p in ("day", "month") * 3]}, "budgets: "),
     ],
 )
 def test_a_request_the_config_could_not_hold_is_refused_naming_the_field(
@@ -123,6 +138,30 @@ def test_an_update_changes_what_it_names_and_null_lifts_a_restriction(config: Co
         assert f"{null}: must not be null" in message
 
 
+def test_a_keys_budgets_are_set_kept_and_cleared_by_its_requests(config: Config) -> None:
+    day = {"period": "day", "tokens": 100_000, "warn_at": 0.5}
+    record = new_record(body(budgets=[day]), config, {}, DIGEST, NOW)
+    assert [b.model_dump() for b in record.budgets] == [{**day, "money": None}]
+    assert new_record(body(), config, {}, DIGEST, NOW).budgets == ()
+    kept = changed_record(record, b'{"classes": ["batch"]}', config, {}, NOW)
+    assert kept.budgets == record.budgets
+    month = b'{"budgets": [{"period": "month", "tokens": 7}]}'
+    assert [b.tokens for b in changed_record(record, month, config, {}, NOW).budgets] == [7]
+    for cleared in (b'{"budgets": null}', b'{"budgets": []}'):
+        assert changed_record(record, cleared, config, {}, NOW).budgets == ()
+
+
+def test_a_money_budget_is_taken_where_a_pool_has_prices() -> None:
+    prices = "    prices: {'*': {prompt_per_1m: 1.0, completion_per_1m: 2.0}}\n"
+    priced = parse_config(
+        CONFIG.replace("    models: [llama-70b]\n", "    models: [llama-70b]\n" + prices),
+        environ={},
+    )
+    money = {"period": "month", "money": 50}
+    record = new_record(body(budgets=[money]), priced, {}, DIGEST, NOW)
+    assert [(b.period, b.money, b.tokens) for b in record.budgets] == [("month", 50.0, None)]
+
+
 def test_an_alias_is_unique_among_the_stores_keys_but_its_own(config: Config) -> None:
     first = new_record(body(), config, {}, DIGEST, NOW)
     records = {first.id: first}
@@ -148,6 +187,19 @@ def test_a_record_goes_to_json_and_back_with_its_digest_never_a_secret(config: C
     assert record_from_json(json.loads(json.dumps(data))) == record
 
 
+def test_a_records_budgets_go_to_json_and_back(config: Config) -> None:
+    budgets = [
+        {"period": "day", "tokens": 500},
+        {"period": "month", "tokens": 9000, "warn_at": 0.9},
+    ]
+    record = new_record(body(budgets=budgets), config, {}, DIGEST, NOW)
+    data = json.loads(json.dumps(record_to_json(record), allow_nan=False))
+    assert data["budgets"] == [{**budgets[0], "warn_at": 0.8}, budgets[1]]  # no null unit
+    assert record_from_json(data) == record
+    older = {name: value for name, value in data.items() if name != "budgets"}
+    assert record_from_json(older).budgets == ()  # written before keys had budgets
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -158,6 +210,9 @@ def test_a_record_goes_to_json_and_back_with_its_digest_never_a_secret(config: C
         {"alias": "../etc"},
         {"classes": []},
         {"extra": 1},
+        {"budgets": [{"period": "day"}]},
+        {"budgets": [{"period": "day", "tokens": -1}]},
+        {"budgets": None},
     ],
 )
 def test_a_malformed_stored_record_is_refused(config: Config, change: dict[str, Any]) -> None:
@@ -176,7 +231,20 @@ def test_a_malformed_stored_record_is_refused(config: Config, change: dict[str, 
                 st.lists(inner, max_size=4)
                 | st.dictionaries(
                     st.sampled_from(
-                        ["alias", "org", "classes", "pools", "models", "expires_at", "expires_in_s"]
+                        [
+                            "alias",
+                            "org",
+                            "classes",
+                            "pools",
+                            "models",
+                            "expires_at",
+                            "expires_in_s",
+                            "budgets",
+                            "period",
+                            "tokens",
+                            "money",
+                            "warn_at",
+                        ]
                     )
                     | st.text(max_size=8),
                     inner,
@@ -228,6 +296,24 @@ def test_a_file_key_named_like_an_api_alias_is_a_clash(config: Config) -> None:
     clash = clashes(renamed, [record])
     assert clash is not None
     assert clash.errors == [("keys[0].name", f"is the alias of key {record.id} of the admin API")]
+
+
+def test_a_key_in_force_brings_its_budgets_under_its_alias_and_a_clash_is_out(
+    config: Config,
+) -> None:
+    """Budgets count by name: an API key named like a key of the file (another replica's
+    config on the same Redis let it in) is not in force here, so it can share nothing."""
+    budget = {"period": "day", "tokens": 10}
+    record = new_record(body(alias="product-2", budgets=[budget]), config, {}, DIGEST, NOW)
+    [(found, key)] = in_force([record], config)
+    assert (found, key.name) == (record, "product-2")
+    [own] = budgets_of(config, [found])
+    assert own == Budget("key", "product-2", record.budgets[0], "team")
+    renamed = parse_config(CONFIG.replace("name: product-app", "name: product-2"), environ={})
+    assert in_force([record], renamed) == []
+    assert budgets_of(renamed, [r for r, _ in in_force([record], renamed)]) == []
+    retired = KeyRecord(**{**record.__dict__, "classes": ("retired",)})
+    assert in_force([retired], config) == []
 
 
 def test_the_file_store_writes_atomically_and_reads_back(config: Config, tmp_path: Path) -> None:
