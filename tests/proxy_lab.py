@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import os
 import re
+import sys
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -237,3 +240,25 @@ def assert_alternate(order: list[str], per_org: int) -> None:
         counts[org] += 1
         if counts["A"] < per_org and counts["B"] < per_org:
             assert abs(counts["A"] - counts["B"]) <= 1, order
+
+
+async def serve_process(config_text: str, tmp_path: Path) -> tuple[asyncio.subprocess.Process, str]:
+    """``sfq-proxy serve`` on ``config_text``, in a process of its own (signals, exit codes,
+    its own memory); returns it and its URL. Its stdout past the "listening" line (the
+    access log) is read and dropped, so that a full pipe never holds the proxy up."""
+    path = tmp_path / "config.yaml"
+    path.write_text(config_text)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(path),
+        stdout=asyncio.subprocess.PIPE, env=os.environ.copy(),
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+    url = next(word for word in line.split() if word.startswith("http://"))
+    asyncio.get_running_loop().create_task(_discard(proc.stdout))
+    return proc, url
+
+
+async def _discard(stream: asyncio.StreamReader) -> None:
+    while await stream.read(65536):
+        pass

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -27,27 +25,13 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 import yaml
-from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually
+from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, serve_process
 from redis_server import queued_in_redis, queued_is
 
 from sfq_proxy.http.server import EXIT_WITHIN_S
 
 CHAT = [{"role": "user", "content": "hello"}]
 DRAIN_S = 2.0
-
-
-async def _serve(config: dict[str, Any], tmp_path: Path) -> tuple[asyncio.subprocess.Process, str]:
-    """``sfq-proxy serve`` on ``config``, in a process of its own; returns it and its URL."""
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(path),
-        stdout=asyncio.subprocess.PIPE, env=os.environ.copy(),
-    )  # fmt: skip
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    url = next(word for word in line.split() if word.startswith("http://"))
-    return proc, url
 
 
 def _config(sim_url: str, state_file: Path, **options: Any) -> dict[str, Any]:
@@ -149,7 +133,7 @@ async def test_sigterm_drains_within_drain_timeout_plus_one_second(
 ) -> None:
     sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=20.0)
     state_file = tmp_path / "calibration.json"
-    proc, url = await _serve(_config(sim.url, state_file), tmp_path)
+    proc, url = await serve_process(yaml.safe_dump(_config(sim.url, state_file)), tmp_path)
     try:
         exited_s = await _drain_with_a_stream_and_a_queued_request(
             proc, url, state_file, lambda: _queued(url)
@@ -169,7 +153,9 @@ async def test_sigterm_hands_the_shared_leases_back_within_the_same_bound(
     sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=20.0)
     state_file = tmp_path / "calibration.json"
     state = {"redis": redis_url, "lease_ttl_s": 30}  # a lease back only if handed back
-    proc, url = await _serve(_config(sim.url, state_file, state=state), tmp_path)
+    proc, url = await serve_process(
+        yaml.safe_dump(_config(sim.url, state_file, state=state)), tmp_path
+    )
     try:
         exited_s = await _drain_with_a_stream_and_a_queued_request(
             proc, url, state_file, lambda: queued_is(redis_url, 1)

@@ -11,9 +11,7 @@ No timing is asserted. The RSS bound is generous (the budget plus 48 MiB of slac
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ import aiohttp
 import openai
 import pytest
 import yaml
-from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config, serve_process
 from redis_server import queued_in_redis
 
 from sfq_proxy.core.queue_memory import MIB, REQUEST_OVERHEAD_BYTES
@@ -33,26 +31,6 @@ FLOOD = 4000
 BATCH = 250
 SLACK_MB = 48
 WARM = [{"role": "user", "content": "hi"}]
-
-
-async def _serve(config: str, tmp_path: Path) -> tuple[asyncio.subprocess.Process, str]:
-    path = tmp_path / "config.yaml"
-    path.write_text(config)
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(path),
-        stdout=asyncio.subprocess.PIPE, env=os.environ.copy(),
-    )  # fmt: skip
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    url = next(word for word in line.split() if word.startswith("http://"))
-    # the access log: read and dropped, so that a full pipe never holds the proxy up
-    asyncio.get_running_loop().create_task(_discard(proc.stdout))
-    return proc, url
-
-
-async def _discard(stream: asyncio.StreamReader) -> None:
-    while await stream.read(65536):
-        pass
 
 
 def _evicted(task: asyncio.Task[tuple[int, Any]]) -> bool:
@@ -110,7 +88,7 @@ async def flood(lab: Lab, tmp_path: Path, budget_mb: int, *, other: bool = True)
         {"key": KEYS["A"], "org": "A", "classes": ["batch"]},
         {"key": KEYS["B"], "org": "B", "classes": ["batch"]},
     ]
-    proc, url = await _serve(yaml.safe_dump(data), tmp_path)
+    proc, url = await serve_process(yaml.safe_dump(data), tmp_path)
     connector = aiohttp.TCPConnector(limit=0, force_close=True)  # a refused one lets go
     http = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEYS["B"], max_retries=0)
