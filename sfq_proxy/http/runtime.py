@@ -234,9 +234,9 @@ class Proxy:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self.usage is not None:  # every request has ended: the last usage is final
-            await self.usage.close()
         stops = [shared_state.stop(shared, loops), self.save_last_used()]
+        if self.usage is not None:  # every request has ended: the last usage is final
+            stops.append(self.usage.close())
         if self.calibration_sync is not None:  # while its Redis client is open
             stops.append(self.calibration_sync.stop())
         try:
