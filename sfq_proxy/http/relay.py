@@ -19,7 +19,7 @@ import re
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 import aiohttp
 from aiohttp import web
@@ -446,6 +446,13 @@ def _token_count(value: object) -> int | None:
     return None
 
 
+@lru_cache(maxsize=64)
+def _connect_timeout(seconds: float) -> aiohttp.ClientTimeout:
+    """aiohttp's timeout of a connection attempt (the rest is the proxy's own): immutable,
+    so one per value, not one per request."""
+    return aiohttp.ClientTimeout(total=None, sock_connect=seconds)
+
+
 async def _open(
     session: aiohttp.ClientSession,
     pool: Pool,
@@ -474,7 +481,7 @@ async def _open(
                 backend.base + inference.route,
                 data=inference.raw,
                 headers=headers,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s),
+                timeout=_connect_timeout(timeouts.connect_s),
             )
     except aiohttp.ClientError as exc:  # refused, reset, connect timeout, not HTTP at all
         raise UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc

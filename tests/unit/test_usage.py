@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from sfq_proxy.config import ConfigError, parse_config
 from sfq_proxy.config_summary import summary, warnings
 from sfq_proxy.core.usage import (
+    COUNTERS,
     Budget,
     Counts,
     Ledger,
@@ -309,3 +310,11 @@ def test_check_config_shows_the_budgets_and_where_keys_and_usage_are_kept() -> N
     plain = summary(config())
     assert "admin API keys: off (no key_store_file: only the keys of this file)" in plain
     assert "usage: in the process only (no usage.file)" in plain
+
+
+def test_adding_counts_adds_every_field() -> None:
+    for name in COUNTERS:  # a field added to Counts but not to Counts.add fails here
+        total = Counts()
+        total.add(Counts(**{name: 2}))
+        total.add(Counts(**{name: 3}))
+        assert total == Counts(**{name: 5}), name
