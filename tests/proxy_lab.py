@@ -242,19 +242,30 @@ def assert_alternate(order: list[str], per_org: int) -> None:
             assert abs(counts["A"] - counts["B"]) <= 1, order
 
 
-async def serve_process(config_text: str, tmp_path: Path) -> tuple[asyncio.subprocess.Process, str]:
-    """``sfq-proxy serve`` on ``config_text``, in a process of its own (signals, exit codes,
-    its own memory); returns it and its URL. Its stdout past the "listening" line (the
-    access log) is read and dropped, so that a full pipe never holds the proxy up."""
+async def serve_process(
+    config_text: str, tmp_path: Path, workers: int = 1
+) -> tuple[asyncio.subprocess.Process, str]:
+    """``sfq-proxy serve`` on ``config_text`` (with ``--workers`` when ``workers`` > 1), in
+    a process of its own (signals, exit codes, its own memory); returns it and its URL once
+    every worker listens. Its stdout past the "listening" lines (the access log) is read
+    and dropped, so that a full pipe never holds the proxy up."""
     path = tmp_path / "config.yaml"
     path.write_text(config_text)
+    more = ["--workers", str(workers)] if workers > 1 else []
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(path),
+        sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(path), *more,
         stdout=asyncio.subprocess.PIPE, env=os.environ.copy(),
     )  # fmt: skip
     assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    url = next(word for word in line.split() if word.startswith("http://"))
+    try:
+        lines = [(await asyncio.wait_for(proc.stdout.readline(), 30)).decode()]
+        while sum("listening on" in line for line in lines) < workers:  # the parent's first
+            lines.append((await asyncio.wait_for(proc.stdout.readline(), 30)).decode())
+    except BaseException:  # never up: no caller holds it to stop it, so it would outlive us
+        proc.kill()
+        await proc.wait()
+        raise
+    url = next(word for word in lines[0].split() if word.startswith("http://"))
     asyncio.get_running_loop().create_task(_discard(proc.stdout))
     return proc, url
 

@@ -6,7 +6,8 @@ needs one, the least recently active org's series are added into ``org="other"``
 removed, so a flood of keys cannot blow up Prometheus and ``other`` only ever grows.
 Levels (queue length, in flight, meter lag, health) are read from the live state at
 scrape time: a flow's gauges vanish when the fair queue forgets it. The registry also
-serves ``sfq_build_info`` and the process's own metrics (``process_metrics.py``).
+serves ``sfq_build_info`` and the process's own metrics (``process_metrics.py``), and under
+``serve --workers N`` every worker's counts (``worker_metrics.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from prometheus_client.registry import Collector
 from ..core.calibration import Calibration, InputModel
 from ..core.flows import org_and_class
 from ..core.usage import Level
-from . import process_metrics
+from . import process_metrics, worker_metrics
 from .pool_runtime import Pool
 
 FLOW_LABELS = ["org", "class", "pool"]
@@ -128,7 +129,9 @@ class Metrics(Collector):
         # every budget as of now (http/usage_store.py), read at scrape time
         self.budget_levels: Callable[[], list[Level]] = list
         self.registry = CollectorRegistry()
-        self.registry.register(self)
+        # under `serve --workers N`, every worker's counts (worker_metrics.py)
+        self.group = worker_metrics.group_view(self, process_metrics.worker_index())
+        self.registry.register(self.group)
         process_metrics.register(self.registry)
 
     # -- events --------------------------------------------------------------------------

@@ -54,6 +54,11 @@ def become_worker(index: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_NAME, name, 0, 0, 0)
 
 
+def worker_index() -> int | None:
+    """This process's index under ``serve --workers N``; None when it serves alone."""
+    return _worker
+
+
 def register(registry: CollectorRegistry) -> None:
     """Add the build info and the process, platform and GC collectors to ``registry``."""
     registry.register(_BuildInfo())

@@ -31,6 +31,7 @@ from .shared_calibration import CalibrationSync, SharedCalibration
 from .shared_limits import SharedLimits
 from .shared_pool import SharedPool
 from .usage_store import UsageBook, open_store
+from .worker_metrics import WorkerGroup
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
@@ -229,6 +230,8 @@ class Proxy:
         if self.usage is not None:  # what was used before, for budgets
             await self.usage.flush()
             self._tasks.append(asyncio.create_task(self.usage.flush_forever()))
+        if isinstance(self.metrics.group, WorkerGroup):  # its counts for its siblings' scrapes
+            self._tasks.append(asyncio.create_task(self.metrics.group.write_forever()))
         yield
         # the drain is over (server.py): every request has ended, what remains is bounded
         for task in self._tasks:

@@ -6,26 +6,31 @@ works too), forks the workers, which each listen on it with SO_REUSEPORT (the ke
 spreads new connections among them), passes SIGTERM, SIGINT and SIGHUP on, and starts a
 worker again when one dies unexpectedly. Forked before any event loop or Redis connection
 exists, so nothing is shared by accident. Each worker is named after its index
-(``sfq-proxy w0``…), which labels its ``process_*`` metrics (``process_metrics.py``).
+(``sfq-proxy w0``…), which labels its ``process_*`` metrics (``process_metrics.py``); its
+``sfq_*`` counts go through the group's directory to every worker's scrapes
+(``worker_metrics.py``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from ..config import Config
-from . import process_metrics
+from . import process_metrics, worker_metrics
 from .server import announce, run, serve
 
 log = logging.getLogger(__name__)
 RESTART_DELAY_S = 1.0  # between a worker's unexpected death and its replacement
 CANNOT_START = 2  # a worker's exit code when its start failed (Redis unreachable, say)
+_SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory, when there is one
 
 
 def serve_workers(config: Config, config_path: Path, workers: int) -> int:
@@ -34,6 +39,16 @@ def serve_workers(config: Config, config_path: Path, workers: int) -> int:
     port = reserved.getsockname()[1]
     config = config.model_copy(update={"listen": config.listen.model_copy(update={"port": port})})
     announce(f"sfq-proxy: {workers} workers on http://{config.listen.host}:{port}")
+    # each worker's sfq_* counts, which every worker serves (worker_metrics.py)
+    worker_metrics.directory = Path(tempfile.mkdtemp(prefix="sfq-proxy-metrics-", dir=_SHM))
+    try:
+        return _supervise(config, config_path, workers, reserved)
+    finally:
+        shutil.rmtree(worker_metrics.directory, ignore_errors=True)
+
+
+def _supervise(config: Config, config_path: Path, workers: int, reserved: socket.socket) -> int:
+    """Fork the workers, pass the signals on, start a worker again when one dies."""
     stopping: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:

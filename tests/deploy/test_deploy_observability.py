@@ -16,7 +16,6 @@ import platform
 import re
 import signal
 import subprocess
-import sys
 from collections import defaultdict
 from importlib import metadata
 from pathlib import Path
@@ -26,7 +25,7 @@ import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config, serve_process
 from tools import need_tool
 
 from sfq_proxy.config import default_classes
@@ -223,22 +222,11 @@ async def test_workers_each_serve_the_process_metrics_of_every_process(
     serves process_* for the parent (worker="main") and both workers, from /proc; no
     python_gc_* (one interpreter's own counters would jump from worker to worker)."""
     sim = await lab.backend()
-    path = tmp_path / "config.yaml"
-    path.write_text(config_yaml([sim.url], state={"redis": redis_url}))
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(path), "--workers", "2",
-        stdout=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    config = config_yaml([sim.url], state={"redis": redis_url})
+    proc, url = await serve_process(config, tmp_path, workers=2)
     try:
-        assert proc.stdout is not None
-        lines = [(await asyncio.wait_for(proc.stdout.readline(), 30)).decode() for _ in range(3)]
-        assert sum("listening on" in line for line in lines) == 2, lines  # both workers up
-        url = next(word for word in lines[0].split() if word.startswith("http://"))
         for _ in range(6):  # a connection each: the kernel spreads them over the workers
-            http = await lab.http()
-            async with http.get(f"{url}/metrics", headers={"Connection": "close"}) as resp:
-                text = await resp.text()
-            families = {f.name: f for f in text_string_to_metric_families(text)}
+            families = await scrape_once(lab, url)
             for name in (
                 "process_cpu_seconds",
                 "process_resident_memory_bytes",
@@ -253,6 +241,65 @@ async def test_workers_each_serve_the_process_metrics_of_every_process(
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+async def test_workers_each_serve_every_workers_counts_and_none_goes_back(
+    lab: Lab, redis_url: str, tmp_path: Path
+) -> None:
+    """`serve --workers 2`: the sfq_* counters and histograms of both workers in every
+    scrape, labelled worker, whichever worker answers: summed, they count every request,
+    and no series goes back from one scrape to the next. (Each worker's own counts alone
+    alternate between scrapes, which Prometheus reads as resets.)"""
+    sim = await lab.backend()
+    config = config_yaml([sim.url], state={"redis": redis_url})
+    proc, url = await serve_process(config, tmp_path, workers=2)
+    try:
+        for _ in range(20):  # a connection each: the kernel spreads them over the workers
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEYS["A"]) as client:
+                hello = [{"role": "user", "content": "Hello"}]
+                await client.chat.completions.create(model=MODEL, messages=hello, max_tokens=4)
+        answered: set[str] = set()
+
+        async def all_counted() -> bool:  # each worker writes its file at least every second
+            families = await scrape_once(lab, url)
+            return _completed(families)[0] == 20
+
+        await eventually(all_counted, within=10)
+        seen: dict[tuple[str, ...], float] = {}
+        for _ in range(10):
+            families = await scrape_once(lab, url)
+            total, by_worker = _completed(families)
+            assert total == 20, by_worker
+            answered |= set(by_worker)
+            for family in families.values():
+                if family.type not in ("counter", "histogram"):
+                    continue
+                for sample in family.samples:
+                    assert "worker" in sample.labels, sample
+                    key = (sample.name, *sorted(sample.labels.items()))
+                    assert sample.value >= seen.get(key, 0.0), sample  # never back
+                    seen[key] = sample.value
+        assert answered <= {"0", "1"}, answered
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+def _completed(families: dict[str, Any]) -> tuple[float, dict[str, float]]:
+    """Completed requests in all, and per worker."""
+    by_worker: dict[str, float] = defaultdict(float)
+    for sample in families["sfq_requests"].samples:
+        if sample.labels["outcome"] == "completed" and sample.name.endswith("_total"):
+            by_worker[sample.labels.get("worker", "none")] += sample.value
+    return sum(by_worker.values()), dict(by_worker)
+
+
+async def scrape_once(lab: Lab, url: str) -> dict[str, Any]:
+    """One scrape on a connection of its own (any worker may answer), by family name."""
+    http = await lab.http()
+    async with http.get(f"{url}/metrics", headers={"Connection": "close"}) as resp:
+        text = await resp.text()
+    return {f.name: f for f in text_string_to_metric_families(text)}
 
 
 # -- what the files query exists ------------------------------------------------------------
