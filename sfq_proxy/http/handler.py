@@ -211,6 +211,7 @@ async def _serve(
                 ticket, expires_at=expires_at, expiry=expiry, front=attempt > 1
             )
         except BaseException:  # expired or cancelled in line: this attempt generated nothing
+            record.queue_wait_s += proxy.clock() - queued_at  # the access log says how long
             _refund(proxy, flow, ticket.tokens)
             raise
         waited = proxy.clock() - queued_at

@@ -9,7 +9,7 @@ from typing import Any
 
 import openai
 import pytest
-from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, AccessLines, Lab, Served, eventually, proxy_config
 
 from sfq_proxy.sim.server import RequestRecord
 
@@ -172,7 +172,13 @@ async def test_full_flow_queue_is_429(lab: Lab) -> None:
     ],
 )  # fmt: skip
 async def test_a_request_that_waits_past_its_deadline_is_answered_then_and_never_sent(
-    lab: Lab, classes: dict, headers: dict, status: int, code: str, limit: float
+    lab: Lab,
+    access_log: AccessLines,
+    classes: dict,
+    headers: dict,
+    status: int,
+    code: str,
+    limit: float,
 ) -> None:
     sim = await lab.backend(max_num_seqs=1)
     served = await lab.proxy(proxy_config([sim.url], slots=1, classes=classes))
@@ -193,6 +199,8 @@ async def test_a_request_that_waits_past_its_deadline_is_answered_then_and_never
     await blocker.close()
     await other
     assert "late" not in [r.user for r in sim.stats.log]  # never sent upstream
+    (late,) = [line for line in await access_log() if line["status"] == status]
+    assert late["queue_wait_s"] >= limit  # its wait, though it never left the line served
 
 
 async def test_bad_request_timeout_header_is_400(lab: Lab) -> None:
