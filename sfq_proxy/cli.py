@@ -211,8 +211,21 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _check_config(args: argparse.Namespace) -> int:
     config = _load(args.config)
-    print("\n".join([summary(config), *warnings(config)]))
+    with _reader_may_leave():
+        print("\n".join([summary(config), *warnings(config)]))
     return 0
+
+
+@contextlib.contextmanager
+def _reader_may_leave() -> Iterator[None]:
+    """Output read by a command that may stop early (``check-config sfq.yaml | head``): its
+    leaving ends the output, not a traceback. stdout then goes to /dev/null, so that the
+    interpreter's last flush at exit has nowhere to fail either."""
+    try:
+        yield
+        sys.stdout.flush()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from .config import (
     ClassSpec,
     Config,
     CostSpec,
+    ExtraPathSpec,
     HealthSpec,
     OrgSpec,
     PoolSpec,
@@ -252,6 +253,15 @@ def _affinity_summary(affinity: AffinitySpec) -> str:
     )
 
 
+def _extra_path_summary(extra: ExtraPathSpec) -> str:
+    """A path and its cost rule, so that what such a request is charged (a fixed count, the
+    text of which fields) can be checked before traffic shows it."""
+    parts = [f"{extra.cost.fixed} tokens"] if extra.cost.fixed else []
+    if extra.cost.input_fields:
+        parts.append(f"the text of {', '.join(extra.cost.input_fields)}")
+    return f"{extra.path} ({' + '.join(parts)}, as input)"
+
+
 def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
     cost = pool.cost
     tokens = (
@@ -269,6 +279,8 @@ def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
         f"more is {cost.over_limit.replace('refuse', 'refus')}ed; {_injection(cost)}",
     ]
     lines += [f"  backend {b.name}: {b.url}, {b.slots} slots" for b in pool.backends]
+    if pool.extra_paths:
+        lines.append("  extra paths: " + "; ".join(map(_extra_path_summary, pool.extra_paths)))
     if not pool.stream_usage:
         lines.append("  streams: no usage reported; output tokens counted from their events")
     lines.append("  " + _health_summary(pool.health, keyed=pool.upstream_key_env is not None))

@@ -257,3 +257,20 @@ def test_check_config_expands_variables_and_names_an_unset_one(tmp_path: Path) -
         "(and has no default)"
     ) in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_check_config_read_by_a_command_that_left_ends_without_a_traceback() -> None:
+    """``check-config sfq.yaml | head``: once head has its lines it leaves, and the rest of
+    the summary has nowhere to go (here the reader leaves before the first line)."""
+    read, write = os.pipe()
+    os.close(read)
+    base = {k: v for k, v in os.environ.items() if k not in ("SFQ_LOG_LEVEL", "SFQ_LOG_FORMAT")}
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "sfq_proxy.cli", "check-config", str(EXAMPLE)],
+            stdout=write, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+            env={**base, **EXAMPLE_ENV}, timeout=60, check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write)
+    assert (result.returncode, result.stderr) == (0, "")

@@ -171,3 +171,34 @@ async def test_sigterm_hands_the_shared_leases_back_within_the_same_bound(
     assert await check.hvals("sfq:{sim}:inflight") in ([], [b"0"])
     await check.aclose()
     assert await queued_in_redis(redis_url) == 0
+
+
+async def test_a_running_answer_not_streamed_is_ended_with_a_503_at_drain_timeout(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """Without a stream there is no event to end it with: the answer the client still waits
+    for is a 503 ``shutting_down`` saying that drain_timeout_s passed, so that it retries
+    elsewhere, and the generation upstream is aborted."""
+    sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=20.0)
+    state_file = tmp_path / "calibration.json"
+    proc, url = await serve_process(yaml.safe_dump(_config(sim.url, state_file)), tmp_path)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEYS["A"], max_retries=0)
+    try:
+        running = asyncio.create_task(  # 100 s at 20 tokens/s
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2000)
+        )
+        await eventually(lambda: sim.stats.running == 1, within=10)
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(openai.APIStatusError) as ended:
+            await running
+        assert await asyncio.wait_for(proc.wait(), DRAIN_S + 10) == 0
+    finally:
+        await client.close()
+        if proc.returncode is None:
+            proc.kill()
+    assert ended.value.status_code == 503
+    assert ended.value.response.headers["Retry-After"] == "1"
+    error = ended.value.response.json()["error"]
+    assert (error["type"], error["code"]) == ("service_unavailable", "shutting_down")
+    assert "drain_timeout_s passed" in error["message"]
+    await eventually(lambda: sim.stats.running == 0, within=5)  # the generation was aborted

@@ -1143,6 +1143,13 @@ def test_extra_paths_are_read_with_their_cost_rules() -> None:
     assert tokenize.cost.input_fields == ["prompt", "messages"]
     assert pool.extra_path("/v1/other") is None
     assert config.pools["provider-a"].extra_paths == []
+    # check-config shows each path's cost rule with its pool, and none for a pool without
+    lines = summary(config).splitlines()
+    assert (
+        "  extra paths: /v1/rerank (50 tokens, as input); /tokenize (the text of prompt, "
+        "messages, as input); /v1/score (5 tokens + the text of text_1, text_2, as input)"
+    ) in lines
+    assert sum(line.startswith("  extra paths: ") for line in lines) == 1
 
 
 @pytest.mark.parametrize(
