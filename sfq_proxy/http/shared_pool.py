@@ -100,6 +100,9 @@ class SharedPool(Pool):
         # the local scheduler: what waits in it (in arrival order), what it dispatched
         self._queued_here: dict[Ticket, _Task] = {}
         self._local: dict[Ticket, _Task] = {}
+        # adopt's list on its way to Redis: nothing may start here, whatever mode or reload
+        # comes meanwhile, since Redis may take the list and decide from then on
+        self._adopting = False
         self._set_shares()
 
     @property
@@ -297,8 +300,6 @@ class SharedPool(Pool):
             except RedisError as err:
                 self.reachable = False
                 log.warning("pool %s: heartbeat to Redis failed: %s", self.name, err)
-                if self.mode is Mode.LOCAL:  # a safety net: a wake-up lost as the modes
-                    super().pump()  # changed hung ~1 run in 6 of the local-mode tests
                 if self._fallback:
                     self._lose("Redis unreachable")
                 elif self._joined and time.monotonic() - self._renewed >= self._ttl:
@@ -542,6 +543,7 @@ class SharedPool(Pool):
         """Redis answers again: lease what runs here, in place of what Redis held of this
         process; then settle for a TTL, unless nothing could have been decided alone."""
         was_local = self.mode is Mode.LOCAL
+        self._adopting = True
         self._set_shares()  # nothing starts here while the list is on its way
         tickets = dict.fromkeys([*self._held, *self._local])
         running = [(t, t.backend.name) for t in tickets if t.backend is not None]
@@ -551,8 +553,10 @@ class SharedPool(Pool):
             )
             self._grant(await self._configure())  # a Redis that restarted knows no backend
         except BaseException:
-            self._set_shares(local=was_local)
+            self._adopting = False
+            self._back_alone()
             raise
+        self._adopting = False
         self._set_rate(local=False)
         self._renewed, self.reachable, self._joined = time.monotonic(), True, True
         for timer in self._timers:
@@ -569,6 +573,17 @@ class SharedPool(Pool):
             log.warning("pool %s: Redis is back: settling for %.3g s", self.name, self._ttl)
         else:
             self._resume()
+
+    def _back_alone(self) -> None:
+        """Redis did not take the list: in local mode (which may have begun while the call
+        was on its way), the shares come back, and the local scheduler is pumped. Whatever
+        asked for a dispatch meanwhile (the pacing timer, a request that ended and freed
+        its slot, a new one) found no share, so it dispatched nothing and asked for no
+        later pump: without this one, the line would wait for good."""
+        alone = self.mode is Mode.LOCAL
+        self._set_shares(local=alone)
+        if alone:
+            super().pump()
 
     def _resume(self) -> None:
         """Decide in Redis again: what waits here moves there, in the order it came."""
@@ -592,9 +607,11 @@ class SharedPool(Pool):
         return [share(b.slots, i, len(ranked), rank) for i, b in enumerate(self.placement.backends)]
 
     def _set_shares(self, *, local: bool = False) -> None:
-        """What this process's own scheduler may fill: its shares when ``local``, else
-        nothing at all."""
-        shares = self._shares() if local else [0] * len(self.placement.backends)
+        """What this process's own scheduler may fill: its shares when ``local`` (and no
+        adopt is on its way: a reload or the step to local mode meanwhile waits for its
+        answer), else nothing at all."""
+        alone = local and not self._adopting
+        shares = self._shares() if alone else [0] * len(self.placement.backends)
         for backend, part in zip(self.placement.backends, shares, strict=True):
             backend.share = part
 

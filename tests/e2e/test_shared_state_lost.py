@@ -7,6 +7,7 @@ concurrency; every client gets an answer or an error, and nothing is sent twice.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
 from collections.abc import Iterator
 
@@ -134,3 +135,72 @@ async def test_an_orgs_rate_is_divided_among_the_replicas_while_redis_is_lost(
     lost = [r for r in caplog.records if "org limits in Redis unreachable" in r.getMessage()]
     assert len(lost) == 2
     redis_server.start()
+
+
+class SilentRedis:
+    """A listener on Redis's port that takes connections and never answers: a Redis that
+    hangs, so a call to it stays on its way until ``close`` resets its connection (as a
+    Redis killed then would). A paused redis-server answers the moment it is thawed."""
+
+    def __init__(self) -> None:
+        self.connections: list[asyncio.Transport] = []
+        self._server: asyncio.Server | None = None
+
+    async def open(self, port: int) -> None:
+        async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            transport = writer.transport
+            assert isinstance(transport, asyncio.Transport)
+            self.connections.append(transport)
+
+        self._server = await asyncio.start_server(hold, "127.0.0.1", port)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for transport in self.connections:
+            transport.abort()
+
+
+@pytest.mark.parametrize("reload_meanwhile", [False, True])
+async def test_a_slot_freed_while_local_mode_tries_redis_again_goes_to_the_next_in_line(
+    lab: Lab, redis_server: RedisServer, redis_url: str, reload_meanwhile: bool
+) -> None:
+    """In local mode each heartbeat tries Redis again, and while that call is on its way the
+    pool's own scheduler starts nothing (its shares are 0). A request that ends in that
+    window frees its slot without a dispatch; when the call fails, the shares come back and
+    the request that waits behind it is dispatched then (it waited for good before). A
+    reload meanwhile leaves the shares at 0 (it gave them back, and the waiting request
+    started while Redis might take the list and decide without it)."""
+    sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=40.0, max_num_seqs=8)
+    shared = {"redis": redis_url, "lease_ttl_s": TTL_S, "when_unreachable": "local"}
+    served = await lab.proxy(proxy_config([sim.url], slots=1, state=shared))
+    shared_pool = pool(served)
+    backend = shared_pool.placement.backends[0]
+    silent = SilentRedis()
+    redis_server.stop()
+    try:
+        await eventually(lambda: shared_pool.mode is Mode.LOCAL and backend.share == 1, within=5)
+        first = asyncio.create_task(outcome(lab, served, "first", 400))
+        await eventually(lambda: sim.stats.running == 1, within=10)
+        second = asyncio.create_task(outcome(lab, served, "second", 5))
+        await eventually(lambda: shared_pool.scheduler.queued() == 1, within=10)
+
+        await silent.open(redis_server.port)  # the next attempt to reach Redis hangs
+        await eventually(lambda: bool(silent.connections) and backend.share == 0, within=5)
+        first.cancel()  # its client leaves: the proxy ends it and frees its slot
+        with contextlib.suppress(asyncio.CancelledError):
+            await first
+        await eventually(lambda: shared_pool.scheduler.running == 0, within=5)
+        assert shared_pool.scheduler.queued() == 1  # freed while the shares were 0
+        if reload_meanwhile:
+            served.state.reload(served.state.config)
+            assert (backend.share, shared_pool.scheduler.queued()) == (0, 1)
+        await silent.close()  # the attempt fails: the shares come back
+        assert await asyncio.wait_for(second, 20) == "answered"
+    finally:
+        await silent.close()
+        redis_server.start()
+    assert [r.user for r in sim.stats.log] == ["first", "second"]
+    await eventually(lambda: shared_pool.mode is Mode.SHARED, within=4 * TTL_S)
