@@ -112,6 +112,15 @@ class KeyStore(ABC):
         self.on_change()
 
 
+def _raise_if_cancelled() -> None:
+    """A cancellation redis-py swallowed is raised again: a call cancelled at the wrong
+    instant can return normally (redis/redis-py#2028), and the loop that made it would go
+    on for good, though its task still counts the cancellation (``cancelling()``)."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def unavailable(what: str) -> ApiError:
     return ApiError(
         503, f"The key store is unavailable ({what}); nothing changed.",
@@ -276,6 +285,7 @@ class RedisKeyStore(KeyStore):
                         )
                         if message is not None or await self._moved():
                             await self.refresh()
+                        _raise_if_cancelled()
             except (RedisError, OSError) as err:
                 log.warning("key store: Redis unreachable (%s); keys as last read", err)
                 await asyncio.sleep(self.poll_s)

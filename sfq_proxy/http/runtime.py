@@ -39,7 +39,10 @@ log = logging.getLogger(__name__)
 # leases handed back, the calibration pushed) may take, within the drain's bound of
 # drain_timeout_s + 1 s (server.py): a Redis that does not answer gets the leases back when
 # their TTL passes
-HAND_BACK_S = 0.4
+HAND_BACK_S = 0.35
+# how long the background loops (health probes, heartbeats, saves) may take to end once
+# cancelled: at once, unless a library swallowed the cancellation; the exit does not wait more
+TASKS_END_S = 0.05
 
 
 @dataclass
@@ -236,7 +239,9 @@ class Proxy:
         # the drain is over (server.py): every request has ended, what remains is bounded
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        _, stuck = await asyncio.wait(self._tasks, timeout=TASKS_END_S)
+        for task in stuck:  # a library swallowed the cancellation (redis/redis-py#2028)
+            log.warning("a background task did not end when cancelled, left behind: %s", task)
         stops = [shared_state.stop(shared, loops), self.save_last_used()]
         if self.usage is not None:  # every request has ended: the last usage is final
             stops.append(self.usage.close())

@@ -30,18 +30,19 @@ from ..config import Config, ConfigError
 from . import access_log, logs
 from .app import build_app
 from .drain import CUT_GRACE_S
-from .runtime import HAND_BACK_S, PROXY, Proxy
+from .runtime import HAND_BACK_S, PROXY, TASKS_END_S, Proxy
 from .shared_state import CLOSE_S as REDIS_CLOSE_S
 
 log = logging.getLogger(__name__)
 CLOSE_S = 0.05  # after the drain, aiohttp closes what still writes (a client not reading)
 # the bound on the process's exit after drain_timeout_s: the requests cut at that deadline
-# writing their end (CUT_GRACE_S), aiohttp's close, the last calls to the stores
+# writing their end (CUT_GRACE_S), aiohttp's close, the background loops' end (TASKS_END_S),
+# the last calls to the stores
 # (HAND_BACK_S: the leases, the usage, the keys' last use) and closing Redis's
 # connections, and 0.2 s for the rest (the backends' session, the calibration file, the
 # interpreter's exit: 0.04–0.08 s measured)
 EXIT_WITHIN_S = 1.0
-assert CUT_GRACE_S + 2 * CLOSE_S + HAND_BACK_S + REDIS_CLOSE_S <= EXIT_WITHIN_S - 0.2
+assert CUT_GRACE_S + 2 * CLOSE_S + TASKS_END_S + HAND_BACK_S + REDIS_CLOSE_S <= EXIT_WITHIN_S - 0.2
 
 
 @contextlib.asynccontextmanager

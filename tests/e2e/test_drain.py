@@ -13,6 +13,7 @@ each run prints).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import socket
@@ -25,10 +26,11 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 import yaml
-from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, serve_process
+from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config, serve_process
 from redis_server import queued_in_redis, queued_is
 
-from sfq_proxy.http.server import EXIT_WITHIN_S
+from sfq_proxy.http.runtime import PROXY
+from sfq_proxy.http.server import EXIT_WITHIN_S, running
 
 CHAT = [{"role": "user", "content": "hello"}]
 DRAIN_S = 2.0
@@ -202,3 +204,31 @@ async def test_a_running_answer_not_streamed_is_ended_with_a_503_at_drain_timeou
     assert (error["type"], error["code"]) == ("service_unavailable", "shutting_down")
     assert "drain_timeout_s passed" in error["message"]
     await eventually(lambda: sim.stats.running == 0, within=5)  # the generation was aborted
+
+
+async def test_a_background_loop_deaf_to_its_cancellation_does_not_hold_the_exit(
+    lab: Lab, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop whose library swallowed its cancellation (redis-py can: redis/redis-py#2028)
+    would keep the exit waiting for good: it is left behind, with a warning."""
+    sim = await lab.backend()
+    stop = asyncio.Event()
+
+    async def deaf() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)
+
+    task = asyncio.create_task(deaf())
+
+    async def serve_then_exit() -> None:
+        async with running(proxy_config([sim.url])) as runner:
+            runner.app[PROXY]._tasks.append(task)  # as if a background loop of its own
+
+    exiting = asyncio.create_task(serve_then_exit())
+    done, _ = await asyncio.wait({exiting}, timeout=10)  # without the bound: never
+    stop.set()  # the deaf loop ends now, and any exit still waiting for it
+    task.cancel()
+    await asyncio.gather(task, exiting)
+    assert exiting in done
+    assert "did not end when cancelled, left behind" in caplog.text
