@@ -114,15 +114,17 @@ def backend_ports() -> dict[str, tuple[int, ...]]:
     return {**NGINX_PORTS, "paced": PACED_PORTS}
 
 
-def proxy_config(work: Path | None = None) -> str:
-    """config/example.yaml's features on bench backends: keys, orgs with caps and rates,
-    classes with queue limits, the queue-memory bound, calibration kept in a state file,
-    metrics and the access log (on by default). Caps and rates far above what the bench
-    sends: their code runs on every request, and nothing is refused."""
+def proxy_config(work: Path | None = None, modes: tuple[str, ...] = MODES) -> str:
+    """config/example.yaml's features on bench backends (a pool per mode of ``modes``, whose
+    backends the caller runs): keys, orgs with caps and rates, classes with queue limits,
+    the queue-memory bound, calibration kept in a state file, metrics and the access log (on
+    by default). Caps and rates far above what the bench sends: their code runs on every
+    request, and nothing is refused."""
     pools = {
         mode: {"models": [f"bench-{mode}"], "health": {"interval_s": 5},
                "backends": [{"url": f"http://127.0.0.1:{p}", "slots": 512} for p in ports]}
         for mode, ports in backend_ports().items()
+        if mode in modes
     }  # fmt: skip
     config: dict[str, object] = {
         "listen": {"host": "127.0.0.1", "port": PROXY_PORT},

@@ -40,7 +40,7 @@ def main() -> None:
         work = Path(tmp)
         work.chmod(0o755)
         (work / "nginx.conf").write_text(overhead.nginx_conf(work))
-        (work / "proxy.yaml").write_text(overhead.proxy_config())
+        (work / "proxy.yaml").write_text(overhead.proxy_config(modes=(args.mode,)))
         nginx = subprocess.Popen(["nginx", "-c", str(work / "nginx.conf")])
         try:
             for port in overhead.NGINX_PORTS[args.mode]:

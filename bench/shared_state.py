@@ -49,7 +49,7 @@ MODEL = "bench-json"
 
 def config_text(port: int, db: int | None) -> str:
     """overhead.py's proxy config on ``port``, with ``state: redis`` when ``db`` is set."""
-    config = yaml.safe_load(overhead.proxy_config())
+    config = yaml.safe_load(overhead.proxy_config(modes=tuple(overhead.NGINX_PORTS)))
     config["listen"]["port"] = port
     if db is not None:
         config["state"] = {"redis": f"redis://127.0.0.1:{REDIS_PORT}/{db}", "lease_ttl_s": 5}
