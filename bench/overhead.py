@@ -156,14 +156,17 @@ def ensure_router() -> Path:
     return binary
 
 
-def wrk(url: str, model: str, connections: int, seconds: float, work: Path) -> dict[str, float]:
+def wrk(
+    url: str, model: str, connections: int, seconds: float, work: Path, key: str = "sk-bench-a"
+) -> dict[str, float]:
+    """wrk's figures for ``seconds`` of ``model``'s chat requests with ``key`` (of KEYS)."""
     script = work / f"{model}.lua"
     body = json.dumps({**CHAT, "model": model, "stream": model.endswith("stream")})
     script.write_text(
         'wrk.method = "POST"\n'
         f"wrk.body = {json.dumps(body)}\n"
         'wrk.headers["Content-Type"] = "application/json"\n'
-        'wrk.headers["Authorization"] = "Bearer sk-bench-a"\n'
+        f'wrk.headers["Authorization"] = "Bearer {key}"\n'
     )
     out = subprocess.run(
         ["wrk", f"-c{connections}", f"-t{min(connections, 2)}", f"-d{seconds}s", "--latency",

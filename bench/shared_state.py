@@ -1,6 +1,6 @@
 """What the shared state costs: sfq-proxy in memory vs with `state: redis`, 1 and 2 workers.
 
-    python bench/shared_state.py [--seconds 5] [--connections 1 64] [--rounds 3]
+    python bench/shared_state.py [--seconds 5] [--connections 1 64] [--rounds 3] [--key K]
 
 Reuses bench/overhead.py: nginx as the fast fake OpenAI backend (the JSON one only here),
 its realistic proxy config and chat body. Starts its own redis-server on port 18340 (no
@@ -109,11 +109,11 @@ def wait_ready(port: int, workers: int, proc: subprocess.Popen, log: Path) -> No
     raise RuntimeError(f"proxy on {port} not ready:\n{log.read_text()}")
 
 
-def run_wrk(url: str, connections: int, seconds: float, work: Path) -> dict[str, float]:
+def run_wrk(url: str, connections: int, seconds: float, work: Path, key: str) -> dict[str, float]:
     """overhead.wrk, but counting non-2xx answers and socket errors instead of refusing them."""
     try:
         out = None
-        result = overhead.wrk(url, MODEL, connections, seconds, work)
+        result = overhead.wrk(url, MODEL, connections, seconds, work, key)
     except RuntimeError as err:  # "errors under load:\n" + wrk's output
         out = str(err).split("\n", 1)[1]
         result = {
@@ -163,6 +163,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=5)
     parser.add_argument("--connections", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--rounds", type=int, default=3, help="runs per target; medians shown")
+    parser.add_argument(
+        "--key", default="sk-bench-a", choices=overhead.KEYS,
+        help="whose requests: sk-bench-a's org has rpm and tpm (one more Redis call per "
+        "request), sk-bench-b's an in-flight cap only",
+    )  # fmt: skip
     args = parser.parse_args()
     # Ctrl-C (even when started from a shell's background job, which ignores it) and SIGTERM
     # unwind through the finally below, which stops every process started here
@@ -199,7 +204,7 @@ def main() -> None:
                 procs.append(proxies[name])
                 wait_ready(port, workers, proxies[name], log)
             for port, *_ in TARGETS.values():  # warm-up: imports, script load, pools
-                run_wrk(f"http://127.0.0.1:{port}", max(args.connections), 1, work)
+                run_wrk(f"http://127.0.0.1:{port}", max(args.connections), 1, work, args.key)
             print(HEADER)
             for connections in args.connections:
                 runs: dict[str, list[dict[str, float]]] = {name: [] for name in TARGETS}
@@ -208,7 +213,8 @@ def main() -> None:
                         pid = proxies[name].pid
                         before = (tree_cpu_seconds(pid), overhead.cpu_seconds(redis_proc.pid))
                         calls = fcall_calls()
-                        r = run_wrk(f"http://127.0.0.1:{port}", connections, args.seconds, work)
+                        url = f"http://127.0.0.1:{port}"
+                        r = run_wrk(url, connections, args.seconds, work, args.key)
                         n = r["requests"]
                         r["cpu_us"] = (tree_cpu_seconds(pid) - before[0]) * 1e6 / n
                         r["redis_us"] = (overhead.cpu_seconds(redis_proc.pid) - before[1]) * 1e6 / n
