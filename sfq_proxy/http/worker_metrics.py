@@ -41,12 +41,23 @@ class WorkerGroup(Collector):
         self._own, self._index, self._directory = own, index, group_directory
 
     def collect(self) -> Iterable[Metric]:
-        levels = self.write()
-        return [*levels, *self._read_all()]
-
-    def write(self) -> list[Metric]:
-        """Write this worker's counts to its file; returns its other families (gauges)."""
         families = list(self._own.collect())
+        self._write(families)  # first: what this scrape serves of this worker is its file's
+        return [*(f for f in families if f.type not in COUNTED), *self._read_all()]
+
+    async def write_forever(self) -> None:
+        """Keep this worker's file at most ``WRITE_EVERY_S`` old, for its siblings' scrapes;
+        cancelled once the drain is over, write its last counts."""
+        try:
+            while True:
+                await asyncio.sleep(WRITE_EVERY_S)
+                self._write(list(self._own.collect()))
+        finally:
+            self._write(list(self._own.collect()))
+
+    def _write(self, families: list[Metric]) -> None:
+        """This worker's counts (of ``families``) to its file; a full or vanished directory
+        is logged, and scrapes show its older counts meanwhile."""
         counted = [
             {
                 "name": f.name,
@@ -57,24 +68,10 @@ class WorkerGroup(Collector):
             for f in families
             if f.type in COUNTED
         ]
-        path = self._directory / f"{self._index}.json"
-        write_atomically(path, json.dumps(counted), durable=False)
-        return [f for f in families if f.type not in COUNTED]
-
-    async def write_forever(self) -> None:
-        """Keep this worker's file at most ``WRITE_EVERY_S`` old, for its siblings' scrapes;
-        cancelled once the drain is over, write its last counts."""
         try:
-            while True:
-                await asyncio.sleep(WRITE_EVERY_S)
-                self._write_logged()
-        finally:
-            self._write_logged()
-
-    def _write_logged(self) -> None:
-        try:
-            self.write()
-        except OSError as err:  # a full or vanished directory: scrapes show older counts
+            path = self._directory / f"{self._index}.json"
+            write_atomically(path, json.dumps(counted), durable=False)
+        except OSError as err:
             log.warning("cannot write this worker's metrics for the others: %s", err)
 
     def _read_all(self) -> Iterable[Metric]:
