@@ -4,6 +4,7 @@ in /v1/models."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -116,17 +117,11 @@ async def test_models_lists_only_what_the_key_may_use_and_hides_the_rest(lab: La
 async def test_a_reload_that_narrows_a_keys_pools_holds_from_the_next_request(
     lab: Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sim, paid = await lab.backend(), await lab.backend(models=[PAID])
     monkeypatch.setenv("ADMIN_KEY", ADMIN_KEY)
-    path = tmp_path / "config.yaml"
-    path.write_text(access_yaml(sim, paid, None, admin_key_env="ADMIN_KEY"))
-    served = await lab.proxy(load_config(path), config_path=path)
+    sim, paid, served, reload_with = await reloadable(lab, tmp_path, None)
     await ask(lab, served, "A", PAID)
-    path.write_text(access_yaml(sim, paid, ["sim"], admin_key_env="ADMIN_KEY"))
-    http = await lab.http()
-    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    async with http.post(f"{served.url}/admin/reload", headers=headers) as r:
-        assert r.status == 200
+    status, _ = await reload_with(["sim"])
+    assert status == 200
     with pytest.raises(openai.PermissionDeniedError):
         await ask(lab, served, "A", PAID)
     assert [m.id async for m in lab.client(served, "A").models.list()] == [MODEL]
@@ -137,18 +132,35 @@ async def test_a_reload_that_narrows_a_keys_pools_holds_from_the_next_request(
 async def test_a_reload_with_a_misspelt_pool_is_refused_and_changes_nothing(
     lab: Lab, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sim, paid = await lab.backend(), await lab.backend(models=[PAID])
     monkeypatch.setenv("ADMIN_KEY", ADMIN_KEY)
-    path = tmp_path / "config.yaml"
-    path.write_text(access_yaml(sim, paid, ["sim"], admin_key_env="ADMIN_KEY"))
-    served = await lab.proxy(load_config(path), config_path=path)
-    path.write_text(access_yaml(sim, paid, ["sims"], admin_key_env="ADMIN_KEY"))
-    http = await lab.http()
-    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
-    async with http.post(f"{served.url}/admin/reload", headers=headers) as r:
-        assert r.status == 400
-        message = (await r.json())["error"]["message"]
+    _, _, served, reload_with = await reloadable(lab, tmp_path, ["sim"])
+    status, answer = await reload_with(["sims"])
+    assert status == 400
+    message = answer["error"]["message"]
     assert "keys[0].pools[0]: pool 'sims' is not defined; did you mean 'sim'?" in message
     with pytest.raises(openai.PermissionDeniedError):  # still limited to sim
         await ask(lab, served, "A", PAID)
     await ask(lab, served, "A", MODEL)
+
+
+Reload = Callable[[list[str] | None], Awaitable[tuple[int, Any]]]
+
+
+async def reloadable(
+    lab: Lab, tmp_path: Path, pools: list[str] | None
+) -> tuple[SimBackend, SimBackend, Served, Reload]:
+    """A proxy on a config file whose key A may use ``pools`` (None: any), and a function
+    that rewrites the file with other pools and asks it to reload (its status and answer)."""
+    sim, paid = await lab.backend(), await lab.backend(models=[PAID])
+    path = tmp_path / "config.yaml"
+    path.write_text(access_yaml(sim, paid, pools, admin_key_env="ADMIN_KEY"))
+    served = await lab.proxy(load_config(path), config_path=path)
+
+    async def reload_with(new_pools: list[str] | None) -> tuple[int, Any]:
+        path.write_text(access_yaml(sim, paid, new_pools, admin_key_env="ADMIN_KEY"))
+        http = await lab.http()
+        headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        async with http.post(f"{served.url}/admin/reload", headers=headers) as r:
+            return r.status, await r.json()
+
+    return sim, paid, served, reload_with
