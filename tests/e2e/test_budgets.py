@@ -70,20 +70,25 @@ async def spend_until_refused(
     raise AssertionError("never refused")
 
 
+def assert_refused_for_the_day(err: openai.RateLimitError, subject: str, used: int) -> None:
+    """A 429 of a 100-token day budget used up at LATE: it names ``subject`` and what it
+    used, and says to come back at midnight UTC, 3,570 s away."""
+    assert err.response.headers["Retry-After"] == "3570"
+    assert err.response.json()["error"] == {
+        "message": f"Budget exceeded: {subject} has used {used} of its 100 tokens for the "
+        "day; it resets at 2025-12-02T00:00:00Z.",
+        "type": "rate_limit_error",
+        "code": "budget_exceeded",
+    }
+
+
 async def test_a_token_budget_stops_its_org_and_midnight_gives_it_back(lab: Lab) -> None:
     sim = await lab.backend()
     wall = Wall(LATE)
     budgets = [{"period": "day", "tokens": 100, "warn_at": 0.5}]
     served = await lab.proxy(budgeted(sim, orgs={"A": {"budgets": budgets}}), wall=wall)
     used = await spend_until_refused(lab, served, "A", lambda: spent(sim, "A"), 100)
-    err = await refused(lab, served, "A")
-    assert err.response.headers["Retry-After"] == "3570"
-    assert err.response.json()["error"] == {
-        "message": f"Budget exceeded: org 'A' has used {used} of its 100 tokens for the day; "
-        "it resets at 2025-12-02T00:00:00Z.",
-        "type": "rate_limit_error",
-        "code": "budget_exceeded",
-    }
+    assert_refused_for_the_day(await refused(lab, served, "A"), "org 'A'", used)
     served_before = len(sim.stats.log)
     for _ in range(3):  # others are not held back; A's refusals reach no backend
         await ask(lab, served, "B")

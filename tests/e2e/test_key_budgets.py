@@ -16,7 +16,7 @@ import openai
 import pytest
 from proxy_lab import KEYS, MODEL, Lab, Served, eventually, sample, scrape
 from test_admin_keys import admin, chat, cli, create, keys_config, stored
-from test_budgets import DEC_1, LATE, Wall
+from test_budgets import DEC_1, LATE, Wall, assert_refused_for_the_day
 
 from sfq_proxy.sim.server import SimBackend
 
@@ -91,14 +91,7 @@ async def test_a_keys_token_budget_stops_it_and_no_other_key_of_its_org(
     capped = answer["secret"]
     _, free = await create(http, served, alias="free")  # the same org, T
     used = await spend_until_refused(sim, served, capped, "capped", 100)
-    err = await refused(served, capped)
-    assert err.response.headers["Retry-After"] == "3570"
-    assert err.response.json()["error"] == {
-        "message": f"Budget exceeded: key 'capped' has used {used} of its 100 tokens for the "
-        "day; it resets at 2025-12-02T00:00:00Z.",
-        "type": "rate_limit_error",
-        "code": "budget_exceeded",
-    }
+    assert_refused_for_the_day(await refused(served, capped), "key 'capped'", used)
     served_before = len(sim.stats.log)
     for _ in range(3):
         await ask(served, free, "free")
