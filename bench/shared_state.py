@@ -10,8 +10,9 @@ persistence) and three `sfq-proxy serve` processes: `memory, 1 worker` (today's 
 own. wrk drives each target in turn (rounds interleaved, medians shown). One table: req/s,
 p50/p99 latency, non-2xx answers (summed over the rounds, socket errors as +Ns; the warm-up's
 not counted), CPU µs per request of the proxy (the serve process and all its workers) and of
-redis-server, and FCALL calls per request (from INFO commandstats); then the ratios and a
-short note on where the time goes, and the proxies' stderr (counted by line). CPU figures are
+redis-server, and FCALL calls per request (from INFO commandstats: fewer than operations
+when a worker's operations leave together); then the ratios and a short note on where the
+time goes, and the proxies' stderr (counted by line). CPU figures are
 utime+stime from /proc; the redis figure of the memory row is Redis's background (the idle
 proxies' heartbeats and inbox reads), a baseline for the others.
 Requires: apt-get install nginx-light wrk redis-server (with redis-cli).
@@ -270,12 +271,11 @@ def _summary(conns: int, m: dict[str, dict]) -> None:
     proxy_added = one["cpu_us"] - mem["cpu_us"]
     redis_added = one["redis_us"] - mem["redis_us"]
     print(
-        f"     where the time goes (1w): {one['fcalls']:.2f} FCALL round trips per request "
-        f"(submit + finish = 2); Redis spends {redis_added:.0f} µs/req on them "
-        f"({redis_added / max(one['fcalls'], 1e-9):.0f} µs per call), the proxy "
-        f"{proxy_added:+.0f} µs/req more than in memory "
-        f"({proxy_added / max(one['fcalls'], 1e-9):+.0f} µs per call: client side, framing, "
-        f"awaits)\n"
+        f"     where the time goes (1w): {one['fcalls']:.2f} FCALLs per request for its 2-3 "
+        f"operations (submit and finish, and with --key sk-bench-a the org's admit; under "
+        f"load a worker's operations leave together, state/batcher.py); Redis spends "
+        f"{redis_added:.0f} µs/req on them, the proxy {proxy_added:+.0f} µs/req more than in "
+        f"memory (client side, framing, awaits)\n"
     )
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 import time
@@ -29,6 +30,7 @@ from ..config import Config, OrgSpec
 from ..core.errors import ApiError
 from ..core.flows import Flow
 from ..core.limits import BucketState, Rate, Which, rate_limited, ratelimit_headers
+from ..state.batcher import Batcher
 from ..state.library import ADMISSION, Caller, shielded
 
 log = logging.getLogger(__name__)
@@ -45,6 +47,7 @@ class SharedLimits:
         # while Redis is lost (when_unreachable: local): (org, rpm, tpm, replicas) → bucket
         self._alone: dict[tuple[str, str, str, int], Rate] = {}
         self._lost = False  # the last call found Redis unreachable (logged once per outage)
+        self._batchers: dict[str, Batcher] = {}  # per org (the orgs of the config and keys)
 
     @property
     def _ttl_ms(self) -> int:
@@ -126,9 +129,8 @@ class SharedLimits:
     async def _call(self, org: str, op: str, *args: object) -> list[int]:
         """The call; an outage is logged once at its start and once at its end, not at
         every request that meets it."""
-        call = ADMISSION.call(self._redis, f"sfq:{{org:{org}}}:", op, *args)
         try:
-            reply: list[int] = await shielded(call)
+            reply: list[int] = await shielded(self._batcher(org).call((op, *args)))
         except RedisError as err:
             if not self._lost:
                 self._lost = True
@@ -139,6 +141,15 @@ class SharedLimits:
             self._alone.clear()  # the next outage starts with full buckets
             log.warning("org limits in Redis reachable again")
         return reply
+
+    def _batcher(self, org: str) -> Batcher:
+        """The org's calls: one on the way at a time, those made meanwhile leave together."""
+        batcher = self._batchers.get(org)
+        if batcher is None:
+            key = f"sfq:{{org:{org}}}:"
+            send = functools.partial(ADMISSION.call_all, self._redis, key)
+            batcher = self._batchers[org] = Batcher(send)
+        return batcher
 
     def _admit_alone(
         self, org: str, tokens: float, digest: str, err: RedisError

@@ -80,8 +80,7 @@ local function take(taken, sign)
   end
 end
 
-local function sfq_admit(keys, args)
-  P = keys[1]
+local function run(args)
   local op = args[1]
   if op == 'admit' or op == 'retry' then  -- rpm, tpm, tokens[, key digest, ttl_ms]
     local idem = args[5] and args[5] ~= '' and P .. 'idem:' .. args[5] or nil
@@ -103,6 +102,20 @@ local function sfq_admit(keys, args)
     return {1}
   end
   return redis.error_reply('unknown operation ' .. tostring(op))
+end
+
+-- args[1] 'batch': several operations in one call, as dispatch.lua's run_batch: each its
+-- number of arguments, then its name and arguments; the replies, in order
+local function sfq_admit(keys, args)
+  P = keys[1]
+  if args[1] ~= 'batch' then return run(args) end
+  local replies, at = {}, 2
+  while at <= #args do
+    local n = tonumber(args[at])
+    replies[#replies + 1] = run({unpack(args, at + 1, at + n)})
+    at = at + n + 1
+  end
+  return replies
 end
 
 redis.register_function('sfq_admit', sfq_admit)

@@ -798,12 +798,30 @@ local function run(op)
   return redis.error_reply('unknown operation ' .. tostring(op))
 end
 
+--[[ args[1] 'batch': several operations of the holder in one call, run in order, each as if
+called on its own (Redis would have run them one after the other anyway); the reply is
+theirs, in order. After the holder, each operation is its number of arguments, then its name
+and arguments. Its calls share what a call reads once (meta, the backends, the cache): under
+load a holder sends what came while its previous call was on the way as one call
+(redis_dispatch.Batcher), and that per-call work is paid once for them all. ]]
+local function run_batch(args)
+  local replies, at = {}, 3
+  while at <= #args do
+    local n = tonumber(args[at])
+    A = {args[at + 1], holder, unpack(args, at + 2, at + n)}
+    replies[#replies + 1] = run(A[1])
+    at = at + n + 1
+  end
+  return replies
+end
+
 local function sfq_dispatch(keys, args)
   P, holder, A = keys[1], args[2], args
   backends, inflight, pace, pace_changed = nil, nil, nil, false
   new_cache()
   load_meta()
-  local reply = run(args[1])
+  local reply
+  if args[1] == 'batch' then reply = run_batch(args) else reply = run(args[1]) end
   save_meta()
   save_pace()
   return reply

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, TypeVar
@@ -18,6 +18,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, ResponseError, SlotNotCoveredError
 
+from .batcher import Call
 from .resp import Pipe
 
 # where function calls go: a pipe to one server (the fast path), or redis-py's client
@@ -62,6 +63,20 @@ class Library:
         else:
             await redis.function_load(self.code, replace=True)
         return await _fcall(redis, self.function, key, *args)
+
+    async def call_all(
+        self, redis: Caller, key: str, calls: Sequence[Call], *common: Any
+    ) -> list[Any]:
+        """The replies to ``calls`` (each an operation and its arguments; ``common``: the
+        arguments every operation takes first), made in one call: on its own, or several as
+        the function's ``batch`` operation (each call's number of arguments, then the call)."""
+        if len(calls) == 1:
+            op, *args = calls[0]
+            return [await self.call(redis, key, op, *common, *args)]
+        batch: list[Any] = []
+        for call in calls:
+            batch += (len(call), *call)
+        return list(await self.call(redis, key, "batch", *common, *batch))
 
 
 async def _fcall(redis: Caller, function: str, key: str, *args: Any) -> Any:

@@ -23,6 +23,7 @@ from redis.asyncio.cluster import RedisCluster
 from ..core.fair_queue import UNITS_PER_COST, FlowView
 from ..core.limits import Rate, TokenBucket
 from ..core.placement import Reason
+from .batcher import Batcher, Call
 from .library import DISPATCH, Caller
 
 
@@ -96,9 +97,13 @@ class RedisDispatch:
         self._prefix = pool_prefix(pool)
         self.holder = holder
         self.holders: list[str] = [holder]  # the pool's live holders at the last heartbeat
+        self._batcher = Batcher(self._send)
 
     async def _call(self, op: str, *args: Any) -> Any:
-        return await DISPATCH.call(self.calls, self._prefix, op, self.holder, *args)
+        return await self._batcher.call((op, *args))
+
+    async def _send(self, calls: list[Call]) -> list[Any]:
+        return await DISPATCH.call_all(self.calls, self._prefix, calls, self.holder)
 
     async def heartbeat(
         self, ttl_s: float, down: Iterable[str] = (), *, new: bool = False

@@ -34,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -387,53 +389,80 @@ class Trace:
             self.running.append(tid)
 
 
-async def conform(redis_url: str, scenario: Scenario) -> list[Dispatch]:
+@dataclass
+class Planned:
+    """An operation done by the reference, and the same one for Redis, not yet sent."""
+
+    expected: list[Dispatch] | bool  # its dispatches, or for a cancel whether it cancelled
+    redis: Coroutine[Any, Any, list[Dispatch] | bool]
+    log: str
+
+
+async def plan(
+    step: int, op: Op, scenario: Scenario, memory: MemorySide, shared: RedisSide, trace: Trace,
+    finishable: list[str],
+) -> Planned | None:  # fmt: skip
+    """``op`` done by the reference (``finishable``: the running tickets it may finish);
+    None when there is nothing to do it to."""
+    if isinstance(op, Submit):
+        tid = f"t{step}"
+        trace.known.append(tid)
+        trace.waiting.append(tid)
+        flow = scenario.flows[op.flow]
+        expected = await memory.submit(tid, flow, op)
+        done = Planned(expected, shared.submit(tid, flow, op), f"submit {tid} {flow} {op}")
+    elif isinstance(op, Finish):
+        if not finishable:
+            return None
+        tid = finishable.pop(op.pick % len(finishable))
+        trace.running.remove(tid)
+        done = Planned(await memory.finish(tid), shared.finish(tid), f"finish {tid}")
+    elif isinstance(op, Toggle):
+        index = op.pick % len(scenario.backends)
+        name = scenario.backends[index][0]
+        done = Planned(await memory.toggle(index), shared.toggle(index), f"toggle {name}")
+    else:
+        pool = trace.waiting or trace.known
+        if not pool:
+            return None
+        tid = pool[op.pick % len(pool)]
+        cancelled = await memory.cancel(tid)
+        if cancelled:
+            trace.waiting.remove(tid)
+        return Planned(cancelled, shared.cancel(tid), f"cancel {tid} -> {cancelled}")
+    assert isinstance(done.expected, list)
+    trace.dispatched(done.expected)
+    done.log += f" -> {done.expected}"
+    return done
+
+
+async def conform(redis_url: str, scenario: Scenario, wave: int = 1) -> list[Dispatch]:
     """Apply the scenario's operations to both sides, comparing them after each one;
-    returns every dispatch, in order."""
+    returns every dispatch, in order. ``wave`` > 1: Redis is sent that many operations at
+    once, which its holder's ``Batcher`` sends as one call after the first (the reference
+    does them one by one); they may finish only what ran before them."""
     client, pipe = Redis.from_url(redis_url), Pipe.from_url(redis_url)
     assert pipe is not None
     try:
         memory, shared = MemorySide(scenario), RedisSide(client, scenario, pipe)
-        shared._backend_of = {}
         await shared.start()
         trace = Trace()
         everything: list[Dispatch] = []
-        for step, op in enumerate(scenario.ops):
-            if isinstance(op, Submit):
-                tid = f"t{step}"
-                trace.known.append(tid)
-                trace.waiting.append(tid)
-                flow = scenario.flows[op.flow]
-                expected = await memory.submit(tid, flow, op)
-                got = await shared.submit(tid, flow, op)
-                trace.log.append(f"submit {tid} {flow} {op} -> {expected}")
-            elif isinstance(op, Finish):
-                if not trace.running:
-                    continue
-                tid = trace.running.pop(op.pick % len(trace.running))
-                expected = await memory.finish(tid)
-                got = await shared.finish(tid)
-                trace.log.append(f"finish {tid} -> {expected}")
-            elif isinstance(op, Toggle):
-                index = op.pick % len(scenario.backends)
-                expected = await memory.toggle(index)
-                got = await shared.toggle(index)
-                trace.log.append(f"toggle {scenario.backends[index][0]} -> {expected}")
-            else:
-                pool = trace.waiting or trace.known
-                if not pool:
-                    continue
-                tid = pool[op.pick % len(pool)]
-                cancelled = await memory.cancel(tid)
-                trace.log.append(f"cancel {tid} -> {cancelled}")
-                assert await shared.cancel(tid) == cancelled, trace.log
-                if cancelled:
-                    trace.waiting.remove(tid)
-                continue
-            assert got == expected, (*trace.log, f"redis dispatched {got}")
+        for first in range(0, len(scenario.ops), wave):
+            finishable = list(trace.running)
+            planned = []
+            for step in range(first, min(first + wave, len(scenario.ops))):
+                op = scenario.ops[step]
+                done = await plan(step, op, scenario, memory, shared, trace, finishable)
+                if done is not None:
+                    planned.append(done)
+                    trace.log.append(done.log)
+            got = await asyncio.gather(*(done.redis for done in planned))
+            for done, reply in zip(planned, got, strict=True):
+                assert reply == done.expected, (*trace.log, f"redis: {done.log} gave {reply}")
+                if isinstance(reply, list):
+                    everything += reply
             assert shared.reasons == memory.reasons, trace.log  # affinity, overflow, fallback
-            trace.dispatched(expected)
-            everything += expected
             assert await shared.inflight() == {b: n for b, n in shared.running.items() if n}
         assert await shared.queued() == await memory.queued() == len(trace.waiting)
         assert await shared.virtual_time() == await memory.virtual_time(), trace.log
@@ -443,8 +472,8 @@ async def conform(redis_url: str, scenario: Scenario) -> list[Dispatch]:
         await pipe.aclose()
 
 
-def run(redis_url: str, scenario: Scenario) -> None:
-    asyncio.run(conform(redis_url, scenario))
+def run(redis_url: str, scenario: Scenario, wave: int = 1) -> None:
+    asyncio.run(conform(redis_url, scenario, wave))
 
 
 PROPERTY = settings(
@@ -511,7 +540,49 @@ def test_size_buckets_with_caps_band_and_two_holders_conform(
     run(redis_url, scenario)
 
 
+@PROPERTY
+@given(scenario=scenarios(caps=True, priority=True, affinity=True), wave=st.integers(2, 8))
+def test_calls_sent_together_conform(redis_url: str, scenario: Scenario, wave: int) -> None:
+    """Under load a holder's calls leave as one (``state/batcher.py``, dispatch.lua's
+    ``batch``): each decides as it would have on its own, in the order they were made."""
+    run(redis_url, scenario, wave)
+
+
+@SIZED
+@given(scenario=scenarios(sized=True, caps=True, priority=True), wave=st.integers(2, 8))
+def test_size_buckets_sent_together_conform(redis_url: str, scenario: Scenario, wave: int) -> None:
+    run(redis_url, scenario, wave)
+
+
 # -- targeted examples ------------------------------------------------------------------------
+
+
+async def test_calls_made_while_one_is_on_its_way_leave_as_one(redis_url: str) -> None:
+    """Twenty submits at once: the first leaves on its own, the other nineteen in one call
+    when it lands, each granted or queued as it would have been on its own."""
+    client, pipe = Redis.from_url(redis_url), Pipe.from_url(redis_url)
+    assert pipe is not None
+    try:
+        holder = RedisDispatch(client, f"batch-{uuid.uuid4().hex}", "h0", pipe)
+        await holder.heartbeat(LONG_TTL_S, new=True)
+        await holder.configure([("b0", 5)], {}, {})
+        calls_before = await _fcalls(client)
+        ticket = SharedTicket("a", "x", 1.0, 1.0)
+        submits = [holder.submit(f"t{i}", ticket) for i in range(20)]
+        grants = await asyncio.gather(*submits)
+        assert await _fcalls(client) - calls_before == 2
+        assert [[g.ticket for g in granted] for granted in grants] == [
+            [f"t{i}"] if i < 5 else [] for i in range(20)
+        ]  # five slots: the first five in order, the rest queued behind them
+        assert await client.hlen(pool_prefix(holder._prefix[5:-2]) + "ticket") == 15
+    finally:
+        await client.aclose()
+        await pipe.aclose()
+
+
+async def _fcalls(client: Redis) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_fcall", {}).get("calls", 0))
 
 
 async def test_tie_by_flow_id_and_global_idle_reset(redis_url: str) -> None:

@@ -5,6 +5,7 @@ independent in-memory proxies fail both (shown, as the FIFO variants are in the 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import Counter
 from collections.abc import Coroutine
 from typing import Any
@@ -19,6 +20,7 @@ from sfq_proxy.config import Config
 from sfq_proxy.http.runtime import PROXY
 from sfq_proxy.http.server import bound_url, running
 from sfq_proxy.sim.server import SimBackend
+from sfq_proxy.state.library import ADMISSION
 
 pytestmark = pytest.mark.redis
 CHAT = [{"role": "user", "content": "hi"}]
@@ -231,6 +233,42 @@ async def test_an_orgs_rpm_holds_across_proxies_only_when_shared(
     # the headers say the org's buckets as Redis holds them, across both proxies; each
     # proxy's own when they are not shared
     assert remaining == ([5, 4, 3, 2, 1, 0] if shared else [5, 4, 3, 2] * 2)
+
+
+async def test_an_orgs_rpm_holds_for_requests_that_come_at_once(lab: Lab, redis_url: str) -> None:
+    """rpm 6, twelve requests at once through each of two proxies: their admissions leave
+    each proxy together (``state/batcher.py``), and still exactly 6 pass."""
+    sim = await lab.backend()
+    state = {"redis": redis_url, "lease_ttl_s": CALM_TTL_S}
+    config = proxy_config([sim.url], state=state, orgs={"A": {"rpm": 6}})
+    proxies = [await lab.proxy(config) for _ in range(2)]
+
+    async def one(proxy: Served) -> str:
+        try:
+            await lab.client(proxy, "A").chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=2
+            )
+            return "ok"
+        except openai.RateLimitError as err:
+            return f"429 {err.body['code']}"  # type: ignore[index]
+
+    outcomes = Counter(await asyncio.gather(*(one(p) for p in proxies for _ in range(12))))
+    assert outcomes == {"ok": 6, "429 rpm": 18}
+
+
+async def test_admissions_sent_as_one_call_decide_in_order(redis_url: str) -> None:
+    """admission.lua's ``batch``: each operation decides as it would on its own, in order:
+    an Idempotency-Key taken by the first is refused to the second, rpm 2 lets two through."""
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        key = f"sfq:{{org:batch-{uuid.uuid4().hex}}}:"
+        admit = ("admit", "2", "", "1")
+        calls = [(*admit, "d1", 5000), (*admit, "d1", 5000), (*admit, "", 5000), admit]
+        replies = await ADMISSION.call_all(client, key, calls)
+        assert [reply[0] for reply in replies] == [1, 409, 1, 429]
+        assert await client.exists(key + "idem:d1") == 1
+    finally:
+        await client.aclose()
 
 
 async def test_an_idempotency_key_is_one_request_across_proxies(lab: Lab, redis_url: str) -> None:
