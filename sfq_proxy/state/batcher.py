@@ -12,46 +12,55 @@ Call = tuple[Any, ...]  # an operation and its arguments
 
 class Batcher:
     """Calls to one function on one key (a holder's to its pool, a process's to an org's
-    limits): at most one FCALL on the way at a time; the calls made meanwhile leave together,
-    as one, when it lands.
+    limits): at most ``IN_FLIGHT`` FCALLs on the way at a time; the calls made meanwhile
+    leave together, as one, when one lands.
 
     Under load most of a call's cost is the call itself (the round trip, framing on both
     sides, and in dispatch.lua reading the pool's scalars, backends and caps and writing them
     back), not the operation: one call for the dozens of submits and finishes that came while
-    the last was on its way pays that once. With one request at
-    a time nothing waits, and each call leaves at once. The order of the calls is kept, and
-    a call is sent whether or not its caller still waits for it (a client that left): what
-    it changes in Redis is carried out as if it had been sent on its own."""
+    the others were on their way pays that once. Two on the way, not one: with one request at
+    a time its finish is often still on its way when the next request's submit comes, and
+    the submit then leaves at once, right behind it, rather than a round trip later. A call
+    never overtakes one that waits, and on a ``Pipe`` (one connection) Redis runs them in the
+    order they were made. A call is sent whether or not its caller still waits for it (a
+    client that left): what it changes in Redis is carried out as if it had been sent on its
+    own."""
+
+    IN_FLIGHT = 2
 
     def __init__(self, send: Callable[[list[Call]], Awaitable[list[Any]]]) -> None:
         self._send = send
         self._next: list[tuple[Call, asyncio.Future[Any]]] = []
-        self._busy = False
-        self._sending: asyncio.Future[list[Any]] | None = None  # the batch on its way
+        self._flying = 0  # calls on the way
+        self._sending: set[asyncio.Future[list[Any]]] = set()  # the batches on their way
 
     async def call(self, call: Call) -> Any:
         """``call``'s reply; it raises what its FCALL raised."""
-        if self._busy:
+        if self._next or self._flying >= self.IN_FLIGHT:
             reply = asyncio.get_running_loop().create_future()
             self._next.append((call, reply))
             return await reply
-        self._busy = True  # nothing on the way: this call leaves at once, from this task
+        self._flying += 1  # it leaves at once, from this task
         try:
             return (await self._send([call]))[0]
         finally:
+            self._flying -= 1
             self._send_next()
 
     def _send_next(self) -> None:
-        self._busy = bool(self._next)
-        if not self._busy:
+        if not self._next or self._flying >= self.IN_FLIGHT:
             return
+        self._flying += 1
         batch, self._next = self._next, []
-        sending = self._sending = asyncio.ensure_future(self._send([c for c, _ in batch]))
+        sending = asyncio.ensure_future(self._send([call for call, _ in batch]))
+        self._sending.add(sending)
         sending.add_done_callback(lambda sent: self._landed(batch, sent))
 
     def _landed(
         self, batch: list[tuple[Call, asyncio.Future[Any]]], sent: asyncio.Future[Any]
     ) -> None:
+        self._flying -= 1
+        self._sending.discard(sent)
         for at, (_, reply) in enumerate(batch):
             if reply.done():  # its caller left
                 continue
