@@ -4,6 +4,7 @@ meanwhile leave together, as one call (group commit)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,7 +33,7 @@ class Batcher:
         self._send = send
         self._next: list[tuple[Call, asyncio.Future[Any]]] = []
         self._flying = 0  # calls on the way
-        self._sending: set[asyncio.Future[list[Any]]] = set()  # the batches on their way
+        self._sending: set[asyncio.Task[list[Any]]] = set()  # the batches on their way
 
     async def call(self, call: Call) -> Any:
         """``call``'s reply; it raises what its FCALL raised."""
@@ -52,9 +53,10 @@ class Batcher:
             return
         self._flying += 1
         batch, self._next = self._next, []
-        sending = asyncio.ensure_future(self._send([call for call, _ in batch]))
+        batched = [call for call, _ in batch]
+        sending: asyncio.Task[list[Any]] = asyncio.ensure_future(self._send(batched))
         self._sending.add(sending)
-        sending.add_done_callback(lambda sent: self._landed(batch, sent))
+        sending.add_done_callback(functools.partial(self._landed, batch))
 
     def _landed(
         self, batch: list[tuple[Call, asyncio.Future[Any]]], sent: asyncio.Future[Any]
