@@ -12,6 +12,9 @@ whose limit changed starts full again, as a reload does in memory; an idle one e
 ]]
 
 local P
+-- the buckets a call read, by name ('r', 't'): read at its first need, written back at its
+-- end if it took or gave (a batch of admits reads and writes each bucket once, not per admit)
+local B
 
 local function now_ms()
   local t = redis.call('TIME')
@@ -20,11 +23,15 @@ end
 
 -- a bucket's state at `now`, refilled: {key, pm (per minute), cap, level, updated}
 local function bucket(name, per_minute, now)
-  local key = P .. 'bucket:' .. name
-  local saved = redis.call('HMGET', key, 'pm', 'level', 'updated')
-  local b = {key = key, pm = per_minute, cap = math.max(1, per_minute)}
-  b.level, b.updated = tonumber(saved[2]), tonumber(saved[3])
-  if tonumber(saved[1]) ~= per_minute or b.level == nil then b.level, b.updated = b.cap, now end
+  local b = B[name]
+  if b == nil then
+    local key = P .. 'bucket:' .. name
+    local saved = redis.call('HMGET', key, 'pm', 'level', 'updated')
+    b = {key = key, pm = tonumber(saved[1]), level = tonumber(saved[2]), updated = tonumber(saved[3])}
+    B[name] = b
+  end
+  b.cap = math.max(1, per_minute)
+  if b.pm ~= per_minute or b.level == nil then b.pm, b.level, b.updated = per_minute, b.cap, now end
   if now > b.updated then
     b.level = math.min(b.cap, b.level + (now - b.updated) * per_minute / 60000)
     b.updated = now
@@ -32,9 +39,15 @@ local function bucket(name, per_minute, now)
   return b
 end
 
-local function save(b)
-  redis.call('HSET', b.key, 'pm', b.pm, 'level', b.level, 'updated', b.updated)
-  redis.call('PEXPIRE', b.key, 120000)  -- full again after a minute idle: kept two
+local function save(b) b.changed = true end
+
+local function save_buckets()
+  for _, b in pairs(B) do
+    if b.changed then
+      redis.call('HSET', b.key, 'pm', b.pm, 'level', b.level, 'updated', b.updated)
+      redis.call('PEXPIRE', b.key, 120000)  -- full again after a minute idle: kept two
+    end
+  end
 end
 
 -- the org's buckets (args: rpm or '', tpm or '', tokens) with what each takes, and which
@@ -107,15 +120,21 @@ end
 -- args[1] 'batch': several operations in one call, as dispatch.lua's run_batch: each its
 -- number of arguments, then its name and arguments; the replies, in order
 local function sfq_admit(keys, args)
-  P = keys[1]
-  if args[1] ~= 'batch' then return run(args) end
-  local replies, at = {}, 2
-  while at <= #args do
-    local n = tonumber(args[at])
-    replies[#replies + 1] = run({unpack(args, at + 1, at + n)})
-    at = at + n + 1
+  P, B = keys[1], {}
+  local reply
+  if args[1] ~= 'batch' then
+    reply = run(args)
+  else
+    local at = 2
+    reply = {}
+    while at <= #args do
+      local n = tonumber(args[at])
+      reply[#reply + 1] = run({unpack(args, at + 1, at + n)})
+      at = at + n + 1
+    end
   end
-  return replies
+  save_buckets()
+  return reply
 end
 
 redis.register_function('sfq_admit', sfq_admit)
