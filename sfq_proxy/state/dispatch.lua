@@ -608,20 +608,23 @@ end
 --[[ A submitted ticket that dispatch() would grant at once, granted without queueing it: the
 common case, in 18 commands instead of 47. It applies when nothing waits (no flow holds a
 ticket, queued = 0, and no band ticket can go), the pool is not paced, the ticket's flow is
-not held at a cap (not in inel) and neither its org nor its class has a cap, and a backend
-has a free slot. dispatch() would then take it at once, as the only ticket in the only
-ready flow (pick() returns the sole ticket of a line, size buckets or not), and leave no
-trace of its queueing: push then pop charge the flow from max(meter, v) and drain the
-fair queue (after_drain), the ticket's record and hq entry come and go, its size-bucket
-fields are marked and unmarked. What remains is written here: v and maxm, the drained
-fair queue's keys, the lease. Returns nil, having changed nothing, when it does not apply. ]]
+not held at a cap (not in inel), its org and class are under their caps, and a backend has
+a free slot. dispatch() would then take it at once, as the only ticket in the only ready
+flow (pick() returns the sole ticket of a line, size buckets or not), and leave no trace
+of its queueing: push then pop charge the flow from max(meter, v) and drain the fair queue
+(after_drain), the ticket's record and hq entry come and go, its size-bucket fields are
+marked and unmarked. What remains is written here: v and maxm, the drained fair queue's
+keys, the flow in its caps' sets (track(), whose under_caps() holds), then the lease, whose
+running() refreshes those sets as after a dispatch. Returns nil, having changed nothing,
+when it does not apply. ]]
 local function dispatch_at_once(id, t, down)
   if meta('queued') > 0 or band_next() ~= nil then return nil end
   if meta('paced') == 1 and next(pacing()) ~= nil then return nil end
-  if org_cap(t.o) or class_cap(t.c) then return nil end
+  if not under_caps(t.o, t.c) then return nil end
   if redis.call('SISMEMBER', P .. 'inel', t.f) == 1 then return nil end
   local backend, reason = choose(down, t.a)
   if backend == nil then return nil end
+  for _, cap in ipairs(caps_of(t.o, t.c)) do redis.call('SADD', P .. cap, t.f) end
   local v = meta('v')
   local meter = math.max(meter_of(t.f) or v, v) + math.max(1, round_half_even(t.cost * UNITS / t.w))
   set_meta('v', math.max(meta('maxm'), meter))  -- pop(), then after_drain()
