@@ -23,7 +23,13 @@ class Batcher:
     each call leaves at once. (Two on the way rather than one made twice the calls for the
     same work at 64 connections, and no difference seen at one.) The calls keep their order,
     and a call is sent whether or not its caller still waits for it (a client that left):
-    what it changes in Redis is carried out as if it had been sent on its own."""
+    what it changes in Redis is carried out as if it had been sent on its own.
+
+    A call carries at most ``MOST`` operations: Redis runs a call whole, and a burst of
+    thousands in one would hold every other replica's calls (their heartbeats too) for as
+    long as they take; the rest leave in the next."""
+
+    MOST = 128
 
     def __init__(self, send: Callable[[list[Call]], Awaitable[list[Any]]]) -> None:
         self._send = send
@@ -47,7 +53,7 @@ class Batcher:
         self._busy = bool(self._next)
         if not self._busy:
             return
-        batch, self._next = self._next, []
+        batch, self._next = self._next[: self.MOST], self._next[self.MOST :]
         batched = [call for call, _ in batch]
         sending: asyncio.Task[list[Any]] = asyncio.ensure_future(self._send(batched))
         self._sending.add(sending)

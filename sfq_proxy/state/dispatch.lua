@@ -606,7 +606,7 @@ local function dispatch(down)
 end
 
 --[[ A submitted ticket that dispatch() would grant at once, granted without queueing it: the
-common case, in 18 commands instead of 47. It applies when nothing waits (no flow holds a
+common case, in 18 commands instead of 47 (a few more with caps). It applies when nothing waits (no flow holds a
 ticket, queued = 0, and no band ticket can go), the pool is not paced, the ticket's flow is
 not held at a cap (not in inel), its org and class are under their caps, and a backend has
 a free slot. dispatch() would then take it at once, as the only ticket in the only ready
@@ -806,7 +806,7 @@ called on its own (Redis would have run them one after the other anyway); the re
 theirs, in order. After the holder, each operation is its number of arguments, then its name
 and arguments. Its calls share what a call reads once (meta, the backends, the cache): under
 load a holder sends what came while its previous call was on the way as one call
-(redis_dispatch.Batcher), and that per-call work is paid once for them all. ]]
+(state/batcher.py), and that per-call work is paid once for them all. ]]
 local function run_batch(args)
   local replies, at = {}, 3
   while at <= #args do

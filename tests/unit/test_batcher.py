@@ -122,3 +122,14 @@ async def test_a_caller_that_leaves_has_its_call_sent_and_the_others_their_repli
     assert await waiting[0] == "B"
     assert await waiting[2] == "D"
     assert waiting[1].cancelled()
+
+
+async def test_a_call_carries_at_most_most_operations() -> None:
+    """A burst larger than a call may carry leaves in several, in order."""
+    server = Server()
+    batcher = Batcher(server.send)
+    calls = [asyncio.ensure_future(batcher.call((f"op{i}",))) for i in range(2 * Batcher.MOST + 3)]
+    while not all(call.done() for call in calls):
+        await server.land()
+    assert [len(batch) for batch in server.batches] == [1, Batcher.MOST, Batcher.MOST, 2]
+    assert [call.result() for call in calls] == [f"OP{i}" for i in range(len(calls))]
