@@ -563,7 +563,8 @@ async def test_calls_made_while_one_is_on_its_way_leave_as_one(redis_url: str) -
     client, pipe = Redis.from_url(redis_url), Pipe.from_url(redis_url)
     assert pipe is not None
     try:
-        holder = RedisDispatch(client, f"batch-{uuid.uuid4().hex}", "h0", pipe)
+        pool = f"batch-{uuid.uuid4().hex}"
+        holder = RedisDispatch(client, pool, "h0", pipe)
         await holder.heartbeat(LONG_TTL_S, new=True)
         await holder.configure([("b0", 5)], {}, {})
         calls_before = await _fcalls(client)
@@ -574,7 +575,7 @@ async def test_calls_made_while_one_is_on_its_way_leave_as_one(redis_url: str) -
         assert [[g.ticket for g in granted] for granted in grants] == [
             [f"t{i}"] if i < 5 else [] for i in range(20)
         ]  # five slots: the first five in order, the rest queued behind them
-        assert await client.hlen(pool_prefix(holder._prefix[5:-2]) + "ticket") == 15
+        assert await client.hlen(pool_prefix(pool) + "ticket") == 15
     finally:
         await client.aclose()
         await pipe.aclose()
