@@ -272,8 +272,8 @@ def _summary(conns: int, m: dict[str, dict]) -> None:
     redis_added = one["redis_us"] - mem["redis_us"]
     print(
         f"     where the time goes (1w): {one['fcalls']:.2f} FCALLs per request for its 2-3 "
-        f"operations (submit and finish, and for sk-bench-a, the default key, its org's admit; under "
-        f"load a worker's operations leave together, state/batcher.py); Redis spends "
+        f"operations (submit and finish, and for sk-bench-a, the default key, its org's "
+        f"admit; under load a worker's operations leave together, state/batcher.py); Redis spends "
         f"{redis_added:.0f} µs/req on them, the proxy {proxy_added:+.0f} µs/req more than in "
         f"memory (client side, framing, awaits)\n"
     )
