@@ -27,7 +27,8 @@ local function bucket(name, per_minute, now)
   if b == nil then
     local key = P .. 'bucket:' .. name
     local saved = redis.call('HMGET', key, 'pm', 'level', 'updated')
-    b = {key = key, pm = tonumber(saved[1]), level = tonumber(saved[2]), updated = tonumber(saved[3])}
+    b = {key = key, pm = tonumber(saved[1])}
+    b.level, b.updated = tonumber(saved[2]), tonumber(saved[3])
     B[name] = b
   end
   b.cap = math.max(1, per_minute)

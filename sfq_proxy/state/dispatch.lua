@@ -606,17 +606,17 @@ local function dispatch(down)
 end
 
 --[[ A submitted ticket that dispatch() would grant at once, granted without queueing it: the
-common case, in 18 commands instead of 47 (a few more with caps). It applies when nothing waits (no flow holds a
-ticket, queued = 0, and no band ticket can go), the pool is not paced, the ticket's flow is
-not held at a cap (not in inel), its org and class are under their caps, and a backend has
-a free slot. dispatch() would then take it at once, as the only ticket in the only ready
-flow (pick() returns the sole ticket of a line, size buckets or not), and leave no trace
-of its queueing: push then pop charge the flow from max(meter, v) and drain the fair queue
-(after_drain), the ticket's record and hq entry come and go, its size-bucket fields are
-marked and unmarked. What remains is written here: v and maxm, the drained fair queue's
-keys, the flow in its caps' sets (track(), whose under_caps() holds), then the lease, whose
-running() refreshes those sets as after a dispatch. Returns nil, having changed nothing,
-when it does not apply. ]]
+common case, in 18 commands instead of 47 (a few more with caps). It applies when nothing
+waits (no flow holds a ticket, queued = 0, and no band ticket can go), the pool is not paced,
+the ticket's flow is not held at a cap (not in inel), its org and class are under their caps,
+and a backend has a free slot. dispatch() would then take it at once, as the only ticket in
+the only ready flow (pick() returns the sole ticket of a line, size buckets or not), and leave
+no trace of its queueing: push then pop charge the flow from max(meter, v) and drain the fair
+queue (after_drain), the ticket's record and hq entry come and go, its size-bucket fields are
+marked and unmarked. What remains is written here: v and maxm, the drained fair queue's keys,
+the flow in its caps' sets (track(), whose under_caps() holds), then the lease, whose
+running() refreshes those sets as after a dispatch. Returns nil, having changed nothing, when
+it does not apply. ]]
 local function dispatch_at_once(id, t, down)
   if meta('queued') > 0 or band_next() ~= nil then return nil end
   if meta('paced') == 1 and next(pacing()) ~= nil then return nil end
