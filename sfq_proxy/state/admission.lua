@@ -15,10 +15,14 @@ local P
 -- the buckets a call read, by name ('r', 't'): read at its first need, written back at its
 -- end if it took or gave (a batch of admits reads and writes each bucket once, not per admit)
 local B
+local NOW  -- Redis's clock, read once per call: a call's operations happen at one time
 
 local function now_ms()
-  local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  if NOW == nil then
+    local t = redis.call('TIME')
+    NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  end
+  return NOW
 end
 
 -- a bucket's state at `now`, refilled: {key, pm (per minute), cap, level, updated}
@@ -51,47 +55,38 @@ local function save_buckets()
   end
 end
 
--- the org's buckets (args: rpm or '', tpm or '', tokens) with what each takes, and which
--- it is (1: requests, 2: tokens)
-local function buckets(args, now)
-  local out = {}
-  if args[1] ~= '' then out[#out + 1] = {bucket('r', tonumber(args[1]), now), 1, 1} end
-  if args[2] ~= '' then out[#out + 1] = {bucket('t', tonumber(args[2]), now), tonumber(args[3]), 2} end
-  return out
+-- the org's buckets for an operation's args (its name, then rpm or '', tpm or '', tokens):
+-- the requests' and the tokens' (nil: no such limit), and the tokens
+local function buckets(args)
+  local now = now_ms()
+  local r = args[2] ~= '' and bucket('r', tonumber(args[2]), now) or nil
+  local t = args[3] ~= '' and bucket('t', tonumber(args[3]), now) or nil
+  return r, t, tonumber(args[4])
 end
 
--- ms until every bucket can give its amount (0: now), and which bucket waits the longest
-local function wait_ms(taken)
-  local wait, which = 0, 0
-  for _, pair in ipairs(taken) do
-    local b, amount = pair[1], pair[2]
-    local w = (math.min(amount, b.cap) - b.level) * 60000 / b.pm
-    if w > wait then wait, which = w, pair[3] end
-  end
-  return wait, which
+-- ms until bucket b (nil: none) can give `amount` (0 or less: now)
+local function bucket_wait(b, amount)
+  if b == nil then return 0 end
+  return (math.min(amount, b.cap) - b.level) * 60000 / b.pm
 end
 
--- `reply`, then what the buckets hold as the x-ratelimit-* headers say it: for requests,
--- then tokens, the whole tokens left and the ms until full again (-1, -1: no such bucket)
-local function report(taken, reply)
-  local state = {{-1, -1}, {-1, -1}}
-  for _, pair in ipairs(taken) do
-    local b = pair[1]
-    state[pair[3]] = {math.floor(math.max(0, b.level)), math.ceil(math.max(0, b.cap - b.level) * 60000 / b.pm)}
-  end
-  for _, s in ipairs(state) do
-    reply[#reply + 1] = s[1]
-    reply[#reply + 1] = s[2]
+-- `reply`, then what bucket b holds as the x-ratelimit-* headers say it: the whole tokens
+-- left and the ms until full again (-1, -1: no such bucket)
+local function report(b, reply)
+  if b == nil then
+    reply[#reply + 1], reply[#reply + 2] = -1, -1
+  else
+    reply[#reply + 1] = math.floor(math.max(0, b.level))
+    reply[#reply + 1] = math.ceil(math.max(0, b.cap - b.level) * 60000 / b.pm)
   end
   return reply
 end
 
-local function take(taken, sign)
-  for _, pair in ipairs(taken) do
-    local b, amount = pair[1], pair[2]
-    b.level = sign > 0 and b.level - amount or math.min(b.cap, b.level + amount)
-    save(b)
-  end
+-- bucket b (nil: none) takes `amount` (sign 1), or is given it back (-1, never above full)
+local function take(b, amount, sign)
+  if b == nil then return end
+  b.level = sign > 0 and b.level - amount or math.min(b.cap, b.level + amount)
+  save(b)
 end
 
 local function run(args)
@@ -99,14 +94,20 @@ local function run(args)
   if op == 'admit' or op == 'retry' then  -- rpm, tpm, tokens[, key digest, ttl_ms]
     local idem = args[5] and args[5] ~= '' and P .. 'idem:' .. args[5] or nil
     if idem and redis.call('EXISTS', idem) == 1 then return {409} end
-    local taken = buckets({args[2], args[3], args[4]}, now_ms())
-    local wait, which = wait_ms(taken)
-    if wait > 0 then return report(taken, {429, math.ceil(wait), which}) end
-    take(taken, 1)
+    local r, t, tokens = buckets(args)
+    -- the longest wait, and whose (1: requests, 2: tokens)
+    local wait, which = bucket_wait(r, 1), 1
+    local t_wait = bucket_wait(t, tokens)
+    if t_wait > wait then wait, which = t_wait, 2 end
+    if wait > 0 then return report(t, report(r, {429, math.ceil(wait), which})) end
+    take(r, 1, 1)
+    take(t, tokens, 1)
     if idem then redis.call('SET', idem, '1', 'PX', args[6]) end
-    return report(taken, {1})
+    return report(t, report(r, {1}))
   elseif op == 'refund' then  -- rpm, tpm, tokens
-    take(buckets({args[2], args[3], args[4]}, now_ms()), -1)
+    local r, t, tokens = buckets(args)
+    take(r, 1, -1)
+    take(t, tokens, -1)
     return {1}
   elseif op == 'done' then  -- key digest
     redis.call('DEL', P .. 'idem:' .. args[2])
@@ -121,7 +122,7 @@ end
 -- args[1] 'batch': several operations in one call, as dispatch.lua's run_batch: each its
 -- number of arguments, then its name and arguments; the replies, in order
 local function sfq_admit(keys, args)
-  P, B = keys[1], {}
+  P, B, NOW = keys[1], {}, nil
   local reply
   if args[1] ~= 'batch' then
     reply = run(args)

@@ -271,6 +271,43 @@ async def test_admissions_sent_as_one_call_decide_in_order(redis_url: str) -> No
         await client.aclose()
 
 
+async def test_an_orgs_buckets_in_redis_take_give_back_and_name_the_limit(redis_url: str) -> None:
+    """admission.lua with rpm and tpm: an admit takes a request and its tokens, a refund gives
+    them back; a 429 says how long and which bucket waits the longest (1: requests, 2: tokens);
+    every reply says what each bucket holds (the x-ratelimit-* headers). Sent one by one or as
+    one batch (one instant of Redis's clock: exact), they decide alike."""
+    admit, refund = ("admit", "100", "1000", "400"), ("refund", "100", "1000", "400")
+    # reply: status[, wait ms, which], then per bucket: whole left, ms until full again
+    expected = [
+        [1, 99, 600, 600, 24000],
+        [1, 98, 1200, 200, 48000],
+        [429, 12000, 2, 98, 1200, 200, 48000],  # 400 tokens asked, 200 left: 12 s at 1000/min
+        [1],
+        [1, 98, 1200, 200, 48000],  # the refund gave back one request and 400 tokens
+    ]
+    requests_first = [("admit", "1", "1000", "10"), ("admit", "1", "1000", "990")]
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        key = f"sfq:{{org:tpm-{uuid.uuid4().hex}}}:"
+        together = await ADMISSION.call_all(client, key, [admit, admit, admit, refund, admit])
+        assert together == expected
+        key = f"sfq:{{org:rpm-{uuid.uuid4().hex}}}:"
+        second = (await ADMISSION.call_all(client, key, requests_first))[1]
+        assert second[:3] == [429, 60000, 1]  # both wait: the requests' bucket, a minute
+        key = f"sfq:{{org:apart-{uuid.uuid4().hex}}}:"
+        apart = [await ADMISSION.call_all(client, key, [call]) for call in
+                 (admit, admit, admit, refund, admit)]  # fmt: skip
+        for (reply,), exact in zip(apart, expected, strict=True):
+            assert reply[0] == exact[0]
+            assert len(reply) == len(exact)
+            assert reply[0] != 429 or reply[2] == exact[2]  # which bucket
+            # milliseconds pass between calls: the buckets refill by a little
+            pairs = zip(reply[1:], exact[1:], strict=True)
+            assert all(abs(got - want) <= want * 0.01 + 1 for got, want in pairs)
+    finally:
+        await client.aclose()
+
+
 async def test_an_idempotency_key_is_one_request_across_proxies(lab: Lab, redis_url: str) -> None:
     sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=40.0)
     config = proxy_config([sim.url], state={"redis": redis_url, "lease_ttl_s": CALM_TTL_S})
