@@ -261,8 +261,11 @@ async def _whole_body(
     expiry: ApiError | None,
 ) -> bytes:
     """A whole answer's body, decoded, read before the client is sent anything: whatever
-    goes wrong is still an ``UpstreamFailed`` (or the 504 of the request's bound)."""
-    watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s, until)
+    goes wrong is still an ``UpstreamFailed`` (or the 504 of the request's bound). A body
+    that came whole with its headers (most JSON answers) has nothing left to wait for: no
+    timer is set for it."""
+    content = upstream.content
+    watchdog = None if content.is_eof() else _Watchdog(content, pool.spec.timeouts.idle_s, until)
     try:
         body = await upstream.read()
         return body if inflater is None else inflater.feed(body) + inflater.close()
@@ -273,7 +276,8 @@ async def _whole_body(
     except aiohttp.ClientError as exc:  # died before answering: the client saw nothing
         raise UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc
     finally:
-        watchdog.cancel()
+        if watchdog is not None:
+            watchdog.cancel()
 
 
 async def _relay_stream(
