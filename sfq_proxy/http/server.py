@@ -104,6 +104,14 @@ def run(main: Callable[[], Any]) -> None:
         uvloop.run(main())
 
 
+GC_THRESHOLDS = (20_000, 10, 10)
+"""The collector's first threshold above what requests in flight hold at once (~200 tracked
+objects each: 64 of them hold ~12,000). At CPython's 700 those objects alone set off a young
+collection every 13–24 requests, and promote what is in flight to the older generations, whose
+collections follow: 36 µs of every request's CPU at 16 connections, 100 µs at 64 (8 %), in
+pauses of the event loop of 1–6 ms each. Garbage in cycles still goes, at a larger count."""
+
+
 def announce(line: str) -> None:
     """``line`` to stdout in one write: under ``PYTHONUNBUFFERED`` ``print`` writes the text
     and its newline apart, and workers sharing the pipe interleave them."""
@@ -119,6 +127,7 @@ async def serve(config: Config, config_path: Path | None = None, *, worker: bool
         # process: out of the collector's sight, a full collection takes ~0 ms, not ~30 ms
         # of a stalled event loop.
         gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
         announce(f"sfq-proxy listening on {bound_url(runner)}")
         proxy = runner.app[PROXY]
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload, proxy)

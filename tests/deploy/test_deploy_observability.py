@@ -294,6 +294,36 @@ def _completed(families: dict[str, Any]) -> tuple[float, dict[str, float]]:
     return sum(by_worker.values()), dict(by_worker)
 
 
+async def test_requests_in_flight_set_off_no_garbage_collection(lab: Lab, tmp_path: Path) -> None:
+    """`serve` sets the collector's first threshold above what requests in flight hold
+    (server.GC_THRESHOLDS): 320 requests, 32 at a time, set off no collection, where
+    CPython's 700 sets off one every 13–24 requests (python_gc_collections_total)."""
+    sim = await lab.backend()
+    proc, url = await serve_process(config_yaml([sim.url], slots=32), tmp_path)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEYS["A"], max_retries=0)
+    try:
+        before = _collections(await scrape_once(lab, url))
+        for _ in range(10):
+            await asyncio.gather(*(
+                client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+                )
+                for _ in range(32)
+            ))  # fmt: skip
+        after = _collections(await scrape_once(lab, url))
+    finally:
+        await client.close()
+        proc.terminate()
+        await proc.wait()
+    assert after == before, (before, after)
+
+
+def _collections(families: dict[str, Any]) -> dict[str, float]:
+    """python_gc_collections_total by generation."""
+    family = families["python_gc_collections"]
+    return {s.labels["generation"]: s.value for s in family.samples if s.name.endswith("_total")}
+
+
 async def scrape_once(lab: Lab, url: str) -> dict[str, Any]:
     """One scrape on a connection of its own (any worker may answer), by family name."""
     http = await lab.http()
