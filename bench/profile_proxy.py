@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import pstats
 import subprocess
 import tempfile
@@ -24,7 +25,7 @@ import overhead
 import uvloop
 
 from sfq_proxy.config import load_config
-from sfq_proxy.http.server import running
+from sfq_proxy.http.server import GC_THRESHOLDS, running
 
 
 def main() -> None:
@@ -64,6 +65,8 @@ def main() -> None:
 async def _serve(work: Path, args: argparse.Namespace) -> tuple[cProfile.Profile, int]:
     config = load_config(work / "proxy.yaml")
     async with running(config):
+        gc.freeze()  # as `serve` does once serving
+        gc.set_threshold(*GC_THRESHOLDS)
         loop = asyncio.get_running_loop()
         url = f"http://127.0.0.1:{overhead.PROXY_PORT}"
         model = f"bench-{args.mode}"
