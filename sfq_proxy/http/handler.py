@@ -21,7 +21,7 @@ import logging
 import math
 import random
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 from aiohttp import web
@@ -149,7 +149,7 @@ async def _admit_and_serve(
         raise ApiError(503, f"Pool '{flow.pool}' has no healthy backend.", retry_after=cooldown)
     cls = proxy.config.classes[flow.cls]
     inference, estimate = pool.cost.price(inference, flow.org, cls.max_request_tokens)
-    inference = replace(inference, text=None)  # queued, it holds its body, not its prompt twice
+    inference.text = None  # queued, it holds its body, not its prompt twice
     bucket, max_overtaken = cls.overtaking(estimate.cost)  # size buckets (design.md §3)
     ticket = Ticket(
         org=flow.org,
