@@ -67,7 +67,7 @@ def output_fields(kind: Kind) -> tuple[str, ...]:
 class InferenceRequest:
     """A request as parsed. Changed by ``dataclasses.replace``, never in place, but for one
     field: the handler drops ``text`` once the request is priced, so that a queued request
-    holds its body and not its prompt twice (a copy of its 17 fields would cost ~10 µs)."""
+    holds its body and not its prompt twice (a copy of its 16 fields would cost ~10 µs)."""
 
     kind: Kind
     model: str
