@@ -839,7 +839,7 @@ local function run(op)
           local o = ticket(other)
           if o and o.c == t.c then ahead = ahead + 1 end
         end
-      elseif meta('queued') > 0 then  -- else every line is empty
+      else
         ahead = backlog(t.f)
       end
       if ahead >= limit then return {2, ahead} end
