@@ -154,8 +154,9 @@ async def test_redis_stopped_mid_run_loses_no_observation(
     await eventually(lambda: samples(first) == samples(alone) == 8)
     await eventually(lambda: same(second, first), within=5)
 
-    org, late = "A", {"messages": [{"role": "user", "content": "late"}], "max_tokens": 40,
-                      "extra_body": {"min_tokens": 20}}  # fmt: skip
+    # 1,000 tokens at 40 a second, 50 times faster (the lab's time scale): half a second
+    org, late = "A", {"messages": [{"role": "user", "content": "late"}], "max_tokens": 1000,
+                      "extra_body": {"min_tokens": 1000}}  # fmt: skip
     running = [asyncio.create_task(send(lab, first, org, late)) for _ in range(2)]
     await eventually(lambda: sim.stats.running == 2, within=5)
     redis_server.stop()
