@@ -1,6 +1,6 @@
 """What the dispatch functions cost inside Redis, per operation and per request.
 
-    python bench/redis_functions.py [--requests 20000] [--rounds 3] [--baseline OLD.lua]
+    python bench/redis_functions.py [--requests 20000] [--rounds 3] [--baseline OLD.lua ...]
 
 Starts its own redis-server on a free port (no persistence), loads `sfq_proxy/state/
 dispatch.lua` as the proxy does (through `RedisDispatch`: the library is loaded by the first
@@ -305,15 +305,17 @@ def main() -> None:
     parser.add_argument(
         "--baseline",
         type=Path,
-        help="another dispatch.lua (git show REV:sfq_proxy/state/dispatch.lua > FILE), run "
-        "round by round beside the package's: a busy machine slows both alike",
+        nargs="+",
+        help="another version's library, run round by round beside the package's (a busy "
+        "machine slows both alike): its files in order, from `git show REV:sfq_proxy/state/F "
+        "> F`, admission.lua then dispatch.lua (dispatch.lua alone before they were one)",
     )
     args = parser.parse_args()
     libraries = {"": DISPATCH}
     if args.baseline is not None:  # an absolute path: Library reads it, not the package's
         libraries = {
             "new": DISPATCH,
-            "baseline": Library(str(args.baseline.resolve()), "sfq_dispatch"),
+            "baseline": Library(tuple(str(f.resolve()) for f in args.baseline), "sfq_dispatch"),
         }
     if shutil.which("redis-server") is None:
         sys.exit("redis-server is missing: apt-get install redis-server")

@@ -63,6 +63,10 @@ class QueueMemory(Generic[F, T]):
         """What a request holding ``size`` bytes of body is counted as."""
         return self.overhead + max(0, size)
 
+    def fits(self, size: int) -> bool:
+        """Whether a request holding ``size`` bytes can wait without taking anyone's place."""
+        return self.used + self.charge(size) <= self.limit
+
     def enter(self, flow: F, item: T, size: int) -> list[tuple[F, T]]:
         """Count ``item`` (holding ``size`` bytes) as waiting in ``flow``'s line; returns the
         (flow, item) that leave the count to make room, the newest of the largest flows

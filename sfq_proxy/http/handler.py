@@ -52,6 +52,7 @@ from .relay import (
     read_usage,
 )
 from .runtime import PROXY, Proxy
+from .shared_limits import Intake
 from .trace_context import trace_context
 
 log = logging.getLogger(__name__)
@@ -168,22 +169,25 @@ async def _admit_and_serve(
     idempotency_key = request.headers.get(IDEMPOTENCY_HEADER)
     now = proxy.clock()
     limits = proxy.admission.admit(flow, ticket.tokens, queued, idempotency_key, now)
+    intake = None  # the org's shared limits: decided here, or by the submit (``carry``)
     if proxy.limits is not None:
-        limits = await proxy.limits.admit(flow, ticket.tokens, idempotency_key)
+        intake = proxy.limits.intake(flow, ticket.tokens, idempotency_key)
+        if not pool.carry(ticket, intake):
+            await intake.decide()
+    headers = _Headers(limits, trace, intake)
     try:
         proxy.metrics.seen(flow.key)
         bounds = _bounds(now, cls.max_queue_age_s, cls.max_request_s, timeout)
-        headers = _Headers(limits, trace)
         return await _serve(
             proxy, request, flow, record, ticket, inference, estimate, bounds, headers
         )
     except ApiError as err:  # admitted: its answer says the org's limits like any other
-        err.extra_headers = {**limits, **err.extra_headers}
+        err.extra_headers = {**headers.limits, **err.extra_headers}
         raise
     finally:
         proxy.admission.done(flow, idempotency_key)
-        if proxy.limits is not None:
-            proxy.limits.done(flow, idempotency_key)
+        if intake is not None:
+            intake.end()
 
 
 async def _serve(
@@ -212,7 +216,7 @@ async def _serve(
             )
         except BaseException:  # expired or cancelled in line: this attempt generated nothing
             record.queue_wait_s += proxy.clock() - queued_at  # the access log says how long
-            _refund(proxy, flow, ticket.tokens)
+            _refund(proxy, flow, ticket.tokens, headers.intake)
             raise
         waited = proxy.clock() - queued_at
         record.queue_wait_s += waited
@@ -269,7 +273,7 @@ async def _serve(
         record.retries += 1
         await asyncio.sleep(delay)
     if _refused(relayed):
-        _refund(proxy, flow, ticket.tokens)
+        _refund(proxy, flow, ticket.tokens, headers.intake)
     if relayed is None:
         raise ApiError(502, f"No backend of pool '{flow.pool}' gave an answer.")
     _count_answer(proxy, flow, record, estimate, relayed)
@@ -290,10 +294,16 @@ def _bill_hang_up(record: AccessRecord, request: web.Request, estimate: Estimate
 class _Headers:
     """What an admitted request's exchange carries besides its body: the org's
     ``x-ratelimit-*`` as of its admission (to the client), and its trace context
-    (upstream)."""
+    (upstream); ``intake``: its admission by the shared limits, when there are."""
 
-    limits: Mapping[str, str]
+    own_limits: Mapping[str, str]  # the in-memory admission's
     trace: Mapping[str, str]
+    intake: Intake | None
+
+    @property
+    def limits(self) -> Mapping[str, str]:
+        """The shared ones once the admission is decided (by the submit, if it carried it)."""
+        return self.own_limits if self.intake is None else self.intake.headers
 
 
 def _extra_cost(config: Config, path: str, model: str) -> ExtraCostSpec | None:
@@ -304,11 +314,12 @@ def _extra_cost(config: Config, path: str, model: str) -> ExtraCostSpec | None:
     return None if extra is None else extra.cost
 
 
-def _refund(proxy: Proxy, flow: Flow, tokens: float) -> None:
-    """A request that generated nothing gives its tokens back (to the shared buckets too)."""
+def _refund(proxy: Proxy, flow: Flow, tokens: float, intake: Intake | None) -> None:
+    """A request that generated nothing gives its tokens back (to the shared buckets too,
+    if its admission there took them)."""
     proxy.admission.refund(flow, tokens, proxy.clock())
-    if proxy.limits is not None:
-        proxy.limits.refund(flow, tokens)
+    if intake is not None:
+        intake.refund()
 
 
 async def _may_retry(proxy: Proxy, flow: Flow, tokens: float) -> bool:

@@ -10,7 +10,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import aiohttp
 
@@ -25,6 +25,9 @@ from ..core.placement import Backend, Placement
 from ..core.queue_memory import QueueMemory, evicted
 from ..core.scheduler import Scheduler, Ticket
 from ..core.throttle import Throttle
+
+if TYPE_CHECKING:
+    from .shared_limits import Intake
 
 log = logging.getLogger(__name__)
 
@@ -237,6 +240,11 @@ class Pool:
     def waiting(self, ticket: Ticket) -> int:
         """How many requests wait ahead of ``ticket`` in its own line (``max_queue_len``)."""
         return self.scheduler.waiting(ticket)
+
+    def carry(self, ticket: Ticket, intake: Intake) -> bool:
+        """Whether ``ticket``'s wait in line decides ``intake`` too, in the same step (a
+        shared pool's); else the handler decides it first."""
+        return False
 
     def pump(self) -> None:
         """Dispatch what capacity allows now: a backend came back, or the config changed."""

@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from ..config import Config, OrgSpec
@@ -48,6 +49,7 @@ class SharedLimits:
         self._alone: dict[tuple[str, str, str, int], Rate] = {}
         self._lost = False  # the last call found Redis unreachable (logged once per outage)
         self._batchers: dict[str, Batcher] = {}  # per org (the orgs of the config and keys)
+        self._cluster = isinstance(redis, RedisCluster)  # an org's keys on a shard of their own
 
     @property
     def _ttl_ms(self) -> int:
@@ -58,22 +60,54 @@ class SharedLimits:
         spec = self.config.org(org)
         return (f"{spec.rpm:.17g}" if spec.rpm else "", f"{spec.tpm:.17g}" if spec.tpm else "")
 
+    def intake(self, flow: Flow, tokens: float, idempotency_key: str | None) -> Intake:
+        """The request's admission by its org's limits, to decide (``Intake``)."""
+        return Intake(self, flow, tokens, idempotency_key)
+
     async def admit(self, flow: Flow, tokens: float, idempotency_key: str | None) -> dict[str, str]:
         """Take the request's share of its org's buckets, and claim its Idempotency-Key, in
         one step; raise the rejection (409, 429 with the wait, 503 without Redis). Returns
         the ``x-ratelimit-*`` headers of the org's buckets after the take, as Redis holds
         them (as this process holds them while Redis is lost, ``when_unreachable: local``)."""
-        rpm, tpm = self._limits(flow.org)
-        if not (rpm or tpm or idempotency_key):
+        args = self._admit_args(flow, tokens, idempotency_key)
+        if not args:
             return {}
-        digest = _digest(idempotency_key) if idempotency_key else ""
+        digest = args[3]
         try:
-            reply = await self._call(
-                flow.org, "admit", rpm, tpm, f"{tokens:.17g}", digest, self._ttl_ms
-            )
-            headers = _headers(self.config.org(flow.org), reply[-4:]) if len(reply) > 4 else {}
+            reply = await self._call(flow.org, "admit", *args)
         except RedisError as err:
             reply, headers = self._admit_alone(flow.org, tokens, digest, err)
+            return self.verdict(flow, reply, digest, headers)
+        return self.verdict(flow, reply, digest)
+
+    def carried(self, flow: Flow, tokens: float, idempotency_key: str | None) -> tuple[str, ...]:
+        """What a pool's submit carries to decide the admission in its own call (the org's
+        key prefix, then ``admit``'s arguments): one round trip where there would be two.
+        Empty when there is nothing to decide, or on a Redis Cluster, where the org's keys
+        and the pool's are on different shards."""
+        args = self._admit_args(flow, tokens, idempotency_key)
+        if not args or self._cluster:
+            return ()
+        return (_prefix(flow.org), *args)
+
+    def _admit_args(
+        self, flow: Flow, tokens: float, idempotency_key: str | None
+    ) -> tuple[str, ...]:
+        """``admission.lua``'s admit arguments: rpm, tpm, tokens, key digest, ttl (ms); empty
+        for an org without ``rpm``/``tpm`` and a request without an Idempotency-Key."""
+        rpm, tpm = self._limits(flow.org)
+        if not (rpm or tpm or idempotency_key):
+            return ()
+        digest = _digest(idempotency_key) if idempotency_key else ""
+        return (rpm, tpm, f"{tokens:.17g}", digest, str(self._ttl_ms))
+
+    def verdict(
+        self, flow: Flow, reply: list[int], digest: str, headers: dict[str, str] | None = None
+    ) -> dict[str, str]:
+        """The headers of an admission's reply (``headers``: the reply was this process's,
+        Redis being lost), or its rejection raised."""
+        if headers is None:
+            headers = _headers(self.config.org(flow.org), reply[-4:]) if len(reply) > 4 else {}
         if reply[0] == 409:
             raise ApiError(409, "A request with this Idempotency-Key is already queued or running.")
         if reply[0] == 429:
@@ -146,8 +180,7 @@ class SharedLimits:
         """The org's calls: one on the way at a time, those made meanwhile leave together."""
         batcher = self._batchers.get(org)
         if batcher is None:
-            key = f"sfq:{{org:{org}}}:"
-            send = functools.partial(ADMISSION.call_all, self._redis, key)
+            send = functools.partial(ADMISSION.call_all, self._redis, _prefix(org))
             batcher = self._batchers[org] = Batcher(send)
         return batcher
 
@@ -199,7 +232,59 @@ class SharedLimits:
         task.add_done_callback(self._background.discard)
 
 
+class Intake:
+    """One request's admission by its org's shared limits, decided on its own call
+    (``decide``) or carried by its pool's submit, which gives ``settle`` the reply in the
+    same round trip. Until it is admitted nothing was taken, so nothing is refunded or
+    released for it; one admitted after its request ended (its client left while the
+    submit was on its way) is undone at once."""
+
+    def __init__(
+        self, limits: SharedLimits, flow: Flow, tokens: float, idempotency_key: str | None
+    ) -> None:
+        self._limits = limits
+        self.flow, self.tokens, self._key = flow, tokens, idempotency_key
+        self.admitted = False
+        self.headers: dict[str, str] = {}  # the org's x-ratelimit-* after the take
+        self._ended = False
+
+    def carried(self) -> tuple[str, ...]:
+        """What the pool's submit carries to decide it (``SharedLimits.carried``)."""
+        return self._limits.carried(self.flow, self.tokens, self._key)
+
+    async def decide(self) -> None:
+        """On its own call; raises the rejection."""
+        self.headers = await self._limits.admit(self.flow, self.tokens, self._key)
+        self.admitted = True
+
+    def settle(self, reply: list[int]) -> None:
+        """The reply of the admission that a submit carried; raises the rejection."""
+        digest = _digest(self._key) if self._key else ""
+        self.headers = self._limits.verdict(self.flow, reply, digest)
+        self.admitted = True
+        if self._ended:
+            self.refund()
+            self._limits.done(self.flow, self._key)
+
+    def refund(self) -> None:
+        """Its request generated nothing upstream: the tokens go back, if they were taken."""
+        if self.admitted:
+            self._limits.refund(self.flow, self.tokens)
+
+    def end(self) -> None:
+        """Its request is over: its Idempotency-Key may be used again."""
+        self._ended = True
+        if self.admitted:
+            self._limits.done(self.flow, self._key)
+
+
 _WHICH: dict[int, Which] = {1: "requests", 2: "tokens"}
+
+
+def _prefix(org: str) -> str:
+    """Every key of an org's limits starts so: ``org:<org>`` as the hash tag keeps them in
+    one cluster slot."""
+    return f"sfq:{{org:{org}}}:"
 
 
 def _headers(spec: OrgSpec, state: list[int]) -> dict[str, str]:

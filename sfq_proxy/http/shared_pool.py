@@ -47,8 +47,16 @@ from ..core.placement import Backend, share
 from ..core.queue_memory import evicted
 from ..core.scheduler import Ticket
 from ..state.library import shielded
-from ..state.redis_dispatch import Fenced, Grants, QueueFull, RedisDispatch, SharedTicket
+from ..state.redis_dispatch import (
+    Fenced,
+    Grants,
+    NotAdmitted,
+    QueueFull,
+    RedisDispatch,
+    SharedTicket,
+)
 from .pool_runtime import Clock, Dispatch, Memory, Pool, pool_limits, shutting_down
+from .shared_limits import Intake
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1.0  # what a client is told while the shared state cannot be reached
@@ -87,6 +95,8 @@ class SharedPool(Pool):
         # lease ends)
         self._waiting: dict[str, tuple[Ticket, asyncio.Future[Backend], _Task]] = {}
         self._held: dict[Ticket, tuple[str, _Task]] = {}  # → lease, task
+        # the org admissions that tickets' submits carry (``carry``), with their arguments
+        self._carried: dict[Ticket, tuple[Intake, tuple[str, ...]]] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._renewed = 0.0  # when Redis last took this process's heartbeat (monotonic)
         self.reachable = False  # whether Redis answered the last heartbeat
@@ -128,6 +138,22 @@ class SharedPool(Pool):
         """In Redis the line is counted in the same step as the submit (``acquire``)."""
         return 0 if self.mode is Mode.SHARED else super().waiting(ticket)
 
+    def carry(self, ticket: Ticket, intake: Intake) -> bool:
+        """In Redis, on one server: its submit decides it (one round trip instead of two).
+        Not when the ticket would take someone's place in the queue memory: a request that
+        its org's limits then refuse must not have evicted anyone."""
+        carried = intake.carried()
+        if not carried or self.mode is not Mode.SHARED or not self.memory.fits(ticket.size):
+            return False
+        self._carried[ticket] = (intake, carried)
+        return True
+
+    async def acquire(self, ticket: Ticket, **options: Any) -> Backend:
+        try:
+            return await super().acquire(ticket, **options)
+        finally:
+            self._carried.pop(ticket, None)  # decided, or never to be
+
     async def _queue(
         self, ticket: Ticket, expires_at: float | None, expiry: ApiError | None, front: bool
     ) -> Backend:
@@ -146,6 +172,9 @@ class SharedPool(Pool):
     async def _acquire_here(
         self, ticket: Ticket, expires_at: float | None, expiry: ApiError | None, front: bool
     ) -> Backend:
+        carried = self._carried.pop(ticket, None)
+        if carried is not None:  # Redis was lost before it was submitted: decided on its own
+            await carried[0].decide()
         self._queued_here[ticket] = asyncio.current_task()
         try:
             backend = await super()._queue(ticket, expires_at, expiry, front)
@@ -180,7 +209,7 @@ class SharedPool(Pool):
         except BaseException:  # refused, or its client left: out of line, or its slot freed
             if ticket in self._held:  # granted in the instant it left
                 self.release(ticket)
-            else:
+            elif ticket_id in self._waiting:  # else not in Redis's line, or taken out already
                 self._later(self._cancel_after(submitted, ticket_id))
             raise
         return backend
@@ -385,11 +414,21 @@ class SharedPool(Pool):
         )  # fmt: skip
         cls = self._config.classes.get(ticket.cls)
         cap = cls.max_queue_len if cls is not None else None
+        carried = self._carried.pop(ticket, None)
+        intake, admit = carried if carried is not None else (None, ())
         try:
             grants = await self.dispatch.submit(
-                ticket_id, shared, front=front, down=self._down(), max_ahead=cap
+                ticket_id, shared, front=front, down=self._down(), max_ahead=cap, admit=admit
             )
-        except QueueFull:
+        except NotAdmitted as refused:
+            self._waiting.pop(ticket_id, None)  # not queued: nothing to cancel
+            assert intake is not None
+            intake.settle(refused.reply)  # raises its 409 or 429
+            raise
+        except QueueFull as full:
+            self._waiting.pop(ticket_id, None)
+            if intake is not None and full.admitted is not None:
+                intake.settle(full.admitted)  # admitted: refunded as it leaves
             raise ApiError(
                 429, f"The queue of flow {ticket.flow} is full (max_queue_len {cap}).",
                 code="queue_full", retry_after=1.0,
@@ -398,12 +437,17 @@ class SharedPool(Pool):
             log.warning("pool %s: submit to Redis failed: %s", self.name, err)
             if self._fallback:
                 self._lose("Redis unreachable")
+                if carried is not None:  # decided where it waits now
+                    self._carried[ticket] = carried
                 raise _Moved from err
             raise _unavailable(self.name) from err
         except Fenced as err:  # reclaimed: the heartbeat joins again, or ends what ran
             log.warning("pool %s: submit to Redis failed: %s", self.name, err)
             raise _unavailable(self.name) from err
         self._grant(grants)
+        if intake is not None:
+            assert grants.admitted is not None
+            intake.settle(grants.admitted)
 
     async def _cancel(self, ticket_id: str) -> bool:
         """Take the ticket out of line; False when a grant is on its way (it is then handed

@@ -1,7 +1,9 @@
-#!lua name=sfq_admission
+#!lua name=sfq
 --[[ An org's intake limits shared by every process: its token buckets (rpm, tpm) and its
 live Idempotency-Keys (docs/shared-state.md). keys[1] is "sfq:{org:<org>}:", so each org
-lives in one Redis Cluster slot; args[1] names the operation.
+lives in one Redis Cluster slot; args[1] names the operation. The first part of the library
+"sfq": dispatch.lua follows it (state/library.py), and its submit decides an admission here
+too (`org_op`) when it carries one.
 
 The buckets follow sfq_proxy/core/limits.py's TokenBucket as core/admission.py uses it for
 an org: a minute's worth of burst, a request bigger than the bucket waits for a full one
@@ -11,9 +13,10 @@ whose limit changed starts full again, as a reload does in memory; an idle one e
 (each heartbeat), so a crashed process's keys go with its leases.
 ]]
 
-local P
--- the buckets a call read, by name ('r', 't'): read at its first need, written back at its
--- end if it took or gave (a batch of admits reads and writes each bucket once, not per admit)
+local P  -- the keys of the org being served
+-- the buckets a call read, by key ('sfq:{org:<org>}:bucket:r' or ':t'): read at their first
+-- need, written back at the call's end if it took or gave (a batch of admits reads and
+-- writes each bucket once, not per admit)
 local B
 local NOW  -- Redis's clock, read once per call: a call's operations happen at one time
 
@@ -27,13 +30,13 @@ end
 
 -- a bucket's state at `now`, refilled: {key, pm (per minute), cap, level, updated}
 local function bucket(name, per_minute, now)
-  local b = B[name]
+  local key = P .. 'bucket:' .. name
+  local b = B[key]
   if b == nil then
-    local key = P .. 'bucket:' .. name
     local saved = redis.call('HMGET', key, 'pm', 'level', 'updated')
     b = {key = key, pm = tonumber(saved[1])}
     b.level, b.updated = tonumber(saved[2]), tonumber(saved[3])
-    B[name] = b
+    B[key] = b
   end
   b.cap = math.max(1, per_minute)
   if b.pm ~= per_minute or b.level == nil then b.pm, b.level, b.updated = per_minute, b.cap, now end
@@ -119,19 +122,31 @@ local function run(args)
   return redis.error_reply('unknown operation ' .. tostring(op))
 end
 
+-- a call begins: nothing of it read yet
+local function org_call() B, NOW = {}, nil end
+
+-- an operation (its arguments, its name first) on the org whose keys start with `prefix`; a
+-- call's operations may be on several orgs: sfq_dispatch decides here the admissions that a
+-- pool's submits carry (on one Redis, where every org's keys and the pool's are on one server:
+-- state/library.py loads this file and dispatch.lua as one library), and saves at its end
+local function org_op(prefix, args)
+  P = prefix
+  return run(args)
+end
+
 -- args[1] 'batch': several operations in one call, as dispatch.lua's run_batch: each its
 -- number of arguments, then its name and arguments; the replies, in order
 local function sfq_admit(keys, args)
-  P, B, NOW = keys[1], {}, nil
+  org_call()
   local reply
   if args[1] ~= 'batch' then
-    reply = run(args)
+    reply = org_op(keys[1], args)
   else
     local at = 2
     reply = {}
     while at <= #args do
       local n = tonumber(args[at])
-      reply[#reply + 1] = run({unpack(args, at + 1, at + n)})
+      reply[#reply + 1] = org_op(keys[1], {unpack(args, at + 1, at + n)})
       at = at + n + 1
     end
   end

@@ -1,5 +1,7 @@
-#!lua name=sfq
---[[ One pool's dispatch decisions in Redis: the strict band, Start-time Fair Queueing and
+--[[ The second part of the library "sfq", after admission.lua (state/library.py loads them as
+one: a submit may carry its org's admission, decided with `org_op`).
+
+One pool's dispatch decisions in Redis: the strict band, Start-time Fair Queueing and
 placement with slot leases, each call one atomic step (docs/shared-state.md).
 
 The same rules as sfq_proxy/core/fair_queue.py and scheduler.py, line for line where they
@@ -829,7 +831,17 @@ local function run(op)
     for cls, cap in pairs(cjson.decode(A[5])) do redis.call('HSET', P .. 'ccap', cls, cap) end
     C.ocap, C.ccap = {}, {}
     return {1, dispatch(down_set(A[6]))}
-  elseif op == 'submit' then  -- id, ticket, front, down, max waiting ahead (-1: none)
+  elseif op == 'submit' then  -- id, ticket, front, down, max waiting ahead (-1: none)[, an
+    -- admission to decide first (one Redis only): its org's key prefix, then admission.lua's
+    -- admit arguments (rpm, tpm, tokens, key digest, ttl_ms)]
+    -- An admission that refuses is the reply, {3, its reply}; one that lets the ticket in adds
+    -- its reply last (queue full too: {2, ahead, it}; the caller refunds it then, as it does
+    -- for any request that leaves the line).
+    local admitted
+    if A[8] then
+      admitted = org_op(A[8], {'admit', unpack(A, 9, 13)})
+      if admitted[1] ~= 1 then return {3, admitted} end
+    end
     local id, t = A[3], cjson.decode(A[4])
     local limit = tonumber(A[7])
     if limit >= 0 then
@@ -842,12 +854,12 @@ local function run(op)
       else
         ahead = backlog(t.f)
       end
-      if ahead >= limit then return {2, ahead} end
+      if ahead >= limit then return {2, ahead, admitted} end
     end
     local down = down_set(A[6])
     if t.p ~= 1 then
       local grants = dispatch_at_once(id, t, down)
-      if grants then return {1, grants, -1} end
+      if grants then return {1, grants, -1, admitted} end
     end
     -- kept as the caller wrote it: cjson would write its numbers back with 14 digits only
     redis.call('HSET', P .. 'ticket', id, A[4])
@@ -860,7 +872,8 @@ local function run(op)
       push(t.f, id, t.w, A[5] == '1', t.k, t.b)
       track(t)
     end
-    return {1, dispatch(down)}
+    local grants, wake = dispatch(down)
+    return {1, grants, wake, admitted}
   elseif op == 'cancel' then  -- id
     return {cancel(A[3]) and 1 or 0}
   elseif op == 'finish' then  -- lease, down, tokens to give back ('': none)
@@ -915,6 +928,7 @@ local function sfq_dispatch(keys, args)
   backends, inflight, pace, pace_changed, NOW = nil, nil, nil, false, nil
   new_cache()
   N, S, S_was = {}, {}, {}
+  org_call()
   load_meta()
   local reply
   if args[1] == 'batch' then reply = run_batch(args) else reply = run(args[1]) end
@@ -922,6 +936,7 @@ local function sfq_dispatch(keys, args)
   save_pace()
   save_counts()
   save_sets()
+  save_buckets()  -- the orgs' of the admissions that submits carried
   return reply
 end
 

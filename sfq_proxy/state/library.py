@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -27,23 +28,25 @@ Caller = Redis | RedisCluster | Pipe
 
 @dataclass(frozen=True)
 class Library:
-    """A library and its entry point, both named after the code's digest
-    (``sfq_dispatch_<digest>``): during a rolling update two versions of the proxy share a
+    """A library made of the package's ``filenames``, in order (the first names it), and its
+    entry point ``function``; both are named after the code's digest (``sfq_<digest>``,
+    ``sfq_dispatch_<digest>``): during a rolling update two versions of the proxy share a
     Redis, and each calls the code it ships. With one name, the first call of the new
     version to load its library would swap the code under the old one's running calls."""
 
-    filename: str
-    function: str  # its entry point, as the file registers it; its digest is added
+    filenames: tuple[str, ...]
+    function: str  # its entry point, as a file registers it; its digest is added
     code: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        code = resources.files(__package__).joinpath(self.filename).read_text()
+        code = "\n".join(
+            resources.files(__package__).joinpath(name).read_text() for name in self.filenames
+        )
         version = hashlib.sha1(code.encode()).hexdigest()[:10]
         header, _, body = code.partition("\n")
-        registered = f"redis.register_function('{self.function}',"
-        if not header.startswith("#!lua name=") or registered not in body:
-            raise ValueError(f"{self.filename}: no library name or no {self.function}")
-        body = body.replace(registered, f"redis.register_function('{self.function}_{version}',")
+        if not header.startswith("#!lua name=") or _registered(self.function) not in body:
+            raise ValueError(f"{self.filenames}: no library name or no {self.function}")
+        body = _REGISTERED.sub(lambda m: _registered(f"{m[1]}_{version}"), body)
         object.__setattr__(self, "code", f"{header}_{version}\n{body}")
         object.__setattr__(self, "function", f"{self.function}_{version}")
 
@@ -104,10 +107,18 @@ async def _owner(redis: RedisCluster, key: str) -> ClusterNode:
     return node
 
 
+def _registered(function: str) -> str:
+    return f"redis.register_function('{function}',"
+
+
+_REGISTERED = re.compile(r"redis\.register_function\('(\w+)',")
+
 T = TypeVar("T")
 
-DISPATCH = Library("dispatch.lua", "sfq_dispatch")
-ADMISSION = Library("admission.lua", "sfq_admit")
+# one library, two entry points: a pool's submit may decide its org's admission too
+FILES = ("admission.lua", "dispatch.lua")
+DISPATCH = Library(FILES, "sfq_dispatch")
+ADMISSION = Library(FILES, "sfq_admit")
 
 
 async def shielded(call: Awaitable[T]) -> T:

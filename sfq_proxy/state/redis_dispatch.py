@@ -39,11 +39,13 @@ class Grant(NamedTuple):
 
 class Grants(list[Grant]):
     """The grants of a reply, and ``wake_s``: in how many seconds the pool's pacing (its rate,
-    its provider's pause) allows the next dispatch, when it held a ticket back; else None."""
+    its provider's pause) allows the next dispatch, when it held a ticket back; else None.
+    ``admitted``: the reply of the admission a submit carried (``admission.lua``'s admit)."""
 
     def __init__(self, grants: Iterable[Grant] = (), wake_s: float | None = None) -> None:
         super().__init__(grants)
         self.wake_s = wake_s
+        self.admitted: list[int] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,11 +74,21 @@ class Fenced(Exception):
 
 
 class QueueFull(Exception):
-    """The ticket's own line already holds ``ahead`` requests (its ``max_queue_len``)."""
+    """The ticket's own line already holds ``ahead`` requests (its ``max_queue_len``);
+    ``admitted``: the reply of the admission its submit carried, which let it in."""
 
-    def __init__(self, ahead: int) -> None:
+    def __init__(self, ahead: int, admitted: list[int] | None = None) -> None:
         super().__init__(ahead)
         self.ahead = ahead
+        self.admitted = admitted
+
+
+class NotAdmitted(Exception):
+    """The admission a submit carried refused the ticket: its reply (``admission.lua``)."""
+
+    def __init__(self, reply: list[int]) -> None:
+        super().__init__(reply)
+        self.reply = reply
 
 
 def pool_prefix(pool: str) -> str:
@@ -163,9 +175,13 @@ class RedisDispatch:
         front: bool = False,
         down: Iterable[str] = (),
         max_ahead: int | None = None,
+        admit: tuple[str, ...] = (),
     ) -> Grants:
         """Queue ``ticket`` and dispatch what slots allow; raises QueueFull when its line
-        already holds ``max_ahead`` requests (checked and queued in one step)."""
+        already holds ``max_ahead`` requests (checked and queued in one step). ``admit``:
+        an admission to decide first, in the same step (its org's key prefix, then
+        ``admission.lua``'s admit arguments; one Redis only, not a Cluster, where the org's
+        keys are on another shard); raises NotAdmitted when it refuses."""
         fields = {
             "f": ticket.flow, "o": ticket.org, "c": ticket.cls, "cost": ticket.cost,
             "w": ticket.weight, "tok": ticket.tokens, "p": int(ticket.priority),
@@ -178,11 +194,17 @@ class RedisDispatch:
         limit = -1 if max_ahead is None else max_ahead
         flags = "1" if front else "0"
         reply = _checked(
-            await self._call("submit", ticket_id, json.dumps(fields), flags, _names(down), limit)
+            await self._call(
+                "submit", ticket_id, json.dumps(fields), flags, _names(down), limit, *admit
+            )
         )
+        if reply[0] == 3:
+            raise NotAdmitted(reply[1])
         if reply[0] == 2:
-            raise QueueFull(int(reply[1]))
-        return _grants(reply[1], reply[2])
+            raise QueueFull(int(reply[1]), reply[2] if len(reply) > 2 else None)
+        grants = _grants(reply[1], reply[2])
+        grants.admitted = reply[3] if len(reply) > 3 else None
+        return grants
 
     async def cancel(self, ticket_id: str) -> bool:
         """Take a queued ticket out, uncharged; False if it was dispatched (or is unknown)."""

@@ -23,6 +23,7 @@ import yaml
 from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config, serve_process
 from redis_server import queued_in_redis
 
+from sfq_proxy.config import Config
 from sfq_proxy.core.queue_memory import MIB, REQUEST_OVERHEAD_BYTES
 
 BUDGET_MB = 16
@@ -173,22 +174,11 @@ async def test_with_redis_the_bound_is_the_processes_and_an_evicted_ticket_leave
     the process: the same per-process bound holds, and a request pushed out of its line is
     taken out of Redis's too (uncharged), so that Redis's line is what the process holds."""
     sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=100.0)
-    config = proxy_config(
-        [sim.url], slots=1, state={"redis": redis_url, "lease_ttl_s": 5},
-        limits={"max_body_bytes": 256 * 1024, "queue_memory_mb": 1},
-        pool={"timeouts": {"connect_s": 1, "first_byte_s": 300}},
-    )  # fmt: skip
-    served = await lab.proxy(config)
+    served = await lab.proxy(_one_mib_on_redis(sim.url, redis_url))
     most = MIB // REQUEST_OVERHEAD_BYTES
     sim.hold()
     a, b = lab.client(served, "A"), lab.client(served, "B")
-
-    def ask(client: openai.AsyncOpenAI) -> asyncio.Task[Any]:
-        return asyncio.create_task(
-            client.chat.completions.create(model=MODEL, messages=WARM, max_tokens=5)
-        )
-
-    flood = [ask(a) for _ in range(most + 20)]
+    flood = [_ask(a) for _ in range(most + 20)]
 
     async def settled() -> bool:  # each refused, queued in Redis, or the one running
         done = sum(task.done() for task in flood)
@@ -198,7 +188,7 @@ async def test_with_redis_the_bound_is_the_processes_and_an_evicted_ticket_leave
     assert 0 < await queued_in_redis(redis_url) <= most
     refused = sum(task.done() for task in flood)
     # B's requests, as large as A's: once what A left is used, each pushes out A's newest
-    others = [ask(b) for _ in range(3)]
+    others = [_ask(b) for _ in range(3)]
     await eventually(lambda: sum(task.done() for task in flood) > refused, within=30)
 
     async def agrees() -> bool:  # Redis's line is what waits in the process (one runs)
@@ -220,3 +210,60 @@ async def test_with_redis_the_bound_is_the_processes_and_an_evicted_ticket_leave
     assert set(codes) == {"ok", "429 queue_full 1"}
     assert codes["429 queue_full 1"] > refused  # pushed out for B's
     assert await queued_in_redis(redis_url) == 0
+
+
+@pytest.mark.redis
+async def test_with_redis_a_request_its_orgs_rate_refuses_pushes_nobody_out(
+    lab: Lab, redis_url: str
+) -> None:
+    """The queue memory is full of A's waiting requests, and B's org has spent its rpm: B's
+    next request is refused (429 rpm) and all of A's stay in line. On one Redis a submit
+    carries its org's admission (one round trip instead of two), but not for a request that
+    would take someone's place: refused after, it would have pushed out A's newest for
+    nothing."""
+    sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=100.0)
+    served = await lab.proxy(_one_mib_on_redis(sim.url, redis_url, orgs={"B": {"rpm": 1}}))
+    most = MIB // REQUEST_OVERHEAD_BYTES
+    sim.hold()
+    a, b = lab.client(served, "A"), lab.client(served, "B")
+    first_b = _ask(b)  # B's one request a minute: it takes the slot, and holds it
+    await eventually(lambda: sim.stats.waiting == 1, within=10)
+    flood = [_ask(a) for _ in range(most + 20)]
+
+    async def settled() -> bool:  # each refused or queued in Redis
+        done = sum(task.done() for task in flood)
+        return done >= 20 and done + await queued_in_redis(redis_url) == len(flood)
+
+    await eventually(settled, within=30)
+    refused = sum(task.done() for task in flood)
+    with pytest.raises(openai.RateLimitError) as limited:
+        await b.chat.completions.create(model=MODEL, messages=WARM, max_tokens=5)
+    assert "rpm" in limited.value.message
+    assert await queued_in_redis(redis_url) == len(flood) - refused  # nobody pushed out
+    sim.release()
+    assert (await first_b).choices[0].message.content is not None
+    outcomes = Counter(
+        "ok" if error is None else error.status_code
+        for error in [task.exception() for task in await asyncio.wait_for(_all(flood), 60)]
+    )
+    assert outcomes == {"ok": len(flood) - refused, 429: refused}
+
+
+def _one_mib_on_redis(sim_url: str, redis_url: str, **options: Any) -> Config:
+    """One slot, a queue memory of 1 MiB, the lines in Redis."""
+    return proxy_config(
+        [sim_url], slots=1, state={"redis": redis_url, "lease_ttl_s": 5},
+        limits={"max_body_bytes": 256 * 1024, "queue_memory_mb": 1},
+        pool={"timeouts": {"connect_s": 1, "first_byte_s": 300}}, **options,
+    )  # fmt: skip
+
+
+def _ask(client: openai.AsyncOpenAI) -> asyncio.Task[Any]:
+    return asyncio.create_task(
+        client.chat.completions.create(model=MODEL, messages=WARM, max_tokens=5)
+    )
+
+
+async def _all(tasks: list[asyncio.Task[Any]]) -> list[asyncio.Task[Any]]:
+    await asyncio.wait(tasks)
+    return tasks

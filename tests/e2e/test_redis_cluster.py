@@ -174,8 +174,10 @@ async def test_an_orgs_rpm_holds_across_proxies_on_its_own_shard(
     lab: Lab, cluster: RedisClusterNodes
 ) -> None:
     """rpm 6 for org A, 4 requests through each of two proxies: 6 pass and 2 get 429, as on
-    one Redis. A's buckets (admission.lua, library ``sfq_admission``) are on the primary of
-    ``sfq:{org:A}:``, another than the pool's: two shards serve each request."""
+    one Redis. A's buckets (admission.lua) are on the primary of ``sfq:{org:A}:``, another
+    than the pool's: two shards serve each request, each with the library ``sfq`` loaded (one
+    library, admission.lua and dispatch.lua), and no submit carries A's admission, which
+    on one Redis it would."""
     sim_owner, _, entry = shards(cluster)
     org_owner = cluster.owner(ORG_A)
     assert org_owner is not sim_owner
@@ -192,8 +194,7 @@ async def test_an_orgs_rpm_holds_across_proxies_on_its_own_shard(
     with org_owner.client() as client:
         bucket = client.hgetall(ORG_A + "bucket:r")
     assert (bucket["pm"], float(bucket["level"]) < 1) == ("6", True)  # emptied by the 6
-    assert "sfq_admission" in libraries(org_owner)
-    assert "sfq" in libraries(sim_owner)
+    assert libraries(org_owner) == libraries(sim_owner) == {"sfq"}
     for node in cluster.nodes:
         asked = calls(node)
         assert (asked["moved"], asked["ask"], asked["getkeys"]) == (0, 0, 0), (node.port, asked)

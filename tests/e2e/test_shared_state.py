@@ -5,6 +5,7 @@ independent in-memory proxies fail both (shown, as the FIFO variants are in the 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from collections import Counter
 from collections.abc import Coroutine
@@ -17,10 +18,21 @@ from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
 from redis_server import RedisSentinel, RedisServer, queued_in_redis, queued_is, running_redis
 
 from sfq_proxy.config import Config
+from sfq_proxy.core.flows import Flow
 from sfq_proxy.http.runtime import PROXY
 from sfq_proxy.http.server import bound_url, running
+from sfq_proxy.http.shared_limits import SharedLimits
 from sfq_proxy.sim.server import SimBackend
 from sfq_proxy.state.library import ADMISSION
+from sfq_proxy.state.redis_dispatch import (
+    Grants,
+    NotAdmitted,
+    QueueFull,
+    RedisDispatch,
+    SharedTicket,
+    pool_prefix,
+)
+from sfq_proxy.state.resp import Pipe
 
 pytestmark = pytest.mark.redis
 CHAT = [{"role": "user", "content": "hi"}]
@@ -306,6 +318,135 @@ async def test_an_orgs_buckets_in_redis_take_give_back_and_name_the_limit(redis_
             assert all(abs(got - want) <= want * 0.01 + 1 for got, want in pairs)
     finally:
         await client.aclose()
+
+
+async def test_a_submit_decides_the_admission_it_carries_in_the_same_call(redis_url: str) -> None:
+    """On one Redis a pool's submit carries its org's admission (admission.lua's admit): one
+    FCALL. Admitted: the ticket is granted or queued, and the reply says what the buckets
+    hold. Refused (429 with the wait and the bucket, 409 for a live Idempotency-Key): nothing
+    queued, nothing taken. Its line full: the admission stands, for the caller to refund."""
+    client, pipe = aioredis.Redis.from_url(redis_url), Pipe.from_url(redis_url)
+    assert pipe is not None
+    try:
+        run = uuid.uuid4().hex
+        pool, org = f"carry-{run}", f"sfq:{{org:carry-{run}}}:"
+        holder = RedisDispatch(client, pool, "h0", pipe)
+        await holder.heartbeat(CALM_TTL_S, new=True)
+        await holder.configure([("b0", 1)], {}, {})
+        ticket = SharedTicket("a", "x", 1.0, 1.0, tokens=400)
+        admit = (org, "2", "1000", "400", "", "5000")  # rpm 2, tpm 1000, 400 tokens
+        before = await _fcalls(client)
+        granted = await holder.submit("t1", ticket, admit=admit)
+        assert await _fcalls(client) - before == 1
+        assert [grant.ticket for grant in granted] == ["t1"]
+        assert granted.admitted == [1, 1, 30000, 600, 24000]  # left, ms until full: r, then t
+        keyed = await holder.submit("t2", ticket, admit=(*admit[:4], "d1", "5000"))
+        assert (list(keyed), keyed.admitted and keyed.admitted[0]) == ([], 1)  # queued
+        assert await client.exists(org + "idem:d1") == 1
+        held = await client.hgetall(org + "bucket:r"), await client.hgetall(org + "bucket:t")
+        with pytest.raises(NotAdmitted) as spent:  # rpm 2: a third waits ~30 s
+            await holder.submit("t3", ticket, admit=admit)
+        status, wait_ms, which = spent.value.reply[:3]
+        assert (status, which, 29000 < wait_ms <= 30000) == (429, 1, True)
+        with pytest.raises(NotAdmitted) as twice:
+            await holder.submit("t4", ticket, admit=(*admit[:4], "d1", "5000"))
+        assert twice.value.reply == [409]
+        assert await client.hkeys(pool_prefix(pool) + "ticket") == [b"t2"]  # t3, t4: not in
+        assert (
+            await client.hgetall(org + "bucket:r"),
+            await client.hgetall(org + "bucket:t"),
+        ) == held
+        other = f"sfq:{{org:carry-other-{run}}}:"
+        with pytest.raises(QueueFull) as full:  # t2 waits in a/x: one is its max
+            await holder.submit("t5", ticket, max_ahead=1, admit=(other, *admit[1:]))
+        assert (full.value.ahead, full.value.admitted) == (1, [1, 1, 30000, 600, 24000])
+        # sent together (one call after the first), each its own org's buckets, in order
+        orgs = [f"sfq:{{org:carry-{i}-{run}}}:" for i in range(3)]
+        before = await _fcalls(client)
+        replies = await asyncio.gather(
+            *(holder.submit(f"u{i}", ticket, admit=(orgs[i % 3], *admit[1:])) for i in range(7)),
+            return_exceptions=True,
+        )
+        assert await _fcalls(client) - before == 2
+        left = [r.admitted[1] if isinstance(r, Grants) and r.admitted else r for r in replies]
+        assert left[:6] == [1, 1, 1, 0, 0, 0]  # rpm 2 each: the seventh, org 0's third, waits
+        assert isinstance(left[6], NotAdmitted)
+    finally:
+        await client.aclose()
+        await pipe.aclose()
+
+
+async def test_an_orgs_admission_rides_with_its_submit_through_the_proxy(
+    lab: Lab, redis_url: str
+) -> None:
+    """An org with rpm and tpm on one Redis: each request makes two function calls, its
+    submit (which decides its admission too) and its finish, not three; its answer says the
+    org's buckets as Redis holds them after its own take."""
+    sim = await lab.backend()
+    state = {"redis": redis_url, "lease_ttl_s": CALM_TTL_S}
+    config = proxy_config([sim.url], state=state, orgs={"A": {"rpm": 100, "tpm": 10**6}})
+    served = await lab.proxy(config)
+    client, redis = lab.client(served, "A"), aioredis.Redis.from_url(redis_url)
+    try:
+        await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+        before = await _fcalls(redis)
+        remaining = []
+        for _ in range(6):
+            raw = await client.chat.completions.with_raw_response.create(
+                model=MODEL, messages=CHAT, max_tokens=2
+            )
+            remaining.append(raw.headers["x-ratelimit-remaining-requests"])
+        assert remaining == ["98", "97", "96", "95", "94", "93"]  # one taken by each
+
+        async def finished() -> bool:  # the finishes are handed back after the answers
+            return await _fcalls(redis) - before >= 12
+
+        await eventually(finished, within=10)
+        assert await _fcalls(redis) - before <= 12 + 2  # a heartbeat and its view may fall in
+    finally:
+        await redis.aclose()
+
+
+async def test_an_admission_that_lands_after_its_request_ended_is_undone(
+    redis_url: str,
+) -> None:
+    """Its client left while the submit that carried its admission was on its way: the
+    admission lands after the request ended, and is undone at once, its tokens given back
+    and its Idempotency-Key free again."""
+    pipe = Pipe.from_url(redis_url)
+    client = aioredis.Redis.from_url(redis_url)
+    assert pipe is not None
+    try:
+        state = {"redis": redis_url}
+        config = proxy_config(["http://127.0.0.1:9"], state=state, orgs={"A": {"rpm": 60}})
+        intake = SharedLimits(pipe, config, lambda: 1).intake(Flow("A", "x", "sim"), 10, "order-7")
+        intake.end()  # the client left before its admission was decided
+        holder = RedisDispatch(client, "sim", "h0", pipe)
+        await holder.heartbeat(CALM_TTL_S, new=True)
+        await holder.configure([("b0", 1)], {}, {})
+        ticket = SharedTicket("A", "x", 1.0, 1.0)
+        granted = await holder.submit("t1", ticket, admit=intake.carried())
+        assert granted.admitted is not None
+        assert granted.admitted[:2] == [1, 59]  # taken
+        intake.settle(granted.admitted)
+        prefix = "sfq:{org:A}:"
+
+        async def undone() -> bool:
+            level = await client.hget(prefix + "bucket:r", "level")
+            return float(level or 0) == 60 and not await client.exists(prefix + "idem:" + DIGEST_7)
+
+        await eventually(undone, within=5)
+    finally:
+        await client.aclose()
+        await pipe.aclose()
+
+
+DIGEST_7 = hashlib.sha256(b"order-7").hexdigest()
+
+
+async def _fcalls(client: aioredis.Redis) -> int:
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_fcall", {}).get("calls", 0))
 
 
 async def test_an_idempotency_key_is_one_request_across_proxies(lab: Lab, redis_url: str) -> None:
