@@ -84,6 +84,8 @@ def test_every_flow_keeps_an_equal_part_of_the_bound_whatever_floods() -> None:
     )
 )
 def test_the_bound_holds_and_only_larger_flows_give_their_newest(ops: list[tuple]) -> None:
+    """Random enters and leaves: the bound holds, only flows at least as large give their
+    newest, and ``fits`` says beforehand whether a request waits without taking a place."""
     limit = 12 * K
     memory: QueueMemory[str, int] = QueueMemory(limit)
     mirror: dict[str, list[tuple[int, int]]] = {f: [] for f in "abcd"}  # flow → (item, charge)
@@ -93,11 +95,14 @@ def test_the_bound_holds_and_only_larger_flows_give_their_newest(ops: list[tuple
         if op[0] == "enter":
             _, flow, size = op
             charge = K + size
+            fits = memory.fits(size)  # without taking anyone's place
             try:
                 victims = memory.enter(flow, n, size)
             except ApiError:
                 assert sum(held.values()) + charge > limit  # refused only at the bound
+                assert not fits
             else:
+                assert fits == (victims == [])
                 mine = held[flow] + charge
                 for giver, victim in victims:
                     assert victim in dict(mirror[giver])
