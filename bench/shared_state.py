@@ -1,6 +1,7 @@
 """What the shared state costs: sfq-proxy in memory vs with `state: redis`, 1 and 2 workers.
 
     python bench/shared_state.py [--seconds 5] [--connections 1 64] [--rounds 3] [--key K]
+                                 [--baseline DIR]
 
 Reuses bench/overhead.py: nginx as the fast fake OpenAI backend (the JSON one only here),
 its realistic proxy config and chat body. Starts its own redis-server on port 18340 (no
@@ -14,7 +15,9 @@ redis-server, and FCALL calls per request (from INFO commandstats: fewer than op
 when a worker's operations leave together); then the ratios and a short note on where the
 time goes, and the proxies' stderr (counted by line). CPU figures are
 utime+stime from /proc; the redis figure of the memory row is Redis's background (the idle
-proxies' heartbeats and inbox reads), a baseline for the others.
+proxies' heartbeats and inbox reads), a baseline for the others. `--baseline DIR` runs a
+fourth target, another version's code (a checkout, say `git worktree add DIR REV`) as
+`redis, 1 worker`, in the same rounds, and prints the medians of the paired differences.
 Requires: apt-get install nginx-light wrk redis-server (with redis-cli).
 """
 
@@ -26,6 +29,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -46,6 +50,7 @@ TARGETS = {  # name → (port, workers, Redis database or None for state: memory
     "redis, 2 workers": (18333, 2, 2),
 }
 MODEL = "bench-json"
+BASELINE = "baseline, redis 1w"  # --baseline: another version's code, as `redis, 1 worker`
 
 
 def config_text(port: int, db: int | None) -> str:
@@ -169,7 +174,15 @@ def main() -> None:
         help="whose requests: sk-bench-a's org has rpm and tpm (one more Redis call per "
         "request), sk-bench-b's an in-flight cap only",
     )  # fmt: skip
+    parser.add_argument(
+        "--baseline", type=Path,
+        help="a checkout of another version (git worktree add DIR REV): its `redis, 1 worker` "
+        "runs beside this code's, interleaved, with the medians of the paired differences",
+    )  # fmt: skip
     args = parser.parse_args()
+    targets = dict(TARGETS)
+    if args.baseline is not None:
+        targets[BASELINE] = (18334, 1, 3)
     # Ctrl-C (even when started from a shell's background job, which ignores it) and SIGTERM
     # unwind through the finally below, which stops every process started here
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -194,23 +207,26 @@ def main() -> None:
                     overhead.wait_listening(port)
             overhead.wait_listening(REDIS_PORT)
             proxies: dict[str, subprocess.Popen] = {}
-            for name, (port, workers, db) in TARGETS.items():
+            for name, (port, workers, db) in targets.items():
                 path, log = work / f"proxy-{port}.yaml", work / f"proxy-{port}.log"
                 path.write_text(config_text(port, db))
+                code = args.baseline.resolve() if name == BASELINE else None
+                env = None if code is None else {**os.environ, "PYTHONPATH": str(code)}
                 with log.open("w") as err:
                     proxies[name] = subprocess.Popen(
                         [sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(path),
                          "--workers", str(workers)], stdout=subprocess.DEVNULL, stderr=err,
+                        cwd=code, env=env,
                     )  # fmt: skip
                 procs.append(proxies[name])
                 wait_ready(port, workers, proxies[name], log)
-            for port, *_ in TARGETS.values():  # warm-up: imports, script load, pools
+            for port, *_ in targets.values():  # warm-up: imports, script load, pools
                 run_wrk(f"http://127.0.0.1:{port}", max(args.connections), 1, work, args.key)
             print(HEADER)
             for connections in args.connections:
-                runs: dict[str, list[dict[str, float]]] = {name: [] for name in TARGETS}
+                runs: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
                 for _ in range(args.rounds):  # interleaved: a noisy spell hits all alike
-                    for name, (port, *_) in TARGETS.items():
+                    for name, (port, *_) in targets.items():
                         pid = proxies[name].pid
                         before = (tree_cpu_seconds(pid), overhead.cpu_seconds(redis_proc.pid))
                         calls = fcall_calls()
@@ -228,8 +244,10 @@ def main() -> None:
                 for name, r in medians.items():
                     print(_row(connections, name, r), flush=True)
                 _summary(connections, medians)
+                if BASELINE in runs:
+                    _paired(runs["redis, 1 worker"], runs[BASELINE])
             for name in proxies:
-                log = work / f"proxy-{TARGETS[name][0]}.log"
+                log = work / f"proxy-{targets[name][0]}.log"
                 lines = Counter(line for line in log.read_text().splitlines() if line.strip())
                 if lines:
                     print(f"\n{name}: its stderr ({lines.total()} lines, warm-up included):")
@@ -253,6 +271,18 @@ def _row(conns: int, name: str, r: dict) -> str:
     )
 
 
+def _paired(ours: list[dict[str, float]], theirs: list[dict[str, float]]) -> None:
+    """This code's `redis, 1 worker` against the baseline's, round by round (the two ran
+    one after the other): the median of the differences, and in how many rounds it was lower."""
+    figures = {"p50 ms": "p50", "proxy µs/req": "cpu_us", "redis µs/req": "redis_us"}
+    parts = []
+    for label, field in {"req/s": "rps", **figures}.items():
+        diffs = [a[field] - b[field] for a, b in zip(ours, theirs, strict=True)]
+        lower = sum(d < 0 for d in diffs)
+        parts.append(f"{label} {statistics.median(diffs):+.2f} (lower in {lower}/{len(diffs)})")
+    print(f"     this code − baseline (redis, 1 worker), paired rounds: {'; '.join(parts)}")
+
+
 def _summary(conns: int, m: dict[str, dict]) -> None:
     mem, one, two = (m[name] for name in TARGETS)
     total = {name: r["cpu_us"] + r["redis_us"] for name, r in m.items()}
@@ -273,9 +303,9 @@ def _summary(conns: int, m: dict[str, dict]) -> None:
     print(
         f"     where the time goes (1w): {one['fcalls']:.2f} FCALLs per request for its 2-3 "
         f"operations (submit and finish, and for sk-bench-a, the default key, its org's "
-        f"admit; under load a worker's operations leave together, state/batcher.py); Redis spends "
-        f"{redis_added:.0f} µs/req on them, the proxy {proxy_added:+.0f} µs/req more than in "
-        f"memory (client side, framing, awaits)\n"
+        f"admit, which its submit carries on one Redis; under load a worker's operations leave "
+        f"together, state/batcher.py); Redis spends {redis_added:.0f} µs/req on them, the "
+        f"proxy {proxy_added:+.0f} µs/req more than in memory (client side, framing, awaits)\n"
     )
 
 
