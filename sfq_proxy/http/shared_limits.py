@@ -62,14 +62,14 @@ class SharedLimits:
 
     def intake(self, flow: Flow, tokens: float, idempotency_key: str | None) -> Intake:
         """The request's admission by its org's limits, to decide (``Intake``)."""
-        return Intake(self, flow, tokens, idempotency_key)
+        return Intake(self, flow, tokens, self._admit_args(flow, tokens, idempotency_key))
 
-    async def admit(self, flow: Flow, tokens: float, idempotency_key: str | None) -> dict[str, str]:
+    async def admit(self, flow: Flow, tokens: float, args: tuple[str, ...]) -> dict[str, str]:
         """Take the request's share of its org's buckets, and claim its Idempotency-Key, in
-        one step; raise the rejection (409, 429 with the wait, 503 without Redis). Returns
-        the ``x-ratelimit-*`` headers of the org's buckets after the take, as Redis holds
-        them (as this process holds them while Redis is lost, ``when_unreachable: local``)."""
-        args = self._admit_args(flow, tokens, idempotency_key)
+        one step (``args``: ``admit``'s arguments); raise the rejection (409, 429 with the
+        wait, 503 without Redis). Returns the ``x-ratelimit-*`` headers of the org's buckets
+        after the take, as Redis holds them (as this process holds them while Redis is lost,
+        ``when_unreachable: local``)."""
         if not args:
             return {}
         digest = args[3]
@@ -80,15 +80,12 @@ class SharedLimits:
             return self.verdict(flow, reply, digest, headers)
         return self.verdict(flow, reply, digest)
 
-    def carried(self, flow: Flow, tokens: float, idempotency_key: str | None) -> tuple[str, ...]:
-        """What a pool's submit carries to decide the admission in its own call (the org's
-        key prefix, then ``admit``'s arguments): one round trip where there would be two.
+    def carried(self, org: str, args: tuple[str, ...]) -> tuple[str, ...]:
+        """What a pool's submit carries to decide an admission (``args``) in its own call:
+        the org's key prefix, then the arguments; one round trip where there would be two.
         Empty when there is nothing to decide, or on a Redis Cluster, where the org's keys
         and the pool's are on different shards."""
-        args = self._admit_args(flow, tokens, idempotency_key)
-        if not args or self._cluster:
-            return ()
-        return (_prefix(flow.org), *args)
+        return () if not args or self._cluster else (_prefix(org), *args)
 
     def _admit_args(
         self, flow: Flow, tokens: float, idempotency_key: str | None
@@ -141,10 +138,9 @@ class SharedLimits:
         if rpm or tpm:
             self._later(self._call(flow.org, "refund", rpm, tpm, f"{tokens:.17g}"))
 
-    def done(self, flow: Flow, idempotency_key: str | None) -> None:
-        """The request is over: its Idempotency-Key may be used again."""
-        if idempotency_key:
-            digest = _digest(idempotency_key)
+    def release(self, flow: Flow, digest: str) -> None:
+        """The request is over: its Idempotency-Key (``digest``; '': none) may be used again."""
+        if digest:
             self._keys.discard((flow.org, digest))
             self._later(self._call(flow.org, "done", digest))
 
@@ -240,31 +236,36 @@ class Intake:
     submit was on its way) is undone at once."""
 
     def __init__(
-        self, limits: SharedLimits, flow: Flow, tokens: float, idempotency_key: str | None
+        self, limits: SharedLimits, flow: Flow, tokens: float, args: tuple[str, ...]
     ) -> None:
         self._limits = limits
-        self.flow, self.tokens, self._key = flow, tokens, idempotency_key
+        self.flow, self.tokens = flow, tokens
+        self._args = args  # admission.lua's admit arguments; empty: nothing to decide
         self.admitted = False
         self.headers: dict[str, str] = {}  # the org's x-ratelimit-* after the take
         self._ended = False
 
+    @property
+    def _digest(self) -> str:
+        """Its Idempotency-Key as Redis holds it ('': none)."""
+        return self._args[3] if self._args else ""
+
     def carried(self) -> tuple[str, ...]:
         """What the pool's submit carries to decide it (``SharedLimits.carried``)."""
-        return self._limits.carried(self.flow, self.tokens, self._key)
+        return self._limits.carried(self.flow.org, self._args)
 
     async def decide(self) -> None:
         """On its own call; raises the rejection."""
-        self.headers = await self._limits.admit(self.flow, self.tokens, self._key)
+        self.headers = await self._limits.admit(self.flow, self.tokens, self._args)
         self.admitted = True
 
     def settle(self, reply: list[int]) -> None:
         """The reply of the admission that a submit carried; raises the rejection."""
-        digest = _digest(self._key) if self._key else ""
-        self.headers = self._limits.verdict(self.flow, reply, digest)
+        self.headers = self._limits.verdict(self.flow, reply, self._digest)
         self.admitted = True
         if self._ended:
             self.refund()
-            self._limits.done(self.flow, self._key)
+            self._limits.release(self.flow, self._digest)
 
     def refund(self) -> None:
         """Its request generated nothing upstream: the tokens go back, if they were taken."""
@@ -275,7 +276,7 @@ class Intake:
         """Its request is over: its Idempotency-Key may be used again."""
         self._ended = True
         if self.admitted:
-            self._limits.done(self.flow, self._key)
+            self._limits.release(self.flow, self._digest)
 
 
 _WHICH: dict[int, Which] = {1: "requests", 2: "tokens"}
