@@ -7,7 +7,8 @@ What needs no sharing stays in ``core/admission.py``: the queue cap is counted i
 own call (``SharedPool``), a request too big for a full bucket is refused from the config
 alone, and a retry budget is a ratio of a flow's requests, which per process bounds the sum
 as well. An org without ``rpm``/``tpm`` and a request without an Idempotency-Key cost no
-call to Redis.
+call to Redis; on one Redis (not a Cluster) the others' admission is carried by the pool's
+submit, in the same call (``Intake``).
 
 While Redis cannot be reached, ``when_unreachable: fail_closed`` refuses (503); ``local``
 goes on with buckets of this process's own at the org's rate divided by the replicas alive
