@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 RESTART_DELAY_S = 1.0  # between a worker's unexpected death and its replacement
 CANNOT_START = 2  # a worker's exit code when its start failed (Redis unreachable, say)
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory, when there is one
+METRICS_PREFIX = "sfq-proxy-metrics-"  # then the parent's pid, "-", and mkdtemp's letters
+STALE_AFTER_S = 60.0  # a live group's workers write to its directory every second
 
 
 def serve_workers(config: Config, config_path: Path, workers: int) -> int:
@@ -40,11 +42,44 @@ def serve_workers(config: Config, config_path: Path, workers: int) -> int:
     config = config.model_copy(update={"listen": config.listen.model_copy(update={"port": port})})
     announce(f"sfq-proxy: {workers} workers on http://{config.listen.host}:{port}")
     # each worker's sfq_* counts, which every worker serves (worker_metrics.py)
-    worker_metrics.directory = Path(tempfile.mkdtemp(prefix="sfq-proxy-metrics-", dir=_SHM))
+    base = Path(_SHM or tempfile.gettempdir())
+    remove_stale(base)
+    prefix = f"{METRICS_PREFIX}{os.getpid()}-"
+    worker_metrics.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
     try:
         return _supervise(config, config_path, workers, reserved)
     finally:
         shutil.rmtree(worker_metrics.directory, ignore_errors=True)
+
+
+def remove_stale(base: Path) -> None:
+    """Remove the metrics directories that parents killed with SIGKILL (or crashed) left in
+    ``base``: on a host that starts the proxy again after each, they would fill its memory.
+    Stale is a directory whose parent is no longer running (or was this process's pid)
+    and that nothing wrote for ``STALE_AFTER_S``: a group in another pid namespace sharing
+    ``/dev/shm`` may look dead by its pid, but its workers write every second."""
+    now = time.time()
+    for path in base.glob(f"{METRICS_PREFIX}*-*"):
+        pid = path.name[len(METRICS_PREFIX) :].split("-", 1)[0]
+        if not pid.isdigit() or (int(pid) != os.getpid() and _running(int(pid))):
+            continue
+        try:
+            if now - path.stat().st_mtime > STALE_AFTER_S:
+                shutil.rmtree(path)
+        except FileNotFoundError:  # removed meanwhile
+            continue
+        except OSError as err:  # another user's, say
+            log.warning("could not remove a stale metrics directory %s: %s", path, err)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
 
 
 def _supervise(config: Config, config_path: Path, workers: int, reserved: socket.socket) -> int:

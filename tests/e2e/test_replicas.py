@@ -9,8 +9,11 @@ import asyncio
 import contextlib
 import os
 import signal
+import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,6 +24,7 @@ import redis.asyncio as aioredis
 from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually
 from redis_server import queued_is
 
+from sfq_proxy.http.workers import METRICS_PREFIX, STALE_AFTER_S
 from sfq_proxy.sim.server import SimBackend
 
 pytestmark = pytest.mark.redis
@@ -155,11 +159,13 @@ async def test_workers_share_the_port_and_one_fairness_domain(
 ) -> None:
     """``serve --workers 2``: two processes on one port, both in Redis; 60 concurrent
     requests (new connections, spread by the kernel) never exceed the slots; a worker
-    killed is started again; SIGTERM ends them all."""
+    killed is started again; SIGTERM ends them all, and their metrics directory goes. The
+    directory that a parent killed with SIGKILL left is removed at the next start."""
     sim = await lab.backend(max_num_seqs=8)
     path = tmp_path / "config.yaml"
     state = {"redis": redis_url, "lease_ttl_s": TTL_S}
     path.write_text(config_yaml([sim.url], slots=SLOTS, state=state))
+    shm, left = _left_by_a_killed_parent()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(path), "--workers", "2",
         stdout=asyncio.subprocess.PIPE,
@@ -169,6 +175,8 @@ async def test_workers_share_the_port_and_one_fairness_domain(
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
         url = next(word for word in line.split() if word.startswith("http://"))
         await eventually(lambda: _holders(redis_url, 2), within=15)
+        assert not left.exists()
+        assert len(list(shm.glob(f"{METRICS_PREFIX}{proc.pid}-*"))) == 1  # the group's
 
         async def fresh(org: str) -> int:  # a client of its own: a connection of its own
             async with openai.AsyncOpenAI(
@@ -191,6 +199,20 @@ async def test_workers_share_the_port_and_one_fairness_domain(
     finally:
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(proc.wait(), 20) == 0
+    assert not list(shm.glob(f"{METRICS_PREFIX}{proc.pid}-*"))
+
+
+def _left_by_a_killed_parent() -> tuple[Path, Path]:
+    """Where a parent makes its workers' metrics directory, and one made there as a parent
+    killed with SIGKILL leaves it: named after a pid no longer running, not written since."""
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    left = shm / f"{METRICS_PREFIX}{dead.pid}-{uuid.uuid4().hex[:8]}"
+    left.mkdir()
+    long_ago = time.time() - STALE_AFTER_S - 5
+    os.utime(left, (long_ago, long_ago))
+    return shm, left
 
 
 async def test_workers_without_shared_state_are_refused(tmp_path: Path) -> None:
