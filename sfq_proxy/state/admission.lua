@@ -18,7 +18,8 @@ local P  -- the keys of the org being served
 -- need, written back at the call's end if it took or gave (a batch of admits reads and
 -- writes each bucket once, not per admit)
 local B
-local NOW  -- Redis's clock, read once per call: a call's operations happen at one time
+-- Redis's clock, read once per call (dispatch.lua's too): a call's operations happen at one time
+local NOW
 
 local function now_ms()
   if NOW == nil then

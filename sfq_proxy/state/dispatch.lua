@@ -1,5 +1,6 @@
 --[[ The second part of the library "sfq", after admission.lua (state/library.py loads them as
-one: a submit may carry its org's admission, decided with `org_op`).
+one: a submit may carry its org's admission, decided with `org_op`; Redis's clock is
+admission.lua's `now_ms` too).
 
 One pool's dispatch decisions in Redis: the strict band, Start-time Fair Queueing and
 placement with slot leases, each call one atomic step (docs/shared-state.md).
@@ -33,16 +34,6 @@ local RENORMALIZE_AT = 2 ^ 51
 local function num(value, default)
   if value == false or value == nil then return default end
   return tonumber(value)
-end
-
--- Redis's clock, read once per call: a call's operations happen at one time
-local NOW
-local function now_ms()
-  if NOW == nil then
-    local t = redis.call('TIME')
-    NOW = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  end
-  return NOW
 end
 
 -- a hash of numbers read whole, and written back whole (a field set to nil goes)
@@ -925,10 +916,10 @@ end
 
 local function sfq_dispatch(keys, args)
   P, holder, A = keys[1], args[2], args
-  backends, inflight, pace, pace_changed, NOW = nil, nil, nil, false, nil
+  backends, inflight, pace, pace_changed = nil, nil, nil, false
   new_cache()
   N, S, S_was = {}, {}, {}
-  org_call()
+  org_call()  -- and Redis's clock: admission.lua's now_ms, read once per call
   load_meta()
   local reply
   if args[1] == 'batch' then reply = run_batch(args) else reply = run(args[1]) end
