@@ -247,6 +247,12 @@ def running_redis() -> Iterator[RedisServer]:
         server.stop()
 
 
+async def fcalls(client: aioredis.Redis) -> int:
+    """FCALLs the server has run so far (``INFO commandstats``)."""
+    stats = await client.info("commandstats")
+    return int(stats.get("cmdstat_fcall", {}).get("calls", 0))
+
+
 async def queued_in_redis(redis_url: str, pool: str = "sim") -> int:
     """How many requests wait in the pool's shared line (its ``meta`` hash)."""
     client = aioredis.Redis.from_url(redis_url)

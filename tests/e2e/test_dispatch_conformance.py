@@ -42,6 +42,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.asyncio import Redis
+from redis_server import fcalls
 
 from sfq_proxy.config import BackendSpec
 from sfq_proxy.core.affinity import digest
@@ -567,11 +568,11 @@ async def test_calls_made_while_one_is_on_its_way_leave_as_one(redis_url: str) -
         holder = RedisDispatch(client, pool, "h0", pipe)
         await holder.heartbeat(LONG_TTL_S, new=True)
         await holder.configure([("b0", 5)], {}, {})
-        calls_before = await _fcalls(client)
+        calls_before = await fcalls(client)
         ticket = SharedTicket("a", "x", 1.0, 1.0)
         submits = [holder.submit(f"t{i}", ticket) for i in range(20)]
         grants = await asyncio.gather(*submits)
-        assert await _fcalls(client) - calls_before == 2
+        assert await fcalls(client) - calls_before == 2
         assert [[g.ticket for g in granted] for granted in grants] == [
             [f"t{i}"] if i < 5 else [] for i in range(20)
         ]  # five slots: the first five in order, the rest queued behind them
@@ -579,11 +580,6 @@ async def test_calls_made_while_one_is_on_its_way_leave_as_one(redis_url: str) -
     finally:
         await client.aclose()
         await pipe.aclose()
-
-
-async def _fcalls(client: Redis) -> int:
-    stats = await client.info("commandstats")
-    return int(stats.get("cmdstat_fcall", {}).get("calls", 0))
 
 
 async def test_tie_by_flow_id_and_global_idle_reset(redis_url: str) -> None:

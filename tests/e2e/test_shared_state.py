@@ -15,7 +15,14 @@ import openai
 import pytest
 import redis.asyncio as aioredis
 from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
-from redis_server import RedisSentinel, RedisServer, queued_in_redis, queued_is, running_redis
+from redis_server import (
+    RedisSentinel,
+    RedisServer,
+    fcalls,
+    queued_in_redis,
+    queued_is,
+    running_redis,
+)
 
 from sfq_proxy.config import Config
 from sfq_proxy.core.flows import Flow
@@ -335,9 +342,9 @@ async def test_a_submit_decides_the_admission_it_carries_in_the_same_call(redis_
         await holder.configure([("b0", 1)], {}, {})
         ticket = SharedTicket("a", "x", 1.0, 1.0, tokens=400)
         admit = (org, "2", "1000", "400", "", "5000")  # rpm 2, tpm 1000, 400 tokens
-        before = await _fcalls(client)
+        before = await fcalls(client)
         granted = await holder.submit("t1", ticket, admit=admit)
-        assert await _fcalls(client) - before == 1
+        assert await fcalls(client) - before == 1
         assert [grant.ticket for grant in granted] == ["t1"]
         assert granted.admitted == [1, 1, 30000, 600, 24000]  # left, ms until full: r, then t
         keyed = await holder.submit("t2", ticket, admit=(*admit[:4], "d1", "5000"))
@@ -362,12 +369,12 @@ async def test_a_submit_decides_the_admission_it_carries_in_the_same_call(redis_
         assert (full.value.ahead, full.value.admitted) == (1, [1, 1, 30000, 600, 24000])
         # sent together (one call after the first), each its own org's buckets, in order
         orgs = [f"sfq:{{org:carry-{i}-{run}}}:" for i in range(3)]
-        before = await _fcalls(client)
+        before = await fcalls(client)
         replies = await asyncio.gather(
             *(holder.submit(f"u{i}", ticket, admit=(orgs[i % 3], *admit[1:])) for i in range(7)),
             return_exceptions=True,
         )
-        assert await _fcalls(client) - before == 2
+        assert await fcalls(client) - before == 2
         left = [r.admitted[1] if isinstance(r, Grants) and r.admitted else r for r in replies]
         assert left[:6] == [1, 1, 1, 0, 0, 0]  # rpm 2 each: the seventh, org 0's third, waits
         assert isinstance(left[6], NotAdmitted)
@@ -389,7 +396,7 @@ async def test_an_orgs_admission_rides_with_its_submit_through_the_proxy(
     client, redis = lab.client(served, "A"), aioredis.Redis.from_url(redis_url)
     try:
         await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
-        before = await _fcalls(redis)
+        before = await fcalls(redis)
         remaining = []
         for _ in range(6):
             raw = await client.chat.completions.with_raw_response.create(
@@ -399,10 +406,10 @@ async def test_an_orgs_admission_rides_with_its_submit_through_the_proxy(
         assert remaining == ["98", "97", "96", "95", "94", "93"]  # one taken by each
 
         async def finished() -> bool:  # the finishes are handed back after the answers
-            return await _fcalls(redis) - before >= 12
+            return await fcalls(redis) - before >= 12
 
         await eventually(finished, within=10)
-        assert await _fcalls(redis) - before <= 12 + 2  # a heartbeat and its view may fall in
+        assert await fcalls(redis) - before <= 12 + 2  # a heartbeat and its view may fall in
     finally:
         await redis.aclose()
 
@@ -442,11 +449,6 @@ async def test_an_admission_that_lands_after_its_request_ended_is_undone(
 
 
 DIGEST_7 = hashlib.sha256(b"order-7").hexdigest()
-
-
-async def _fcalls(client: aioredis.Redis) -> int:
-    stats = await client.info("commandstats")
-    return int(stats.get("cmdstat_fcall", {}).get("calls", 0))
 
 
 async def test_an_idempotency_key_is_one_request_across_proxies(lab: Lab, redis_url: str) -> None:
