@@ -204,8 +204,10 @@ local function weight_of(flow)
 end
 
 -- the fair queue's keys deleted (its lines are empty): once, while no meter is written since
+-- (a batch of submits that each dispatch at once clears it at each: the first does the work)
 local function clear_fair_queue()
-  if not C.clear then redis.call('DEL', P .. 'meter', P .. 'weight', P .. 'ready', P .. 'ovt') end
+  if C.clear then return end
+  redis.call('DEL', P .. 'meter', P .. 'weight', P .. 'ready', P .. 'ovt')
   C.meter, C.weight, C.clear = {}, {}, true
 end
 
@@ -354,10 +356,10 @@ local function remove(flow, id, b)
   return true
 end
 
+-- (a flow in inel is never in ready: only one that joins inel leaves ready)
 local function set_eligible(flow, ok)
   if not ok then
-    set_member('inel', flow, true)
-    redis.call('ZREM', P .. 'ready', flow)
+    if set_member('inel', flow, true) then redis.call('ZREM', P .. 'ready', flow) end
     return
   end
   if not set_member('inel', flow, false) then return end
@@ -635,8 +637,7 @@ local function grant_lease(backend, h, o, c)
   local lease = math.max(meta('fence'), now_ms() * 1000) + 1
   set_meta('fence', lease)
   lease = string.format('%.0f', lease)
-  redis.call('HSET', P .. 'lease', lease, cjson.encode({b = backend, h = h, o = o, c = c}))
-  redis.call('SADD', P .. 'hl:' .. h, lease)
+  redis.call('HSET', P .. 'hl:' .. h, lease, cjson.encode({b = backend, o = o, c = c}))
   add_count('inflight', backend, 1)
   running({o = o, c = c}, 1)
   return lease
@@ -695,9 +696,11 @@ the only ready flow (pick() returns the sole ticket of a line, size buckets or n
 no trace of its queueing: push then pop charge the flow from max(meter, v) and drain the fair
 queue (after_drain), the ticket's record and hq entry come and go, its size-bucket fields are
 marked and unmarked. What remains is written here: v and maxm, the drained fair queue's keys,
-the flow in its caps' sets (track(), whose under_caps() holds), then the lease, whose
-running() refreshes those sets as after a dispatch. Returns nil, having changed nothing, when
-it does not apply. ]]
+then the lease, whose running() refreshes the caps' sets as after a dispatch. The flow itself
+is left out of its caps' sets: track() would add it and that refresh take it out again (its
+line is empty), or, when this grant brings its org or class to the cap, hold it there (inel)
+with an empty line, which changes no decision: its next ticket is held by its own track(), as
+any flow's is. Returns nil, having changed nothing, when it does not apply. ]]
 local function dispatch_at_once(id, t, down)
   if meta('queued') > 0 or band_next() ~= nil then return nil end
   if meta('paced') == 1 and next(pacing()) ~= nil then return nil end
@@ -705,7 +708,6 @@ local function dispatch_at_once(id, t, down)
   if in_set('inel', t.f) then return nil end
   local backend, reason = choose(down, t.a)
   if backend == nil then return nil end
-  for _, cap in ipairs(caps_of(t.o, t.c)) do set_member(cap, t.f, true) end
   local v = meta('v')
   local meter = math.max(meter_of(t.f) or v, v) + math.max(1, round_half_even(t.cost * UNITS / t.w))
   set_meta('v', math.max(meta('maxm'), meter))  -- pop(), then after_drain()
@@ -719,14 +721,12 @@ local function dispatch_at_once(id, t, down)
 end
 
 -- a lease handed back by its holder h: one it no longer holds (reclaimed, handed back
--- already, or never its own) frees nothing
+-- already, or never its own: each holder's leases are in its own hash) frees nothing
 local function release(lease, h)
-  local raw = redis.call('HGET', P .. 'lease', lease)
+  local raw = redis.call('HGET', P .. 'hl:' .. h, lease)
   if not raw then return nil end
   local l = cjson.decode(raw)
-  if l.h ~= h then return nil end
-  redis.call('HDEL', P .. 'lease', lease)
-  redis.call('SREM', P .. 'hl:' .. l.h, lease)
+  redis.call('HDEL', P .. 'hl:' .. h, lease)
   add_count('inflight', l.b, -1)
   running(l, -1)
   return l
@@ -747,7 +747,7 @@ end
 
 -- everything a holder had in Redis given back: its leases, its queued tickets, its inbox
 local function forget(h)
-  for _, lease in ipairs(redis.call('SMEMBERS', P .. 'hl:' .. h)) do release(lease, h) end
+  for _, lease in ipairs(redis.call('HKEYS', P .. 'hl:' .. h)) do release(lease, h) end
   for _, id in ipairs(redis.call('SMEMBERS', P .. 'hq:' .. h)) do cancel(id) end
   redis.call('DEL', P .. 'hl:' .. h, P .. 'hq:' .. h, P .. 'inbox:' .. h)
 end
