@@ -8,8 +8,10 @@ its realistic proxy config and chat body. Starts its own redis-server on port 18
 persistence) and three `sfq-proxy serve` processes: `memory, 1 worker` (today's proxy),
 `redis, 1 worker` and `redis, 2 workers` (--workers 2, SO_REUSEPORT), the last two with
 `state: {redis: ..., lease_ttl_s: 5}` added to the config, each on a Redis database of its
-own. wrk drives each target in turn (rounds interleaved, medians shown). One table: req/s,
-p50/p99 latency, non-2xx answers (summed over the rounds, socket errors as +Ns; the warm-up's
+own; and, for what the machine itself gives a second process, bench/passthrough.py (a bare
+aiohttp relay, nothing shared) as 1 and as 2 processes on one port (SO_REUSEPORT). wrk
+drives each target in turn (rounds interleaved, medians shown). One table: req/s, p50/p99
+latency, non-2xx answers (summed over the rounds, socket errors as +Ns; the warm-up's
 not counted), CPU µs per request of the proxy (the serve process and all its workers) and of
 redis-server, and FCALL calls per request (from INFO commandstats: fewer than operations
 when a worker's operations leave together); then the ratios and a short note on where the
@@ -50,6 +52,7 @@ TARGETS = {  # name → (port, workers, Redis database or None for state: memory
     "redis, 2 workers": (18333, 2, 2),
 }
 MODEL = "bench-json"
+BARE = {"bare, 1 process": (18335, 1), "bare, 2 processes": (18336, 2)}  # name → (port, processes)
 BASELINE = "baseline, redis 1w"  # --baseline: another version's code, as `redis, 1 worker`
 
 
@@ -220,13 +223,25 @@ def main() -> None:
                     )  # fmt: skip
                 procs.append(proxies[name])
                 wait_ready(port, workers, proxies[name], log)
-            for port, *_ in targets.values():  # warm-up: imports, script load, pools
+            ports = {name: port for name, (port, *_) in targets.items()}
+            backends = [f"http://127.0.0.1:{port}" for port in overhead.NGINX_PORTS["json"]]
+            for name, (port, processes) in BARE.items():
+                proxies[name] = subprocess.Popen(
+                    [sys.executable, str(Path(__file__).parent / "passthrough.py"), "--processes",
+                     str(processes), str(port), *backends],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # wrk's cut requests
+                )  # fmt: skip
+                procs.append(proxies[name])
+                while listeners(port) < processes:
+                    time.sleep(0.1)
+                ports[name] = port
+            for port in ports.values():  # warm-up: imports, script load, pools
                 run_wrk(f"http://127.0.0.1:{port}", max(args.connections), 1, work, args.key)
             print(HEADER)
             for connections in args.connections:
-                runs: dict[str, list[dict[str, float]]] = {name: [] for name in targets}
+                runs: dict[str, list[dict[str, float]]] = {name: [] for name in ports}
                 for _ in range(args.rounds):  # interleaved: a noisy spell hits all alike
-                    for name, (port, *_) in targets.items():
+                    for name, port in ports.items():
                         pid = proxies[name].pid
                         before = (tree_cpu_seconds(pid), overhead.cpu_seconds(redis_proc.pid))
                         calls = fcall_calls()
@@ -246,7 +261,7 @@ def main() -> None:
                 _summary(connections, medians)
                 if BASELINE in runs:
                     _paired(runs["redis, 1 worker"], runs[BASELINE])
-            for name in proxies:
+            for name in targets:
                 log = work / f"proxy-{targets[name][0]}.log"
                 lines = Counter(line for line in log.read_text().splitlines() if line.strip())
                 if lines:
@@ -297,6 +312,13 @@ def _summary(conns: int, m: dict[str, dict]) -> None:
         f"redis 1w {total['redis, 1 worker']:.0f} µs ({added:+.0f}), "
         f"redis 2w {total['redis, 2 workers']:.0f} µs "
         f"({total['redis, 2 workers'] - total['memory, 1 worker']:+.0f})"
+    )
+    bare1, bare2 = (m[name] for name in BARE)
+    print(
+        f"     the machine (wrk, nginx and Redis on the same 2 cores): bare 2 processes / 1 = "
+        f"{bare2['rps'] / bare1['rps']:.2f}, CPU per request "
+        f"×{bare2['cpu_us'] / bare1['cpu_us']:.2f}; redis 2w / 1w: CPU per request "
+        f"×{two['cpu_us'] / one['cpu_us']:.2f}"
     )
     proxy_added = one["cpu_us"] - mem["cpu_us"]
     redis_added = one["redis_us"] - mem["redis_us"]
