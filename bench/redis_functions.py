@@ -9,10 +9,13 @@ config/example.yaml's: two backends of 16 slots, org analytics capped at 16 in f
 priority class system at 4. Then it replays a seeded request stream of five flows (mostly
 product/interactive and analytics/batch, 1 in 50 a priority request), each request a submit
 by one holder and, later, a finish by the holder it was granted to; a heartbeat of each
-holder every 500 requests. Two scenarios: `free` keeps 24 requests in flight or queued, so
+holder every 500 requests. Three scenarios: `free` keeps 24 requests in flight or queued, so
 every submit dispatches at once (the hot path: no cap hit, no size buckets, no pacing, no
 affinity; analytics' and the priority class's requests still take the path of a capped
-flow); `backlogged` keeps 48, so requests queue and finishes dispatch them.
+flow); `backlogged` keeps 48, so requests queue and finishes dispatch them; `batched` sends
+20 submits at once, then the finishes of all that run at once, as a busy proxy's operations
+leave together (state/batcher.py: one call for the 19 that came while the first was on its
+way), and is not timed per operation.
 
 Each round and scenario is run twice, each time on a pool of its own: once by four streams
 at once sharing the scenario's window (their calls reach Redis back to back, as a busy
@@ -42,6 +45,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict, deque
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,7 +69,10 @@ FLOWS = [
     ("ops", "interactive", 6.0, False, 15),
     ("ops", "system", 1.0, True, 2),
 ]
-SCENARIOS = {"free": 24, "backlogged": 48}  # requests in flight or queued at once
+# requests in flight or queued at once; None: `batched`, BATCH submits sent at once, then
+# their finishes, as a busy proxy's operations leave together (state/batcher.py)
+SCENARIOS: dict[str, int | None] = {"free": 24, "backlogged": 48, "batched": None}
+BATCH = 20
 STREAMS = 4  # concurrent streams sharing a scenario's window, for the CPU figures
 HEARTBEAT_EVERY = 500
 
@@ -136,18 +143,22 @@ class Stream:
 
     async def granted(self, holder: RedisDispatch, grants: list[Grant]) -> None:
         """Note grants made to ``holder`` and those the call left in the other's inbox."""
+        self.note(holder, grants)
+        for other in self.holders:
+            if other is not holder:  # a call leaves grants in the others' inboxes only
+                await self.read_inbox(other)
+
+    def note(self, holder: RedisDispatch, grants: list[Grant]) -> None:
         self.running.extend((holder, g.lease) for g in grants)
         self.queued -= len(grants)
-        for other in self.holders:
-            if other is holder:  # a call leaves grants in the others' inboxes only
-                continue
-            key = f"{self.prefix}inbox:{other.holder}"
-            self.inbox_reads += 1
-            raw = await self.redis.lpop(key, 1000) or []
-            for item in raw:
-                grant = item.decode() if isinstance(item, bytes) else str(item)
-                self.running.append((other, grant.split(" ")[1]))
-                self.queued -= 1
+
+    async def read_inbox(self, holder: RedisDispatch) -> None:
+        self.inbox_reads += 1
+        raw = await self.redis.lpop(f"{self.prefix}inbox:{holder.holder}", 1000) or []
+        for item in raw:
+            grant = item.decode() if isinstance(item, bytes) else str(item)
+            self.running.append((holder, grant.split(" ")[1]))
+            self.queued -= 1
 
     async def run(self, requests: int) -> None:
         for n in range(requests):
@@ -167,6 +178,27 @@ class Stream:
             )
             await self.granted(holder, grants)
 
+    async def run_batched(self, requests: int) -> None:
+        """``requests`` in turns of BATCH submits sent at once by one holder, which its
+        batcher sends as one call (the first alone), then every running request's finish at
+        once, until the turn's requests are all done."""
+        for n in range(0, requests, BATCH):
+            holder = self.holders[n // BATCH % 2]
+            ids = [f"{self.name}t{self.next_id + i}" for i in range(1, BATCH + 1)]
+            self.next_id += BATCH
+            self.queued += BATCH
+            submits = (holder.submit(i, self.ticket(), max_ahead=1000) for i in ids)
+            for grants in await asyncio.gather(*submits):
+                self.note(holder, grants)
+            await self.read_inbox(self.holders[1 - n // BATCH % 2])  # once a turn, not a call
+            while self.running:
+                running, self.running = list(self.running), deque()
+                finished = await asyncio.gather(*(h.finish(lease) for h, lease in running))
+                for (h, _), grants in zip(running, finished, strict=True):
+                    self.note(h, grants)
+                for other in self.holders:
+                    await self.read_inbox(other)
+
     async def drain(self) -> None:
         while self.running:
             holder, lease = self.running.popleft()
@@ -179,18 +211,24 @@ async def cpu_s(redis: Redis) -> float:
     return float(cpu["used_cpu_sys"]) + float(cpu["used_cpu_user"])
 
 
-async def totals(redis: Redis, pool: str, window: int, requests: int, seed: int) -> Measure:
+async def totals(redis: Redis, pool: str, window: int | None, requests: int, seed: int) -> Measure:
     """CPU per request, FCALL's µs per call and the commands the functions ran, with
     STREAMS streams at once on the pool (their calls reach Redis back to back, as a busy
-    proxy's do, rather than one at a time into an idle server)."""
-    streams = [Stream(redis, pool, window // STREAMS, seed * 100 + at, at) for at in range(STREAMS)]
+    proxy's do, rather than one at a time into an idle server); ``window`` None: batched."""
+    streams = [
+        Stream(redis, pool, (window or 0) // STREAMS, seed * 100 + at, at) for at in range(STREAMS)
+    ]
     for stream in streams:
         await stream.start()
     share = requests // STREAMS
-    await asyncio.gather(*(s.run(share // 10) for s in streams))  # warm-up: library, flows
+
+    def run(stream: Stream, n: int) -> Coroutine[Any, Any, None]:
+        return stream.run(n) if window is not None else stream.run_batched(n)
+
+    await asyncio.gather(*(run(s, share // 10) for s in streams))  # warm-up: library, flows
     await redis.config_resetstat()
     before, reads = await cpu_s(redis), sum(s.inbox_reads for s in streams)
-    await asyncio.gather(*(s.run(share) for s in streams))
+    await asyncio.gather(*(run(s, share) for s in streams))
     after = await cpu_s(redis)
     stats = await redis.info("commandstats")
     reads = sum(s.inbox_reads for s in streams) - reads
@@ -260,8 +298,9 @@ async def bench(
                     row = f"{label} {name}".strip()
                     pool = f"{label}-{name}-{r}"
                     total = await totals(redis, pool + "-t", window, requests, seed=r)
-                    ops = await per_op(port, pool + "-o", window, requests // 4, seed=r)
-                    total.per_op, total.calls_per_op = ops.per_op, ops.calls_per_op
+                    if window is not None:  # a batch's operations are not timed one by one
+                        ops = await per_op(port, pool + "-o", window, requests // 4, seed=r)
+                        total.per_op, total.calls_per_op = ops.per_op, ops.calls_per_op
                     results[row].append(total)
                     report_round(row, r, total)
     finally:
