@@ -262,10 +262,5 @@ async def queued_in_redis(redis_url: str, pool: str = "sim") -> int:
         await client.aclose()
 
 
-async def leases_in_redis(client: aioredis.Redis, pool: str = "sim") -> int:
-    """How many slots of the pool are leased, to every holder (a hash of leases each)."""
-    return sum([await client.hlen(key) async for key in client.scan_iter(f"sfq:{{{pool}}}:hl:*")])
-
-
 async def queued_is(redis_url: str, n: int) -> bool:
     return await queued_in_redis(redis_url) == n

@@ -637,7 +637,8 @@ local function grant_lease(backend, h, o, c)
   local lease = math.max(meta('fence'), now_ms() * 1000) + 1
   set_meta('fence', lease)
   lease = string.format('%.0f', lease)
-  redis.call('HSET', P .. 'hl:' .. h, lease, cjson.encode({b = backend, o = o, c = c}))
+  redis.call('HSET', P .. 'lease', lease, cjson.encode({b = backend, h = h, o = o, c = c}))
+  redis.call('SADD', P .. 'hl:' .. h, lease)
   add_count('inflight', backend, 1)
   running({o = o, c = c}, 1)
   return lease
@@ -721,12 +722,14 @@ local function dispatch_at_once(id, t, down)
 end
 
 -- a lease handed back by its holder h: one it no longer holds (reclaimed, handed back
--- already, or never its own: each holder's leases are in its own hash) frees nothing
+-- already, or never its own) frees nothing
 local function release(lease, h)
-  local raw = redis.call('HGET', P .. 'hl:' .. h, lease)
+  local raw = redis.call('HGET', P .. 'lease', lease)
   if not raw then return nil end
   local l = cjson.decode(raw)
-  redis.call('HDEL', P .. 'hl:' .. h, lease)
+  if l.h ~= h then return nil end
+  redis.call('HDEL', P .. 'lease', lease)
+  redis.call('SREM', P .. 'hl:' .. l.h, lease)
   add_count('inflight', l.b, -1)
   running(l, -1)
   return l
@@ -747,7 +750,7 @@ end
 
 -- everything a holder had in Redis given back: its leases, its queued tickets, its inbox
 local function forget(h)
-  for _, lease in ipairs(redis.call('HKEYS', P .. 'hl:' .. h)) do release(lease, h) end
+  for _, lease in ipairs(redis.call('SMEMBERS', P .. 'hl:' .. h)) do release(lease, h) end
   for _, id in ipairs(redis.call('SMEMBERS', P .. 'hq:' .. h)) do cancel(id) end
   redis.call('DEL', P .. 'hl:' .. h, P .. 'hq:' .. h, P .. 'inbox:' .. h)
 end

@@ -19,7 +19,6 @@ from redis_server import (
     RedisSentinel,
     RedisServer,
     fcalls,
-    leases_in_redis,
     queued_in_redis,
     queued_is,
     running_redis,
@@ -217,7 +216,7 @@ async def test_on_shutdown_the_queued_leave_and_the_running_drain(lab: Lab, redi
     assert [r.outcome for r in sim.stats.log] == ["completed"]
     assert await queued_in_redis(redis_url) == 0
     check = aioredis.Redis.from_url(redis_url)
-    assert await leases_in_redis(check) == 0
+    assert await check.hgetall("sfq:{sim}:lease") == {}
     await check.aclose()
 
 
@@ -517,7 +516,7 @@ async def test_a_lease_that_could_not_be_handed_back_is_handed_back_later(
 
 
 async def _no_lease(admin: aioredis.Redis) -> bool:
-    return await leases_in_redis(admin) == 0
+    return await admin.hlen("sfq:{sim}:lease") == 0
 
 
 async def test_a_redis_behind_sentinel_is_found_through_it(lab: Lab) -> None:
