@@ -102,12 +102,18 @@ def listeners(port: int) -> int:
     )
 
 
-def wait_ready(port: int, workers: int, proc: subprocess.Popen, log: Path) -> None:
-    """Every worker listening and /readyz answering 200 (Redis reached, backends healthy)."""
+def wait_ready(
+    port: int, workers: int, proc: subprocess.Popen, log: Path | None, readyz: bool = True
+) -> None:
+    """Every worker listening and /readyz answering 200 (Redis reached, backends healthy);
+    without ``readyz`` (the bare relay has none), listening."""
     for _ in range(300):
         if proc.poll() is not None:
-            raise RuntimeError(f"proxy on {port} ended ({proc.returncode}):\n{log.read_text()}")
+            output = log.read_text() if log else ""
+            raise RuntimeError(f"{port}: ended ({proc.returncode}):\n{output}")
         if listeners(port) >= workers:
+            if not readyz:
+                return
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as r:
                     if r.status == 200:
@@ -115,7 +121,7 @@ def wait_ready(port: int, workers: int, proc: subprocess.Popen, log: Path) -> No
             except OSError:
                 pass
         time.sleep(0.1)
-    raise RuntimeError(f"proxy on {port} not ready:\n{log.read_text()}")
+    raise RuntimeError(f"{port}: not ready:\n{log.read_text() if log else ''}")
 
 
 def run_wrk(url: str, connections: int, seconds: float, work: Path, key: str) -> dict[str, float]:
@@ -232,8 +238,7 @@ def main() -> None:
                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,  # wrk's cut requests
                 )  # fmt: skip
                 procs.append(proxies[name])
-                while listeners(port) < processes:
-                    time.sleep(0.1)
+                wait_ready(port, processes, proxies[name], None, readyz=False)
                 ports[name] = port
             for port in ports.values():  # warm-up: imports, script load, pools
                 run_wrk(f"http://127.0.0.1:{port}", max(args.connections), 1, work, args.key)
