@@ -2,6 +2,7 @@
 
     python bench/overhead.py [--seconds 5] [--connections 1 16 64] [--rounds 3]
                              [--modes json stream paced] [--no-router]
+                             [--baseline CHECKOUT]
 
 Three kinds of answer: ``json``, a fixed chat completion with usage, and ``stream``, a
 200-event SSE stream ending with a usage chunk and [DONE], both from nginx (Debian's
@@ -15,7 +16,10 @@ the access log, calibration, the queue-memory bound); the bare floor is ``passth
 with pip into ``bench/.venv-router`` on first use. One table: req/s, p50/p99 latency, ratio
 to direct, and the CPU microseconds per request (per event too, for ``paced``) of the
 process in the middle with its ratio to the bare pass-through's: medians of --rounds runs,
-interleaved across targets so a noisy spell hits all alike.
+interleaved across targets so a noisy spell hits all alike. ``--baseline`` adds
+"sfq (base)": the sfq-proxy of another checkout (``git worktree add /tmp/base <commit>``)
+on the same config and port kind, so that a change is measured against the code before it
+in the same rounds.
 Requires: apt-get install nginx-light wrk.
 """
 
@@ -38,7 +42,7 @@ HERE = Path(__file__).resolve().parent
 NGINX_PORTS = {"json": (18301, 18302), "stream": (18311, 18312)}
 PACED_PORTS = (18351, 18352)  # paced_backend.py
 MODES = ("json", "stream", "paced")
-PASS_PORT, PROXY_PORT, ROUTER_PORT = 18320, 18330, 18340
+PASS_PORT, PROXY_PORT, ROUTER_PORT, BASE_PORT = 18320, 18330, 18340, 18331
 PACED_EVENTS = 200  # as nginx's stream: 200 chunks, then a usage event and [DONE]
 ROUTER = "vllm-router==0.1.17"
 ROUTER_VENV = HERE / ".venv-router"
@@ -114,7 +118,9 @@ def backend_ports() -> dict[str, tuple[int, ...]]:
     return {**NGINX_PORTS, "paced": PACED_PORTS}
 
 
-def proxy_config(work: Path | None = None, modes: tuple[str, ...] = MODES) -> str:
+def proxy_config(
+    work: Path | None = None, modes: tuple[str, ...] = MODES, port: int = PROXY_PORT
+) -> str:
     """config/example.yaml's features on bench backends (a pool per mode of ``modes``, whose
     backends the caller runs): keys, orgs with caps and rates, classes with queue limits,
     the queue-memory bound, calibration kept in a state file, metrics and the access log (on
@@ -127,7 +133,7 @@ def proxy_config(work: Path | None = None, modes: tuple[str, ...] = MODES) -> st
         if mode in modes
     }  # fmt: skip
     config: dict[str, object] = {
-        "listen": {"host": "127.0.0.1", "port": PROXY_PORT},
+        "listen": {"host": "127.0.0.1", "port": port},
         "limits": {"queue_memory_mb": 512},
         "keys": [{"key": k, "org": o, "classes": [c, "batch"]} for k, (o, c) in KEYS.items()],
         "classes": {
@@ -141,7 +147,7 @@ def proxy_config(work: Path | None = None, modes: tuple[str, ...] = MODES) -> st
         "pools": pools,
     }
     if work is not None:
-        config["calibration"] = {"state_file": str(work / "calibration.json")}
+        config["calibration"] = {"state_file": str(work / f"calibration-{port}.json")}
     return json.dumps(config, indent=1)
 
 
@@ -211,6 +217,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs per target; medians shown")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
+    parser.add_argument("--baseline", type=Path, help="a checkout whose sfq-proxy runs too")
     args = parser.parse_args()
     for tool in ("nginx", "wrk"):
         if not shutil.which(tool):
@@ -221,6 +228,7 @@ def main() -> None:
         work.chmod(0o755)  # nginx's workers (not root) read the bodies from here
         (work / "nginx.conf").write_text(nginx_conf(work))
         (work / "proxy.yaml").write_text(proxy_config(work))
+        (work / "base.yaml").write_text(proxy_config(work, port=BASE_PORT))
         procs = [subprocess.Popen(["nginx", "-c", str(work / "nginx.conf")])]
         paced = [sys.executable, str(HERE / "paced_backend.py"), "--events", str(PACED_EVENTS)]
         procs += [subprocess.Popen([*paced, str(port)]) for port in PACED_PORTS]
@@ -251,6 +259,12 @@ def _compare(
             [sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(work / "proxy.yaml")],
             **quiet)),  # the access log, and a first start's "no calibration state yet"
     }  # fmt: skip
+    if args.baseline is not None:
+        serve = [sys.executable, "-m", "sfq_proxy.cli", "serve", "--config"]
+        serve.append(str(work / "base.yaml"))
+        env = {**os.environ, "PYTHONPATH": str(args.baseline.resolve())}
+        base = subprocess.Popen(serve, env=env, cwd=args.baseline, **quiet)  # ``-m``: cwd first
+        middles["sfq (base)"] = (BASE_PORT, base)
     if router is not None:
         command = [str(router), "--host", "127.0.0.1", "--port", str(ROUTER_PORT), "--policy",
                    "round_robin", "--log-level", "warning", "--worker-urls", *backends]  # fmt: skip

@@ -16,7 +16,6 @@ import json
 import logging
 import math
 import re
-from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache, partial
@@ -43,7 +42,6 @@ from .sse import UsageStripper as _UsageStripper
 log = logging.getLogger(__name__)
 QUEUE_WAIT_HEADER = "X-Queue-Wait"
 COST_HEADER = "X-Cost-Charged"
-_TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
 _USAGE = b'"usage"'
 # a stream's token events as counted so far (``sse.TokenEvents``), on its client's request
 STREAM_TOKENS = web.RequestKey("sfq_stream_tokens", TokenEvents)
@@ -146,6 +144,7 @@ class Relayed:
     # drain's deadline ("shutting_down"), or "proxy" for a fault of our own
     fault: str | None = None
     tail: bytes = b""  # the end of a 200 answer, where its usage is (see ``read_usage``)
+    events: TokenEvents | None = None  # a stream's token events
 
 
 async def forward(
@@ -298,8 +297,6 @@ async def _relay_stream(
     breaks off, stalls (``watchdog``) or outlives its request's bound ends with an error
     event: its client is told, and every later request finds the pool whole.
     ``upstream_end`` is called once the backend is done with, before the last write."""
-    tail: deque[bytes] = deque()  # the last chunks, about _TAIL_BYTES of them
-    kept = 0
     written = b""  # the last bytes the client was sent
     stripper = _UsageStripper() if strip_usage else None
     if watchdog is None:
@@ -312,10 +309,6 @@ async def _relay_stream(
             if relayed.first_chunk_s is None:
                 relayed.first_chunk_s = pool.clock() - sent
             counter.feed(chunk)
-            tail.append(chunk)
-            kept += len(chunk)
-            while kept - len(tail[0]) >= _TAIL_BYTES:
-                kept -= len(tail.popleft())
             out = chunk if stripper is None else stripper.feed(chunk)
             if out:
                 written = out
@@ -352,9 +345,8 @@ async def _relay_stream(
         at_boundary = ends_event(rest or written)  # whatever its line endings
         rest += (b"" if at_boundary else b"\n\n") + _error_event(relayed.fault, message)
     await relayed.response.write_eof(rest)  # one write
-    relayed.tail = b"".join(tail)[-_TAIL_BYTES:]  # a chunk may hold the whole stream
-    if counter.tokens > 0:  # a usage chunk, if any, is read later and wins
-        relayed.completion_tokens = counter.tokens
+    relayed.tail = counter.tail()
+    relayed.events = counter  # its tokens, where no usage comes (read_usage)
 
 
 def backend_failed(relayed: Relayed) -> bool:
@@ -413,7 +405,7 @@ def error_event(relayed: Relayed) -> bool:
 def read_usage(relayed: Relayed) -> None:
     """Take the last ``"usage": {...}`` of the answer's tail (a body, or a stream's last
     chunks), parsing that object alone: an answer's usage is at its end, so the answer is
-    never parsed whole."""
+    never parsed whole. A stream without one is counted by its token events."""
     data = relayed.tail
     end = len(data)
     while (at := data.rfind(_USAGE, 0, end)) >= 0:
@@ -429,6 +421,8 @@ def read_usage(relayed: Relayed) -> None:
             relayed.prompt_tokens = _token_count(prompt)
             relayed.completion_tokens = _token_count(completion)
             return
+    if relayed.events is not None and relayed.events.tokens > 0:
+        relayed.completion_tokens = relayed.events.tokens
 
 
 def _object_after_colon(after: bytes) -> dict[str, object] | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import deque
 
 # The end of an event: a line ending, then one or more (the empty line). The whole run of
 # line endings goes with the event it ends; a CR is one ending, or the start of a CRLF.
@@ -26,8 +27,10 @@ _ENDINGS = b"\r\n"
 # no line break). The hints pick out the events to look at, by what cannot follow the key
 # in one that is none (``null``, ``[{``): whatever else follows, a later data line, a
 # comment, is looked at. A compiled pattern, not bytes.find: one pass for both marks, and
-# no per-call setup, which dominates on a one-token event.
-_FINISHING_HINT = re.compile(rb'"finish_reason"(?!: ?null)')  # null while tokens flow
+# no per-call setup, which dominates on a one-token event. The finishing hint (a
+# ``finish_reason`` is null while tokens flow) leaves out the name's opening quote: a
+# search led by a byte as common in JSON as ``"`` stops at each one (twice the time).
+_FINISHING_HINT = re.compile(rb'finish_reason"(?!: ?null)')
 _MARKS_HINT = re.compile(rb'"finish_reason"(?!: ?null)|"choices"(?!: ?\[\{)')
 # The marks in an event looked at: between the tokens, JSON space, or where the data goes
 # on in a later ``data:`` line, lines that are not data (comments, other fields). Atomic: a
@@ -36,6 +39,7 @@ _GAP = rb"(?>(?:[ \t\r\n]|(?<=[\r\n])(?:data:?|(?!data[:\r\n])[^\r\n]*))*)"
 _FINISHING = re.compile(rb'"finish_reason"' + _GAP + rb":" + _GAP + rb'"')
 _NO_CHOICES = re.compile(rb'"choices"' + _GAP + rb":" + _GAP + rb"\[" + _GAP + rb"\]")
 _USAGE = b'"usage"'
+TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
 _FINGERPRINT = re.compile(rb'"system_fingerprint":(\s*)("[^"]*"|null)')
 
 
@@ -64,13 +68,13 @@ class UsageStripper:
         self._dropped = False
 
     def feed(self, chunk: bytes) -> bytes:
-        if (
-            not (self._partial or self._held or self._dropped)
-            and chunk.endswith(_EVENT_TAILS)
-            and (_MARKS_HINT if self._finished else _FINISHING_HINT).search(chunk) is None
-        ):
+        if self._partial or self._held or self._dropped or not chunk.endswith(_EVENT_TAILS):
+            return self._events(chunk)
+        found = (_MARKS_HINT if self._finished else _FINISHING_HINT).search(chunk)
+        if found is None:
             return chunk  # whole events, as servers send them: passed on uncopied
-        return self._events(chunk)
+        start = _last_end(chunk, found.start())  # the events before the first marked one
+        return chunk[:start] + self._events(chunk[start:]) if start else self._events(chunk)
 
     def close(self) -> bytes:
         """What is left at the end of the stream: an event held, and one that no empty line
@@ -158,25 +162,59 @@ class UsageStripper:
 
 
 class TokenEvents:
-    """Counts a stream's token events: the tokens of a server that reports no usage
-    (llama-cpp-python), and of a stream whose client left before its usage came (what its
-    org is billed, docs/usage-and-budgets.md). One event per token, each with a null
-    ``finish_reason``, plus a chat's opening event that carries the role alone. Marks are
-    counted as bytes (a JSON string cannot hold ``"role"`` unescaped) with ``bytes.count``,
-    a third of a regex's time, across chunk boundaries: the end of the chunk before is
-    counted again with the next, and what it held alone taken off."""
+    """A stream's tail, where its usage is, and its token events: the tokens of a server
+    that reports no usage (llama-cpp-python), and of a stream whose client left before its
+    usage came (what its org is billed, docs/usage-and-budgets.md). One event per token,
+    each with a null ``finish_reason``, plus a chat's opening event that carries the role
+    alone. Marks are counted as bytes (a JSON string cannot hold ``"role"`` unescaped) with
+    ``bytes.count``, a third of a regex's time, across chunk boundaries: the end of the
+    chunk before is counted again with the next, and what it held alone taken off.
+
+    Counted late: the last chunks, ``tail_bytes`` of them, are kept for the tail, and a
+    chunk is counted when it leaves them or when ``tokens`` is read. A stream whose usage
+    came is never asked, so its last ``tail_bytes`` (all of a short stream's, which a fast
+    backend sends in one burst) are never searched.
+    """
 
     # as servers write it: compact (vLLM, SGLang, TGI) or with Python's ": " (llama-cpp-python)
     _TOKEN = (b'"finish_reason":null', b'"finish_reason": null')
     _CARRY = len(b'"finish_reason": null') - 1  # the longest mark, but its last byte
 
-    def __init__(self) -> None:
-        self.tokens = 0
+    def __init__(self, tail_bytes: int = TAIL_BYTES) -> None:
+        self._tail_bytes = tail_bytes
+        self._kept: deque[bytes] = deque()  # the last chunks, counted or not
+        self._size = 0  # the bytes in them
+        self._unseen = 0  # how many of the last of them are not counted yet
+        self._tokens = 0
         self._carry = b""
 
     def feed(self, chunk: bytes) -> None:
+        kept = self._kept
+        kept.append(chunk)
+        self._size += len(chunk)
+        self._unseen += 1
+        while self._size - len(kept[0]) >= self._tail_bytes:
+            self._size -= len(kept[0])
+            if self._unseen == len(kept):
+                self._count(kept[0])
+                self._unseen -= 1
+            kept.popleft()
+
+    @property
+    def tokens(self) -> int:
+        """The token events relayed so far."""
+        for chunk in list(self._kept)[len(self._kept) - self._unseen :]:
+            self._count(chunk)
+        self._unseen = 0
+        return self._tokens
+
+    def tail(self) -> bytes:
+        """The stream's last ``tail_bytes`` (all of it, if shorter)."""
+        return b"".join(self._kept)[-self._tail_bytes :]
+
+    def _count(self, chunk: bytes) -> None:
         data = self._carry + chunk
-        self.tokens += self._marks(data) - self._marks(self._carry)
+        self._tokens += self._marks(data) - self._marks(self._carry)
         self._carry = data[-self._CARRY :]
 
     @classmethod

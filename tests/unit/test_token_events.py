@@ -1,5 +1,6 @@
 """A stream whose server reports no usage (llama-cpp-python) has its output tokens counted
-from its events, the same however the bytes are cut into chunks."""
+from its events, the same however the bytes are cut into chunks and however many of the
+last ones are kept uncounted as the stream's tail."""
 
 from __future__ import annotations
 
@@ -43,12 +44,16 @@ COMPLETION = b"".join(
 )
 
 
-def _count(data: bytes, cuts: list[int]) -> int:
-    counter = TokenEvents()
+def _fed(data: bytes, cuts: list[int], tail_bytes: int = 16384) -> TokenEvents:
+    counter = TokenEvents(tail_bytes)
     bounds = [0, *sorted(set(cuts)), len(data)]
     for start, end in itertools.pairwise(bounds):
         counter.feed(data[start:end])
-    return counter.tokens
+    return counter
+
+
+def _count(data: bytes, cuts: list[int]) -> int:
+    return _fed(data, cuts).tokens
 
 
 def test_a_chat_stream_counts_its_token_events_not_its_role_or_finishing_event() -> None:
@@ -66,3 +71,23 @@ def test_the_count_does_not_depend_on_where_chunks_are_cut(cuts: list[int]) -> N
 
 def test_a_byte_at_a_time_counts_the_same() -> None:
     assert _count(COMPLETION, list(range(len(COMPLETION)))) == 3
+
+
+@given(st.lists(st.integers(0, len(CHAT)), max_size=40), st.integers(1, len(CHAT) + 1))
+def test_chunks_that_left_the_tail_and_those_still_in_it_count_alike(
+    cuts: list[int], tail_bytes: int
+) -> None:
+    counter = _fed(CHAT, cuts, tail_bytes)
+    assert counter.tail() == CHAT[-tail_bytes:]
+    assert counter.tokens == 5
+    assert counter.tokens == 5  # read twice: nothing counted twice
+
+
+def test_tokens_read_mid_stream_then_more_chunks_count_once() -> None:
+    counter = TokenEvents(64)
+    half = len(CHAT) // 2
+    counter.feed(CHAT[:half])
+    early = counter.tokens  # a client that hangs up is billed this much
+    counter.feed(CHAT[half:])
+    assert 0 < early < 5
+    assert counter.tokens == 5
