@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import AsyncIterator, Mapping
+from typing import Protocol
 
 import aiohttp
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 ACCEPT_ENCODING = "identity"
 # Upstream response headers not passed on (every other one is): hop-by-hop ones (RFC 9110
@@ -94,7 +95,14 @@ class Inflater:
         return out
 
 
-def inflater_for(upstream: aiohttp.ClientResponse) -> Inflater | None:
+class Headed(Protocol):
+    """An answer as far as its headers (``upstream.Answer``)."""
+
+    @property
+    def headers(self) -> CIMultiDictProxy[str]: ...
+
+
+def inflater_for(upstream: Headed) -> Inflater | None:
     """How to decode the answer's body, or None when it is plain. The proxy asks for
     ``identity``; an upstream that compresses anyway with gzip or deflate is decoded, so
     the client gets a body it can read and the proxy its usage. Any other coding (br,
@@ -114,9 +122,7 @@ def inflater_for(upstream: aiohttp.ClientResponse) -> Inflater | None:
     raise UndecodableAnswer(f"Content-Encoding {', '.join(codings)} cannot be decoded")
 
 
-def response_headers(
-    upstream: aiohttp.ClientResponse, own_headers: Mapping[str, str]
-) -> CIMultiDict[str]:
+def response_headers(upstream: Headed, own_headers: Mapping[str, str]) -> CIMultiDict[str]:
     """The upstream's end-to-end headers, repeated ones kept, then the proxy's own, which
     replace any of the same name. When the proxy's own say the org's rate limits
     (``x-ratelimit-*``), the upstream's of that family are all left out: they describe the

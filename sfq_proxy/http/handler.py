@@ -206,7 +206,6 @@ async def _serve(
     key = flow.key
     metrics = proxy.metrics
     retry = proxy.config.retry
-    assert proxy.session is not None
     relayed: Relayed | None = None
     for attempt in range(1, retry.max_attempts + 1):
         queued_at = proxy.clock()
@@ -229,7 +228,7 @@ async def _serve(
         slot = _Slot(pool, ticket, backend)
         try:
             relayed = await forward(
-                proxy.session, pool, backend, request, inference, record.request_id,
+                proxy.upstreams, pool, backend, request, inference, record.request_id,
                 {
                     REQUEST_ID_HEADER: record.request_id,
                     QUEUE_WAIT_HEADER: f"{record.queue_wait_s:.6f}",

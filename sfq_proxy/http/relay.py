@@ -18,7 +18,7 @@ import math
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import partial
 
 import aiohttp
 from aiohttp import web
@@ -38,6 +38,7 @@ from .drain import ANSWERING, CUT_MESSAGE, absorbed
 from .pool_runtime import Pool
 from .sse import TokenEvents, continued_data, ends_event
 from .sse import UsageStripper as _UsageStripper
+from .upstream import Answer, Upstreams
 
 log = logging.getLogger(__name__)
 QUEUE_WAIT_HEADER = "X-Queue-Wait"
@@ -148,7 +149,7 @@ class Relayed:
 
 
 async def forward(
-    session: aiohttp.ClientSession,
+    upstreams: Upstreams,
     pool: Pool,
     backend: Backend,
     client: web.Request,
@@ -190,7 +191,7 @@ async def forward(
     remaining = math.inf if expires_at is None else max(0.0, expires_at - sent)
     until = asyncio.get_running_loop().time() + remaining
     upstream = await _open(
-        session, pool, backend, inference, request_id, remaining, expiry, upstream_headers
+        upstreams, pool, backend, inference, request_id, remaining, expiry, upstream_headers
     )
     on_headers(pool.clock() - sent)
     pool.observe_answer(upstream.status, upstream.headers, sent)  # a 429 holds the pool
@@ -253,7 +254,7 @@ async def forward(
 
 
 async def _whole_body(
-    upstream: aiohttp.ClientResponse,
+    upstream: Answer,
     pool: Pool,
     inflater: Inflater | None,
     until: float,
@@ -280,7 +281,7 @@ async def _whole_body(
 
 
 async def _relay_stream(
-    upstream: aiohttp.ClientResponse,
+    upstream: Answer,
     relayed: Relayed,
     strip_usage: bool,
     pool: Pool,
@@ -444,15 +445,8 @@ def _token_count(value: object) -> int | None:
     return None
 
 
-@lru_cache(maxsize=64)
-def _connect_timeout(seconds: float) -> aiohttp.ClientTimeout:
-    """aiohttp's timeout of a connection attempt (the rest is the proxy's own): immutable,
-    so one per value, not one per request."""
-    return aiohttp.ClientTimeout(total=None, sock_connect=seconds)
-
-
 async def _open(
-    session: aiohttp.ClientSession,
+    upstreams: Upstreams,
     pool: Pool,
     backend: Backend,
     inference: InferenceRequest,
@@ -460,7 +454,7 @@ async def _open(
     remaining: float = math.inf,
     expiry: ApiError | None = None,
     extra_headers: Mapping[str, str] | None = None,
-) -> aiohttp.ClientResponse:
+) -> Answer:
     """POST the client's bytes; return once the response headers are in. ``expiry`` is
     raised when the request's bound (``remaining`` seconds away) passes first."""
     headers = {
@@ -475,11 +469,8 @@ async def _open(
     timeouts = pool.spec.timeouts
     try:
         async with asyncio.timeout(min(timeouts.first_byte_s, remaining)):
-            upstream = await session.post(
-                backend.base + inference.route,
-                data=inference.raw,
-                headers=headers,
-                timeout=_connect_timeout(timeouts.connect_s),
+            upstream = await upstreams.post(
+                backend.base + inference.route, inference.raw, headers, timeouts.connect_s
             )
     except aiohttp.ClientError as exc:  # refused, reset, connect timeout, not HTTP at all
         raise UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc

@@ -1,4 +1,5 @@
-"""What every handler shares at run time: config, pools, admission, metrics, the session."""
+"""What every handler shares at run time: config, pools, admission, metrics, the
+connections to the backends."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from .pool_runtime import Memory, Pool
 from .shared_calibration import CalibrationSync, SharedCalibration
 from .shared_limits import SharedLimits
 from .shared_pool import SharedPool
+from .upstream import Upstreams
 from .usage_store import UsageBook, open_store
 from .worker_metrics import WorkerGroup
 
@@ -60,7 +62,8 @@ class Proxy:
     limits: SharedLimits | None = None  # the org buckets and Idempotency-Keys, with Redis
     calibration_sync: CalibrationSync | None = None  # calibration shared, with Redis
     config_path: Path | None = None  # what SIGHUP and POST /admin/reload read again
-    session: aiohttp.ClientSession | None = None
+    session: aiohttp.ClientSession | None = None  # the health probes'
+    upstreams: Upstreams = field(default_factory=Upstreams)  # the relay's (upstream.py)
     drain: Drain = field(default_factory=Drain)  # the inference handlers, and the drain
     memory: Memory | None = None  # what waits in every pool's line, bounded
     keys: key_store.KeyStore | None = None  # the admin API's keys; None: that API is off
@@ -204,11 +207,11 @@ class Proxy:
         return self.reload(config)
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
-        """One pooled keep-alive session to the backends, the health probes, and the
-        calibration saved periodically and at shutdown (and shared, with Redis)."""
+        """The connections to the backends (the relay's and the probes'), the health
+        probes, and the calibration saved periodically and at shutdown (and shared, with
+        Redis)."""
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-        # no cookie jar: one session serves every client, and a backend's cookie must not
-        # ride on other orgs' requests
+        # no cookie jar: a backend's cookie must not ride on other orgs' requests
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         )
@@ -257,6 +260,7 @@ class Proxy:
             )  # fmt: skip
         await shared_state.close(shared)
         await self.session.close()
+        self.upstreams.close()
         self.save_calibration()
 
     async def shutting_down(self, app: web.Application) -> None:
