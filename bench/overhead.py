@@ -12,11 +12,13 @@ as a model server writes tokens. wrk (Debian's package) drives load with a reali
 body and a key. sfq-proxy runs ``sfq-proxy serve`` on a config with every feature on as
 in config/example.yaml (keys, orgs with caps and rates, classes with queue limits, metrics,
 the access log, calibration, the queue-memory bound); the bare floor is ``passthrough.py``
-(aiohttp + uvloop, nothing else); the peer is vllm-router (Rust), round robin, installed
-with pip into ``bench/.venv-router`` on first use. One table: req/s, p50/p99 latency, ratio
-to direct, and the CPU microseconds per request (per event too, for ``paced``) of the
-process in the middle with its ratio to the bare pass-through's: medians of --rounds runs,
-interleaved across targets so a noisy spell hits all alike. ``--baseline`` adds
+(aiohttp + uvloop, nothing else), and ``bare-upstream`` the same on the upstream
+connections sfq-proxy uses instead of aiohttp's ``ClientSession`` (``passthrough.py
+--upstream``): the floor on the proxy's own client; the peer is vllm-router (Rust), round
+robin, installed with pip into ``bench/.venv-router`` on first use. One table: req/s,
+p50/p99 latency, ratio to direct, and the CPU microseconds per request (per event too, for
+``paced``) of the process in the middle with its ratio to the bare pass-through's: medians
+of --rounds runs, interleaved across targets so a noisy spell hits all alike. ``--baseline`` adds
 "sfq (base)": the sfq-proxy of another checkout (``git worktree add /tmp/base <commit>``)
 on the same config and port kind, so that a change is measured against the code before it
 in the same rounds.
@@ -42,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 NGINX_PORTS = {"json": (18301, 18302), "stream": (18311, 18312)}
 PACED_PORTS = (18351, 18352)  # paced_backend.py
 MODES = ("json", "stream", "paced")
-PASS_PORT, PROXY_PORT, ROUTER_PORT, BASE_PORT = 18320, 18330, 18340, 18331
+PASS_PORT, UPSTREAM_PORT, PROXY_PORT, BASE_PORT, ROUTER_PORT = 18320, 18321, 18330, 18331, 18340
 PACED_EVENTS = 200  # as nginx's stream: 200 chunks, then a usage event and [DONE]
 ROUTER = "vllm-router==0.1.17"
 ROUTER_VENV = HERE / ".venv-router"
@@ -255,6 +257,9 @@ def _compare(
         # the bare floor prints a traceback for each request wrk cuts at its end: quiet
         "bare": (PASS_PORT, subprocess.Popen(
             [sys.executable, str(HERE / "passthrough.py"), str(PASS_PORT), *backends], **quiet)),
+        "bare-upstream": (UPSTREAM_PORT, subprocess.Popen(
+            [sys.executable, str(HERE / "passthrough.py"), "--upstream", str(UPSTREAM_PORT),
+             *backends], **quiet)),
         "sfq-proxy": (PROXY_PORT, subprocess.Popen(
             [sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(work / "proxy.yaml")],
             **quiet)),  # the access log, and a first start's "no calibration state yet"
@@ -301,7 +306,7 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 HEADER = (
-    f"{'mode':<7}{'conn':>5} {'target':<12}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+    f"{'mode':<7}{'conn':>5} {'target':<14}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
     f"{'×direct':>8}{'cpu µs/req':>12}{'cpu ×bare':>10}{'µs/event':>10}"
 )
 
@@ -317,7 +322,7 @@ def _row(mode: str, conns: int, name: str, r: dict, direct: dict, bare: dict) ->
         cpu = f"{r['cpu_us']:>12.0f}{r['cpu_us'] / bare['cpu_us']:>10.2f}"
         if mode == "paced":
             cpu += f"{r['cpu_us'] / (PACED_EVENTS + 2):>10.1f}"
-    return (f"{mode:<7}{conns:>5} {name:<12}{r['rps']:>9.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}"
+    return (f"{mode:<7}{conns:>5} {name:<14}{r['rps']:>9.0f}{r['p50']:>9.2f}{r['p99']:>9.2f}"
             f"{r['rps'] / direct['rps']:>8.2f}{cpu}")  # fmt: skip
 
 
