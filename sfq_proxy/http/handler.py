@@ -103,12 +103,20 @@ def handler(kind: Kind) -> Handler:
             return response
         finally:
             proxy.drain.exit(running)
-            _count(proxy, record, proxy.clock() - arrived)
-            if proxy.usage is not None:  # what reached a backend is billed
-                proxy.usage.record(record)
-            record.emit()
+            # once the answer is written (aiohttp writes it when this returns; the loop runs
+            # callbacks in order, so before any later request): counting is not the
+            # client's wait
+            asyncio.get_running_loop().call_soon(_settle, proxy, record, proxy.clock() - arrived)
 
     return handle
+
+
+def _settle(proxy: Proxy, record: AccessRecord, seconds: float) -> None:
+    """A finished request's metrics, bill and access line."""
+    _count(proxy, record, seconds)
+    if proxy.usage is not None:  # what reached a backend is billed
+        proxy.usage.record(record)
+    record.emit()
 
 
 def _count(proxy: Proxy, record: AccessRecord, seconds: float) -> None:
@@ -275,7 +283,8 @@ async def _serve(
         _refund(proxy, flow, ticket.tokens, headers.intake)
     if relayed is None:
         raise ApiError(502, f"No backend of pool '{flow.pool}' gave an answer.")
-    _count_answer(proxy, flow, record, estimate, relayed)
+    # counted once the answer is written, before the request is settled (``handle``)
+    asyncio.get_running_loop().call_soon(_count_answer, proxy, flow, record, estimate, relayed)
     return relayed.response
 
 
