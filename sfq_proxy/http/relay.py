@@ -422,8 +422,9 @@ def read_usage(relayed: Relayed) -> None:
             relayed.prompt_tokens = _token_count(prompt)
             relayed.completion_tokens = _token_count(completion)
             return
-    if relayed.events is not None and relayed.events.tokens > 0:
-        relayed.completion_tokens = relayed.events.tokens
+    tokens = 0 if relayed.events is None else relayed.events.tokens
+    if tokens > 0:
+        relayed.completion_tokens = tokens
 
 
 def _object_after_colon(after: bytes) -> dict[str, object] | None:

@@ -39,7 +39,7 @@ _GAP = rb"(?>(?:[ \t\r\n]|(?<=[\r\n])(?:data:?|(?!data[:\r\n])[^\r\n]*))*)"
 _FINISHING = re.compile(rb'"finish_reason"' + _GAP + rb":" + _GAP + rb'"')
 _NO_CHOICES = re.compile(rb'"choices"' + _GAP + rb":" + _GAP + rb"\[" + _GAP + rb"\]")
 _USAGE = b'"usage"'
-TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
+_TAIL_BYTES = 16384  # enough to hold a stream's last events, where its usage is
 _FINGERPRINT = re.compile(rb'"system_fingerprint":(\s*)("[^"]*"|null)')
 
 
@@ -180,7 +180,7 @@ class TokenEvents:
     _TOKEN = (b'"finish_reason":null', b'"finish_reason": null')
     _CARRY = len(b'"finish_reason": null') - 1  # the longest mark, but its last byte
 
-    def __init__(self, tail_bytes: int = TAIL_BYTES) -> None:
+    def __init__(self, tail_bytes: int = _TAIL_BYTES) -> None:
         self._tail_bytes = tail_bytes
         self._kept: deque[bytes] = deque()  # the last chunks, counted or not
         self._size = 0  # the bytes in them
