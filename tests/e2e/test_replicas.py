@@ -166,6 +166,10 @@ async def test_workers_share_the_port_and_one_fairness_domain(
     state = {"redis": redis_url, "lease_ttl_s": TTL_S}
     path.write_text(config_yaml([sim.url], slots=SLOTS, state=state))
     shm, left = _left_by_a_killed_parent()
+    # each client's own connection pool, made before the proxy starts: each costs an SSL
+    # context (~60 ms on a busy machine), and 60 at once stalled this loop for seconds, so
+    # that its simulated backend missed both workers' health probes (a 503 in CI, once)
+    transports = [openai.DefaultAsyncHttpxClient() for _ in range(70)]
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(path), "--workers", "2",
         stdout=asyncio.subprocess.PIPE,
@@ -180,8 +184,9 @@ async def test_workers_share_the_port_and_one_fairness_domain(
 
         async def fresh(org: str) -> int:  # a client of its own: a connection of its own
             async with openai.AsyncOpenAI(
-                base_url=f"{url}/v1", api_key=KEYS[org], max_retries=0
-            ) as client:
+                base_url=f"{url}/v1", api_key=KEYS[org], max_retries=0,
+                http_client=transports.pop(),
+            ) as client:  # fmt: skip
                 reply = await client.chat.completions.create(
                     model=MODEL, messages=CHAT, max_tokens=5, user=org
                 )
