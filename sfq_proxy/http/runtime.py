@@ -31,7 +31,7 @@ from .pool_runtime import Memory, Pool
 from .shared_calibration import CalibrationSync, SharedCalibration
 from .shared_limits import SharedLimits
 from .shared_pool import SharedPool
-from .upstream import Upstreams
+from .upstream import KEEPALIVE_S, Upstreams
 from .usage_store import UsageBook, open_store
 from .worker_metrics import WorkerGroup
 
@@ -210,7 +210,7 @@ class Proxy:
         """The connections to the backends (the relay's and the probes'), the health
         probes, and the calibration saved periodically and at shutdown (and shared, with
         Redis)."""
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         # no cookie jar: a backend's cookie must not ride on other orgs' requests
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()

@@ -30,7 +30,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDictProxy
 from yarl import URL
 
-KEEPALIVE_S = 60.0  # as aiohttp's connector was configured before
+KEEPALIVE_S = 60.0  # idle connections kept this long (the health probes' session too)
 _READ_BUFSIZE = 2**16  # aiohttp's default: what a read may hold before reading pauses
 
 _Address = tuple[str, int, bool]  # host, port, TLS
