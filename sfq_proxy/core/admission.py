@@ -67,13 +67,13 @@ class Admission:
                 429, f"The queue of flow {flow.id} is full (max_queue_len {cap}).",
                 code="queue_full", retry_after=1.0,
             )  # fmt: skip
-        rates = self._rates(flow)
-        for rate, owner in zip(rates, (f"org {flow.org}", f"pool {flow.pool}"), strict=True):
+        for rate, owner in zip(self._rates(flow), ("org", "pool"), strict=True):
             if rate is not None and (full := rate.too_large(tokens)) is not None:
+                name = flow.org if owner == "org" else flow.pool
                 raise ApiError(
                     400, f"This request's {tokens:.0f} estimated tokens exceed the "
-                    f"{full.per_minute:g} tokens per minute of {owner}; lower max_tokens or "
-                    "the input.", code="tokens_exceed_limit",
+                    f"{full.per_minute:g} tokens per minute of {owner} {name}; lower "
+                    "max_tokens or the input.", code="tokens_exceed_limit",
                 )  # fmt: skip
         paced = self._paced(flow)
         self._refuse_over_rate(flow, paced, tokens, now)

@@ -237,6 +237,9 @@ class Calibration:
         self.max_orgs = max_orgs
         self.decay = 0.5 ** (1 / half_life_requests)
         self._pools: dict[str, _Pool] = {}
+        # per pool, the last fit and what it was solved from: every request is priced on
+        # it, and requests priced between two observations find it solved already
+        self._fits: dict[str, tuple[tuple[object, ...], InputModel]] = {}
 
     # -- learning --------------------------------------------------------------------------
 
@@ -311,8 +314,15 @@ class Calibration:
         state = self._pools.get(pool)
         if state is None or state.input.samples < self.min_pool_samples:
             return default
-        fitted = state.input.solve(default, self.chars_per_token_bounds)
-        return default if fitted is None else fitted
+        sums, bounds = state.input, self.chars_per_token_bounds
+        key = (default, bounds, sums.m, sums.c, sums.t, sums.mm, sums.mc, sums.cc, sums.mt, sums.ct)
+        cached = self._fits.get(pool)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        fitted = sums.solve(default, bounds)
+        model = default if fitted is None else fitted
+        self._fits[pool] = (key, model)
+        return model
 
     def _trusted(self, ratio: Ratio) -> float | None:
         """A pool's learned value once it rests on ``min_pool_samples`` requests: one odd

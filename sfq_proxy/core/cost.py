@@ -45,6 +45,7 @@ class CostModel:
     ) -> None:
         """``path`` names ``spec`` in the config, for the error if its tokenizer won't load."""
         self.spec = spec
+        self._prior = InputModel(spec.tokens_per_message, spec.chars_per_token)
         self._pool = pool
         self._calibration = calibration
         self._tokenizer = None
@@ -80,9 +81,8 @@ class CostModel:
 
     def input_model(self) -> InputModel:
         """What calibration learned of the pool's text, else the configured values."""
-        default = InputModel(self.spec.tokens_per_message, self.spec.chars_per_token)
         cal = self._calibration
-        return default if cal is None else cal.input_model(self._pool, default)
+        return self._prior if cal is None else cal.input_model(self._pool, self._prior)
 
     def output_ratio(self, org: str) -> float:
         default = self.spec.output_ratio

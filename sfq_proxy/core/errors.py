@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 _TYPES = {
@@ -78,3 +79,19 @@ class ApiError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "code": self.code}}
+
+
+@dataclass(frozen=True, slots=True)
+class Expiry:
+    """What a request is answered when one of its time bounds passes. Made once per bound
+    (a class's limit, a client's timeout), the error itself only when it is raised: most
+    requests never expire, and an exception made for each of their bounds costs more than
+    the rest of their bookkeeping."""
+
+    status: int
+    message: str
+    code: str | None = None
+
+    def error(self) -> ApiError:
+        """A fresh error to raise (an exception raised is changed: traceback, headers)."""
+        return ApiError(self.status, self.message, code=self.code)

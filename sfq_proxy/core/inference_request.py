@@ -312,7 +312,7 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     """
     try:
         text = raw.decode("utf-8")  # strict: no BOM-less UTF-16, no encoded surrogates
-        body = json.loads(text, parse_constant=_no_constant)
+        body = _DECODER.decode(text)
     except UnicodeDecodeError:
         raise ApiError(400, "The body must be JSON encoded as UTF-8.") from None
     except (ValueError, RecursionError):  # bad syntax, NaN, huge integers, nesting too deep
@@ -326,6 +326,10 @@ def _json_object(raw: bytes) -> dict[str, Any]:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")
+
+
+# made once: ``json.loads`` with any option builds a decoder per call (~8 µs a request)
+_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def _has_lone_surrogate(body: dict[str, Any]) -> bool:

@@ -92,31 +92,32 @@ class Rate:
             TokenBucket(tokens_per_minute, burst_s) if tokens_per_minute else None,
         )
 
+    # each bucket spelled out, not looped over: these run for every request admitted
+
     def wait(self, tokens: float, now: float) -> float:
-        waits = [b.wait(n, now) for b, n in self._buckets(tokens)]
-        return max(waits, default=0.0)
+        found = self.binding(tokens, now)
+        return 0.0 if found is None else found[0]
 
     def take(self, tokens: float, now: float) -> None:
-        for bucket, amount in self._buckets(tokens):
-            bucket.take(amount, now)
+        if self.requests is not None:
+            self.requests.take(1.0, now)
+        if self.tokens is not None:
+            self.tokens.take(tokens, now)
 
     def give_back(self, tokens: float, now: float) -> None:
-        for bucket, amount in self._buckets(tokens):
-            bucket.give_back(amount, now)
+        if self.requests is not None:
+            self.requests.give_back(1.0, now)
+        if self.tokens is not None:
+            self.tokens.give_back(tokens, now)
 
     def binding(self, tokens: float, now: float) -> tuple[float, Which] | None:
         """The longest wait before ``tokens`` (and one request) may be taken, and which
         bucket it is; None when they may be taken now."""
         found: tuple[float, Which] | None = None
-        pairs: tuple[tuple[TokenBucket | None, float, Which], ...] = (
-            (self.requests, 1.0, "requests"),
-            (self.tokens, tokens, "tokens"),
-        )
-        for bucket, amount, which in pairs:
-            if bucket is not None:
-                wait = bucket.wait(amount, now)
-                if wait > 0 and (found is None or wait > found[0]):
-                    found = (wait, which)
+        if self.requests is not None and (wait := self.requests.wait(1.0, now)) > 0:
+            found = (wait, "requests")
+        if self.tokens is not None and (wait := self.tokens.wait(tokens, now)) > 0:
+            found = (wait, "tokens") if found is None or wait > found[0] else found
         return found
 
     def headers(self, now: float) -> dict[str, str]:
@@ -129,10 +130,6 @@ class Rate:
     def too_large(self, tokens: float) -> TokenBucket | None:
         """The bucket that ``tokens`` would overflow even when full, if any."""
         return self.tokens if self.tokens is not None and not self.tokens.fits(tokens) else None
-
-    def _buckets(self, tokens: float) -> list[tuple[TokenBucket, float]]:
-        pairs = [(self.requests, 1.0), (self.tokens, tokens)]
-        return [(bucket, amount) for bucket, amount in pairs if bucket is not None]
 
 
 Which = Literal["requests", "tokens"]

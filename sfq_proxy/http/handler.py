@@ -22,14 +22,14 @@ import math
 import random
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from functools import partial
+from functools import lru_cache, partial
 
 from aiohttp import web
 
 from ..config import AffinitySpec, Config, ExtraCostSpec
 from ..core.affinity import request_key
 from ..core.cost import Estimate
-from ..core.errors import ApiError
+from ..core.errors import ApiError, Expiry
 from ..core.flows import CLASS_HEADER, Flow, classify
 from ..core.inference_request import InferenceRequest, Kind, parse, parse_extra
 from ..core.placement import Backend
@@ -38,9 +38,10 @@ from ..core.throttle import MAX_PAUSE_S, retry_after
 from .access_log import REQUEST_ID_HEADER, AccessRecord
 from .drain import ANSWERING, absorbed, cut_error
 from .error_response import error_response
-from .pool_runtime import Pool
+from .pool_runtime import QUEUE_DEADLINE, Pool
 from .relay import (
     COST_HEADER,
+    OUT_OF_TIME,
     QUEUE_WAIT_HEADER,
     STREAM_TOKENS,
     Relayed,
@@ -453,7 +454,7 @@ def _client_timeout(request: web.Request) -> float | None:
     return timeout
 
 
-Bound = tuple[float | None, ApiError | None]  # when (on the proxy's clock), and the answer
+Bound = tuple[float | None, Expiry]  # when (on the proxy's clock), and the answer then
 
 
 @dataclass(frozen=True, slots=True)
@@ -469,28 +470,35 @@ def _bounds(
     class's ``max_request_s`` and its client's ``X-Request-Timeout`` (504 ``deadline``: the
     client can shorten the operator's bound, never lengthen it); its wait in the queue also
     by the class's ``max_queue_age_s`` (429 ``queue_age``), the earlier applying."""
-    bounds = [
-        (seconds, f"{what} of {seconds:g} s")
-        for seconds, what in (
-            (max_request_s, "This class's max_request_s"),
-            (timeout, f"The request's {TIMEOUT_HEADER}"),
-        )
-        if seconds is not None
-    ]
-    if not bounds:
-        life: Bound = (None, None)
-        queue: Bound = (None, None)
+    life: Bound = (None, OUT_OF_TIME)
+    queue: Bound = (None, QUEUE_DEADLINE)
+    seconds: float | None
+    if timeout is not None and (max_request_s is None or timeout <= max_request_s):
+        seconds, what = timeout, f"The request's {TIMEOUT_HEADER}"
     else:
-        seconds, what = min(bounds)
+        seconds, what = max_request_s, "This class's max_request_s"
+    if seconds is not None:
         at = now + seconds
-        life = (at, ApiError(504, f"{what} passed before the answer's end.", code="deadline"))
-        queue = (at, ApiError(504, f"{what} passed before it was served.", code="deadline"))
+        on_life, on_queue = _deadline(what, seconds)
+        life, queue = (at, on_life), (at, on_queue)
     if max_queue_age_s is not None and (queue[0] is None or now + max_queue_age_s < queue[0]):
-        message = (
-            f"Waited longer than this class's queue limit (max_queue_age_s {max_queue_age_s:g} s)."
-        )
-        queue = (now + max_queue_age_s, ApiError(429, message, code="queue_age"))
+        queue = (now + max_queue_age_s, _queue_age(max_queue_age_s))
     return _Bounds(queue=queue, life=life)
+
+
+@lru_cache(maxsize=256)  # a class's bound, or a client's timeout: few values in use at once
+def _deadline(what: str, seconds: float) -> tuple[Expiry, Expiry]:
+    """The 504s of a bound of ``seconds`` named ``what``: once dispatched, and while queued."""
+    return (
+        Expiry(504, f"{what} of {seconds:g} s passed before the answer's end.", code="deadline"),
+        Expiry(504, f"{what} of {seconds:g} s passed before it was served.", code="deadline"),
+    )
+
+
+@lru_cache(maxsize=64)
+def _queue_age(seconds: float) -> Expiry:
+    message = f"Waited longer than this class's queue limit (max_queue_age_s {seconds:g} s)."
+    return Expiry(429, message, code="queue_age")
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:

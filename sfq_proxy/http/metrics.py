@@ -138,7 +138,7 @@ class Metrics(Collector):
 
     def seen(self, flow: Key) -> None:
         """A request of ``flow`` was admitted: its org is among the most recently active."""
-        self._at(flow)
+        self._activate(flow)
 
     def count(self, flow: Key, name: str, label: str = "", amount: float = 1.0) -> None:
         """Add ``amount`` to counter ``name`` (with its extra label value) for ``flow``."""
@@ -175,6 +175,12 @@ class Metrics(Collector):
         return org if org in self._orgs or org == "" else OTHER
 
     def _at(self, flow: Key) -> _Series:
+        """``flow``'s series. One that is there is its org's, labelled (folding an org takes
+        its series): only admission (``seen``) and a new series make an org recent."""
+        series = self._series.get(flow)
+        return self._activate(flow) if series is None else series
+
+    def _activate(self, flow: Key) -> _Series:
         org = flow[0]
         if org and org not in self._orgs:
             if len(self._orgs) >= self._max_orgs:

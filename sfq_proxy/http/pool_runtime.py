@@ -17,7 +17,7 @@ import aiohttp
 from ..config import Config, PoolSpec
 from ..core.calibration import Calibration, InputModel
 from ..core.cost import CostModel
-from ..core.errors import ApiError
+from ..core.errors import ApiError, Expiry
 from ..core.fair_queue import FlowView
 from ..core.flows import org_and_class
 from ..core.limits import Rate
@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 Clock = Callable[[], float]
 RECENT_DISPATCHES = 1000  # how many of the last dispatches /admin/state shows, oldest first
 SERVED_WINDOW_S = 300.0  # /admin/state's share of each flow: the cost served in this window
+QUEUE_DEADLINE = Expiry(504, "Deadline passed in the queue.")  # a bound with no answer of its own
 # the process's queue memory: waiting tickets by flow, the pool's name and the flow's id,
 # and the pool (where an evicted ticket waits)
 Memory = QueueMemory[tuple[str, str, "Pool"], Ticket]
@@ -157,15 +158,15 @@ class Pool:
         ticket: Ticket,
         *,
         expires_at: float | None = None,
-        expiry: ApiError | None = None,
+        expiry: Expiry = QUEUE_DEADLINE,
         front: bool = False,
     ) -> Backend:
         """Wait in line until ``ticket`` is given a backend slot.
 
         At ``expires_at`` (on this pool's clock) a ticket still waiting leaves the queue
-        uncharged and ``expiry`` is raised. If the waiting task is cancelled (its client went
-        away) the ticket leaves uncharged too, or, if it was dispatched in that same
-        instant, frees its slot. ``front`` queues a retry at the head of its flow.
+        uncharged and ``expiry``'s error is raised. If the waiting task is cancelled (its
+        client went away) the ticket leaves uncharged too, or, if it was dispatched in that
+        same instant, frees its slot. ``front`` queues a retry at the head of its flow.
 
         A request's first wait is counted in the process's queue memory (design.md §6,
         Queue memory): when that is full, the request is refused (429 ``queue_full``), or,
@@ -194,7 +195,7 @@ class Pool:
         return self.name, ticket.flow, self
 
     async def _queue(
-        self, ticket: Ticket, expires_at: float | None, expiry: ApiError | None, front: bool
+        self, ticket: Ticket, expires_at: float | None, expiry: Expiry, front: bool
     ) -> Backend:
         """In this pool's own line, until dispatched, out of time, evicted or cancelled."""
         future: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
@@ -209,7 +210,7 @@ class Pool:
                 return await future
         except TimeoutError:
             if self.scheduler.cancel(ticket) or ticket.backend is None:
-                raise expiry or ApiError(504, "Deadline passed in the queue.") from None
+                raise expiry.error() from None
             return ticket.backend  # dispatched in the very instant its deadline passed
         except asyncio.CancelledError:
             if not self.scheduler.cancel(ticket) and ticket.backend is not None:

@@ -23,7 +23,7 @@ from functools import partial
 import aiohttp
 from aiohttp import web
 
-from ..core.errors import ApiError
+from ..core.errors import ApiError, Expiry
 from ..core.inference_request import InferenceRequest
 from ..core.placement import Backend
 from .answer import (
@@ -43,6 +43,7 @@ from .upstream import Answer, Upstreams
 log = logging.getLogger(__name__)
 QUEUE_WAIT_HEADER = "X-Queue-Wait"
 COST_HEADER = "X-Cost-Charged"
+OUT_OF_TIME = Expiry(504, "The request's time bound passed.", code="deadline")
 _USAGE = b'"usage"'
 # a stream's token events as counted so far (``sse.TokenEvents``), on its client's request
 STREAM_TOKENS = web.RequestKey("sfq_stream_tokens", TokenEvents)
@@ -159,7 +160,7 @@ async def forward(
     on_headers: Callable[[float], None],
     *,
     expires_at: float | None = None,
-    expiry: ApiError | None = None,
+    expiry: Expiry = OUT_OF_TIME,
     on_upstream_end: Callable[[Relayed], None] | None = None,
     upstream_headers: Mapping[str, str] | None = None,
 ) -> Relayed:
@@ -258,7 +259,7 @@ async def _whole_body(
     pool: Pool,
     inflater: Inflater | None,
     until: float,
-    expiry: ApiError | None,
+    expiry: Expiry,
 ) -> bytes:
     """A whole answer's body, decoded, read before the client is sent anything: whatever
     goes wrong is still an ``UpstreamFailed`` (or the 504 of the request's bound). A body
@@ -270,7 +271,7 @@ async def _whole_body(
         body = await upstream.read()
         return body if inflater is None else inflater.feed(body) + inflater.close()
     except UpstreamDeadline:
-        raise expiry or _out_of_time() from None
+        raise expiry.error() from None
     except UpstreamStalled as exc:  # not retried: the backend got the request
         raise UpstreamFailed(str(exc), _stalled(pool)) from None
     except aiohttp.ClientError as exc:  # died before answering: the client saw nothing
@@ -290,7 +291,7 @@ async def _relay_stream(
     counter: TokenEvents,
     *,
     watchdog: _Watchdog | None = None,
-    expiry: ApiError | None = None,
+    expiry: Expiry = OUT_OF_TIME,
     upstream_end: Callable[[], None] | None = None,
 ) -> None:
     """Write the stream's bytes as they come (decoded by ``inflater`` when the upstream
@@ -324,7 +325,7 @@ async def _relay_stream(
         message = CUT_MESSAGE
     except UpstreamDeadline:  # the request's bound: nobody's fault
         relayed.fault = "deadline"
-        message = (expiry or _out_of_time()).message
+        message = expiry.message
     except aiohttp.ClientError as exc:  # bad chunking, early close, silence: the backend's
         log.warning("pool %s: a backend broke off a stream: %s", pool.name, exc)
         if isinstance(exc, UpstreamStalled):
@@ -360,10 +361,6 @@ def backend_failed(relayed: Relayed) -> bool:
 def _stalled(pool: Pool) -> ApiError:
     idle_s = pool.spec.timeouts.idle_s
     return ApiError(504, f"The backend went silent for {idle_s:g} s.", code="upstream_timeout")
-
-
-def _out_of_time() -> ApiError:
-    return ApiError(504, "The request's time bound passed.", code="deadline")
 
 
 def fault_code(fault: str) -> str:
@@ -453,7 +450,7 @@ async def _open(
     inference: InferenceRequest,
     request_id: str,
     remaining: float = math.inf,
-    expiry: ApiError | None = None,
+    expiry: Expiry = OUT_OF_TIME,
     extra_headers: Mapping[str, str] | None = None,
 ) -> Answer:
     """POST the client's bytes; return once the response headers are in. ``expiry`` is
@@ -477,7 +474,7 @@ async def _open(
         raise UpstreamFailed(f"{type(exc).__name__}: {exc}") from exc
     except TimeoutError:
         if remaining < timeouts.first_byte_s:
-            raise expiry or _out_of_time() from None
+            raise expiry.error() from None
         raise ApiError(
             504,
             f"The backend sent nothing within {timeouts.first_byte_s:g} s.",

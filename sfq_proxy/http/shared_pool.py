@@ -41,7 +41,7 @@ from redis.exceptions import RedisError
 from ..config import Config
 from ..core.calibration import Calibration
 from ..core.cost import CostModel
-from ..core.errors import ApiError
+from ..core.errors import ApiError, Expiry
 from ..core.fair_queue import FlowView
 from ..core.placement import Backend, share
 from ..core.queue_memory import evicted
@@ -155,7 +155,7 @@ class SharedPool(Pool):
             self._carried.pop(ticket, None)  # decided, or never to be
 
     async def _queue(
-        self, ticket: Ticket, expires_at: float | None, expiry: ApiError | None, front: bool
+        self, ticket: Ticket, expires_at: float | None, expiry: Expiry, front: bool
     ) -> Backend:
         """In line in Redis, or in this process's own while Redis is lost; a request that
         waits when the mode changes moves to the other line (its deadline goes with it).
@@ -170,7 +170,7 @@ class SharedPool(Pool):
                 continue
 
     async def _acquire_here(
-        self, ticket: Ticket, expires_at: float | None, expiry: ApiError | None, front: bool
+        self, ticket: Ticket, expires_at: float | None, expiry: Expiry, front: bool
     ) -> Backend:
         carried = self._carried.pop(ticket, None)
         if carried is not None:  # Redis was lost before it was submitted: decided on its own
@@ -183,7 +183,7 @@ class SharedPool(Pool):
         return backend
 
     async def _acquire_shared(
-        self, ticket: Ticket, expires_at: float | None, expiry: ApiError | None, front: bool
+        self, ticket: Ticket, expires_at: float | None, expiry: Expiry, front: bool
     ) -> Backend:
         ticket_id = f"{self.dispatch.holder}.{next(self._ids)}"
         ticket.payload = ticket_id  # what ``evict`` finds it by
@@ -199,7 +199,7 @@ class SharedPool(Pool):
                     backend = await future
         except TimeoutError:
             if await shielded(self._cancel(ticket_id)) or not future.done():
-                raise expiry or ApiError(504, "Deadline passed in the queue.") from None
+                raise expiry.error() from None
             backend = future.result()  # dispatched in the very instant its deadline passed
         except _Moved:  # Redis was lost: what it still holds of the ticket goes at adopt
             self._waiting.pop(ticket_id, None)

@@ -12,7 +12,7 @@ import asyncio
 import pytest
 from proxy_lab import proxy_config
 
-from sfq_proxy.core.errors import ApiError
+from sfq_proxy.core.errors import ApiError, Expiry
 from sfq_proxy.core.scheduler import Ticket
 from sfq_proxy.http.pool_runtime import Pool
 
@@ -32,10 +32,11 @@ async def test_a_queued_request_leaves_exactly_at_its_deadline_uncharged() -> No
     loop, pool_ = asyncio.get_running_loop(), pool()
     await pool_.acquire(ticket("A"))  # holds the only slot for the whole test
     late, start = ticket("B"), loop.time()
-    expiry = ApiError(429, "waited too long", code="queue_age")
+    expiry = Expiry(429, "waited too long", code="queue_age")
     with pytest.raises(ApiError) as expired:
         await pool_.acquire(late, expires_at=start + 30.0, expiry=expiry)
-    assert expired.value is expiry
+    assert (expired.value.status, expired.value.code) == (429, "queue_age")
+    assert expired.value.message == "waited too long"
     assert loop.time() - start == pytest.approx(30.0, abs=0.01)
     assert pool_.scheduler.queued() == 0
     assert pool_.scheduler.queue.virtual_time == 1.0  # only A was ever charged

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
@@ -369,6 +369,34 @@ def test_the_input_model_is_always_finite_and_within_bounds(
     assert (model is prior) is not learned  # observations of counts always make sense
     for value in cal.snapshot({POOL: prior}).get(POOL, {}).get("input", {}).values():
         assert value is None or math.isfinite(value)
+
+
+@given(
+    prior=PRIORS,
+    other=PRIORS,
+    steps=st.lists(
+        st.tuples(st.integers(1, 10**6), st.integers(1, 50), st.integers(1, 10**6), st.booleans()),
+        max_size=30,
+    ),
+)
+@example(  # one sample: the fit is the prior moved onto it, so it depends on the prior
+    prior=InputModel(0.0, 4.0), other=InputModel(10.0, 3.0), steps=[(400, 1, 100, True)]
+)
+def test_the_fit_asked_between_observations_is_the_fit_of_everything_seen(
+    prior: InputModel, other: InputModel, steps: list[tuple[int, int, int, bool]]
+) -> None:
+    """The fit is kept between observations (every request is priced on it): asked after
+    any of them, or with another prior, it is what a calibration asked only then gives."""
+    cal = Calibration(half_life_requests=7)
+    for i, (chars, messages, tokens, ask) in enumerate(steps):
+        prompt(cal, chars, tokens, messages=messages)
+        if not ask:
+            continue
+        for asked in (prior, other, prior):
+            twin = Calibration(half_life_requests=7)
+            for chars_, messages_, tokens_, _ in steps[: i + 1]:
+                prompt(twin, chars_, tokens_, messages=messages_)
+            assert cal.input_model(POOL, asked) == twin.input_model(POOL, asked)
 
 
 _SUM = st.sampled_from([0.0, 5e-324, 1e-300, 1.0, 1e300, 1.7976931348623157e308]) | st.floats(

@@ -12,8 +12,8 @@ from sfq_proxy.http.handler import _bounds
 
 def test_no_bound_bounds_nothing() -> None:
     bounds = _bounds(100.0, None, None, None)
-    assert bounds.queue == (None, None)
-    assert bounds.life == (None, None)
+    assert bounds.queue[0] is None
+    assert bounds.life[0] is None
 
 
 @pytest.mark.parametrize(
@@ -32,24 +32,33 @@ def test_the_smaller_of_the_class_and_the_client_bounds_the_whole_life(
     life_at, life_error = bounds.life
     queue_at, queue_error = bounds.queue
     assert life_at == queue_at == at
-    assert life_error is not None
-    assert queue_error is not None
     assert (life_error.status, life_error.code) == (504, "deadline")
     assert (queue_error.status, queue_error.code) == (504, "deadline")
     assert said in life_error.message
     assert said in queue_error.message
-    assert life_error.reason == "deadline"
+    assert life_error.error().reason == "deadline"
+
+
+def test_each_expiry_raised_is_a_fresh_error() -> None:
+    """The bounds of a class are made once and shared by its requests: what one request
+    raises (and the handler adds its headers to) must never be what another raises."""
+    first, second = _bounds(100.0, 3.0, 10.0, None), _bounds(200.0, 3.0, 10.0, None)
+    assert first.queue[1] is second.queue[1]  # made once…
+    raised = first.queue[1].error()
+    raised.extra_headers["x-ratelimit-limit-requests"] = "1"
+    again = second.queue[1].error()
+    assert again is not raised  # …raised afresh
+    assert again.extra_headers == {}
+    assert (again.status, again.code, again.message) == (raised.status, raised.code, raised.message)
 
 
 def test_the_queue_age_limit_bounds_the_wait_only() -> None:
     bounds = _bounds(100.0, 3.0, 10.0, None)
     assert bounds.queue[0] == 103.0
-    assert bounds.queue[1] is not None
     assert bounds.queue[1].code == "queue_age"
     assert bounds.life[0] == 110.0
     later = _bounds(100.0, 30.0, 10.0, None)  # the life bound comes first: it ends the wait
     assert later.queue[0] == 110.0
-    assert later.queue[1] is not None
     assert later.queue[1].code == "deadline"
 
 
