@@ -46,7 +46,6 @@ MAX_CHOICES = 128
 """The most ``n`` / ``best_of`` a request may ask for (OpenAI's own limit for ``n``)."""
 _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens")  # the first one set is charged
 RESPONSES_OUTPUT_FIELD = "max_output_tokens"  # the Responses API's only one
-_CHOICE_FIELDS = ("n", "best_of")
 # a JSON escape of a UTF-16 surrogate: only then can a string hold a lone one
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -144,14 +143,19 @@ def parse(
     else:
         texts, token_ids = _inputs(kind, body[field], field, media)
     messages = max(len(texts), 1)  # each text has its template overhead; tools do not
-    settings = affinity_of(model) if kind.generates else None
+    generates = kind.generates
+    settings = affinity_of(model) if generates else None
     prefix, user = _affinity(kind, body, texts, named, settings) if settings else (None, None)
     texts += _tool_texts(kind, body)
     fields = output_fields(kind)
     max_tokens = _max_tokens(body, fields)
     choices = 1
     if kind is not Kind.RESPONSES:  # it has no n: one answer
-        choices = max(_bounded_int(body, name, MAX_CHOICES) or 1 for name in _CHOICE_FIELDS)
+        n, best_of = (
+            _bounded_int(body, "n", MAX_CHOICES),
+            _bounded_int(body, "best_of", MAX_CHOICES),
+        )
+        choices = max(n or 1, best_of or 1)
     asks_usage = kind in (Kind.CHAT, Kind.COMPLETION) and reports_stream_usage(model)
     upstream, strip_usage = _ask_for_usage(body, raw) if asks_usage else (raw, False)
     return InferenceRequest(
@@ -160,12 +164,12 @@ def parse(
         stream=stream,
         text="".join(texts),
         token_ids=token_ids,
-        max_tokens=max_tokens if kind.generates else None,
+        max_tokens=max_tokens if generates else None,
         raw=upstream,
         strip_usage=strip_usage,
-        choices=choices if kind.generates else 1,
+        choices=choices if generates else 1,
         messages=messages,
-        names_output=any(name in body for name in fields),
+        names_output=not body.keys().isdisjoint(fields),
         media=tuple(media),
         affinity_prefix=prefix,
         affinity_user=user,
@@ -445,8 +449,11 @@ def _content_text(content: Any, where: str, media: list[Media]) -> str:
 def _max_tokens(body: dict[str, Any], fields: tuple[str, ...] = _OUTPUT_FIELDS) -> int | None:
     """The output budget asked for; every token field present is checked, not only the
     one charged, because the backend may read the other."""
-    values = [_bounded_int(body, name, MAX_OUTPUT_TOKENS) for name in fields]
-    return next((v for v in values if v is not None), None)
+    found = None
+    for name in fields:
+        value = _bounded_int(body, name, MAX_OUTPUT_TOKENS)
+        found = value if found is None else found
+    return found
 
 
 def _bounded_int(body: dict[str, Any], name: str, limit: int) -> int | None:

@@ -276,9 +276,9 @@ def _usage_only_data(event: bytes) -> bytes | None:
     data = event_data(event)
     if data is None:
         return None
-    try:
-        chunk = json.loads(data)
-    except (ValueError, RecursionError):
+    try:  # str, not bytes: json.loads of bytes first guesses their encoding
+        chunk = json.loads(data.decode())
+    except (ValueError, RecursionError):  # not UTF-8 (a UnicodeDecodeError), not JSON
         return None
     if isinstance(chunk, dict) and chunk.get("choices") == [] and "usage" in chunk:
         return data
