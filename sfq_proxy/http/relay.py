@@ -183,10 +183,11 @@ async def forward(
     (the handler is cancelled), which makes vLLM abort the generation.
 
     At ``expires_at`` (on the pool's clock: the end of the request's bound) the exchange
-    ends: ``expiry`` (a 504 ``deadline``) is raised while nothing reached the client, and a
-    stream ends with a ``deadline`` error event. ``on_upstream_end`` learns of a stream
-    as soon as its backend is done with (ended, broken off, stalled or out of time),
-    before the client is sent its last bytes, so that the slot is free at once.
+    ends: ``expiry``'s error (a 504 ``deadline``) is raised while nothing reached the
+    client, and a stream ends with a ``deadline`` error event (its message).
+    ``on_upstream_end`` learns of a stream as soon as its backend is done with (ended,
+    broken off, stalled or out of time), before the client is sent its last bytes, so that
+    the slot is free at once.
     """
     sent = pool.clock()
     remaining = math.inf if expires_at is None else max(0.0, expires_at - sent)
@@ -453,8 +454,8 @@ async def _open(
     expiry: Expiry = OUT_OF_TIME,
     extra_headers: Mapping[str, str] | None = None,
 ) -> Answer:
-    """POST the client's bytes; return once the response headers are in. ``expiry`` is
-    raised when the request's bound (``remaining`` seconds away) passes first."""
+    """POST the client's bytes; return once the response headers are in. ``expiry``'s
+    error is raised when the request's bound (``remaining`` seconds away) passes first."""
     headers = {
         "Content-Type": "application/json",
         "X-Request-Id": request_id,
