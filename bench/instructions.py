@@ -54,19 +54,10 @@ def main() -> None:
             sys.exit(f"{tool} is missing: apt-get install valgrind nginx-light")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        work.chmod(0o755)  # nginx's workers (not root) read the bodies from here
-        (work / "nginx.conf").write_text(overhead.nginx_conf(work))
-        nginx = subprocess.Popen(["nginx", "-c", str(work / "nginx.conf")])
-        try:
-            for ports in overhead.NGINX_PORTS.values():
-                for port in ports:
-                    overhead.wait_listening(port)
+        with overhead.nginx_backends(work, args.modes):
             print(f"{'mode':<7}{'target':<15}{'Minstr/req':>11}{'×bare':>7}{'sfq÷base':>10}")
             for mode in args.modes:
                 _compare(mode, args, work)
-        finally:
-            nginx.terminate()
-            nginx.wait()
 
 
 def _compare(mode: str, args: argparse.Namespace, work: Path) -> None:

@@ -38,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -113,6 +115,23 @@ http {{
   access_log off;
   {"".join(servers)}
 }}"""
+
+
+@contextmanager
+def nginx_backends(work: Path, modes: Iterable[str] = NGINX_PORTS) -> Iterator[None]:
+    """nginx as ``modes``' backends (``nginx_conf``), serving from ``work``, until the
+    block ends."""
+    work.chmod(0o755)  # nginx's workers (not root) read the bodies from here
+    (work / "nginx.conf").write_text(nginx_conf(work))
+    nginx = subprocess.Popen(["nginx", "-c", str(work / "nginx.conf")])
+    try:
+        for mode in modes:
+            for port in NGINX_PORTS[mode]:
+                wait_listening(port)
+        yield
+    finally:
+        nginx.terminate()
+        nginx.wait()
 
 
 def backend_ports() -> dict[str, tuple[int, ...]]:

@@ -17,7 +17,6 @@ import asyncio
 import cProfile
 import gc
 import pstats
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -39,17 +38,9 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        work.chmod(0o755)
-        (work / "nginx.conf").write_text(overhead.nginx_conf(work))
         (work / "proxy.yaml").write_text(overhead.proxy_config(modes=(args.mode,)))
-        nginx = subprocess.Popen(["nginx", "-c", str(work / "nginx.conf")])
-        try:
-            for port in overhead.NGINX_PORTS[args.mode]:
-                overhead.wait_listening(port)
+        with overhead.nginx_backends(work, [args.mode]):
             profile, requests = uvloop.run(_serve(work, args))
-        finally:
-            nginx.terminate()
-            nginx.wait()
     stats = pstats.Stats(profile).sort_stats(args.sort)
     if args.save:
         stats.dump_stats(args.save)
