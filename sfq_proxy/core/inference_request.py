@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 from enum import Enum
 from typing import Any, Protocol, TypeGuard
 
+import msgspec
+
 from . import affinity
 from .errors import ApiError
 from .media import Media, media_part
@@ -310,22 +312,34 @@ def _dumps(body: dict[str, Any]) -> bytes:
 def _json_object(raw: bytes) -> dict[str, Any]:
     """``raw`` as a JSON object, read as strictly as RFC 8259 says a backend may read it.
 
-    ``json.loads`` on bytes would guess UTF-16 or UTF-32 and pass encoded surrogates, and
-    it takes ``NaN`` and ``Infinity``: a backend may read such a body otherwise or not at
-    all, and the proxy edits the bytes of streaming bodies, so only UTF-8 is accepted.
+    msgspec reads it first, at ~4× the stdlib's speed. What it takes, the stdlib's strict
+    reading (``_strictly``) takes too, as the same values (a property test holds it to
+    that); what it refuses, that reading decides: it takes some (a huge number, a lone
+    surrogate that is refused below) and words the 400 of the rest.
     """
     try:
-        text = raw.decode("utf-8")  # strict: no BOM-less UTF-16, no encoded surrogates
-        body = _DECODER.decode(text)
-    except UnicodeDecodeError:
-        raise ApiError(400, "The body must be JSON encoded as UTF-8.") from None
-    except (ValueError, RecursionError):  # bad syntax, NaN, huge integers, nesting too deep
-        raise ApiError(400, "The body is not valid JSON.") from None
+        body = _FAST.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        body = _strictly(raw)
     if not isinstance(body, dict):
         raise ApiError(400, "The body must be a JSON object.")
     if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
         raise ApiError(400, "The body holds a lone UTF-16 surrogate, which is not text.")
     return body
+
+
+def _strictly(raw: bytes) -> Any:
+    """``raw`` read by the stdlib, strictly. ``json.loads`` on bytes would guess UTF-16 or
+    UTF-32 and pass encoded surrogates, and it takes ``NaN`` and ``Infinity``: a backend
+    may read such a body otherwise or not at all, and the proxy edits the bytes of
+    streaming bodies, so only UTF-8 is accepted."""
+    try:
+        text = raw.decode("utf-8")  # strict: no BOM-less UTF-16, no encoded surrogates
+        return _DECODER.decode(text)
+    except UnicodeDecodeError:
+        raise ApiError(400, "The body must be JSON encoded as UTF-8.") from None
+    except (ValueError, RecursionError):  # bad syntax, NaN, huge integers, nesting too deep
+        raise ApiError(400, "The body is not valid JSON.") from None
 
 
 def _no_constant(name: str) -> Any:
@@ -334,6 +348,7 @@ def _no_constant(name: str) -> Any:
 
 # made once: ``json.loads`` with any option builds a decoder per call (~8 µs a request)
 _DECODER = json.JSONDecoder(parse_constant=_no_constant)
+_FAST = msgspec.json.Decoder()
 
 
 def _has_lone_surrogate(body: dict[str, Any]) -> bool:

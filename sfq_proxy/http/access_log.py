@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, fields
 from typing import IO, Any
 
+import msgspec
+
 from . import logs
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -100,14 +102,23 @@ class _Sink:
 
 
 _clock = time.time
-_encode = json.JSONEncoder(check_circular=False).encode  # flat fields: no cycle to look for
-_JSON_HEAD = f'", "level": "info", "logger": "{LOGGER}", '
+_encode = msgspec.json.Encoder().encode  # ~15× the stdlib's speed, and as compact
+# the stdlib's, for a line msgspec would not write as ASCII: stdout may not take UTF-8, and
+# a lone surrogate (which no field should hold) is escaped rather than refused
+_ascii = json.JSONEncoder(check_circular=False, separators=(",", ":")).encode
+_JSON_HEAD = f'","level":"info","logger":"{LOGGER}",'
 _TEXT_HEAD = f" INFO {LOGGER}: "
 
 
 def _json(ts: str, fields: dict[str, Any]) -> str:
+    try:
+        encoded = _encode(fields).decode()
+    except UnicodeEncodeError:  # a lone surrogate
+        encoded = _ascii(fields)
+    if not encoded.isascii():  # a model's name or a key's can hold any text
+        encoded = _ascii(fields)
     # the encoded fields less their "{", after ts, level and logger: no second dict to build
-    return f'{{"ts": "{ts}{_JSON_HEAD}{_encode(fields)[1:]}'
+    return f'{{"ts":"{ts}{_JSON_HEAD}{encoded[1:]}'
 
 
 def _text(ts: str, fields: dict[str, Any]) -> str:

@@ -6,13 +6,18 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sfq_proxy.core.errors import ApiError
 from sfq_proxy.core.inference_request import (
+    _FAST,
     MAX_OUTPUT_TOKENS,
     InferenceRequest,
     Kind,
+    _strictly,
     parse,
     parse_extra,
     with_output_limit,
@@ -322,6 +327,59 @@ def test_a_lone_surrogate_nested_as_deep_as_json_allows_is_400_not_a_crash() -> 
 )
 def test_choices_are_the_larger_of_n_and_best_of(fields: dict[str, Any], choices: int) -> None:
     assert chat({"content": "x"}, **fields).choices == choices
+
+
+# -- reading the body: msgspec first, the stdlib's strict reading behind it --------------------
+
+# JSON-ish bytes: what a mutation splices into a valid body
+_JSONISH = st.sampled_from(
+    [b"{", b"}", b"[", b"]", b'"', b",", b":", b"0", b"7", b"-", b"+", b".", b"e", b"E", b"\\",
+     b"u", b"d8", b"dc", b"00", b"ff", b"true", b"null", b"NaN", b"Infinity", b" ", b"\n",
+     b"\x00", b"\x1f", b"\x7f", b"\xc3\xa9", b"\xed\xa0\x80", b"\xff", b"\xef\xbb\xbf",
+     b"9" * 25, b"1e400", b"1e-400", b"9" * 4301]
+)  # fmt: skip
+_SCALARS = (
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=2**63 - 2, max_value=2**65)
+    | st.integers(min_value=-(2**65), max_value=-(2**63) + 2) | st.floats(allow_nan=False)
+    | st.text(st.characters(codec=None, exclude_categories=())) | st.text(max_size=3)
+)  # fmt: skip
+_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@st.composite
+def _bodies(draw: st.DrawFn) -> bytes:
+    """A JSON value as text, maybe with a splice of JSON-ish bytes anywhere in it."""
+    value = draw(_VALUES)
+    ensure_ascii = draw(st.booleans())
+    try:  # infinity written as ``Infinity``, lone surrogates escaped or raw
+        raw = json.dumps(value, ensure_ascii=ensure_ascii).encode("utf-8", "surrogatepass")
+    except ValueError:
+        raw = json.dumps(value).encode()
+    if draw(st.booleans()):
+        start = draw(st.integers(0, len(raw)))
+        end = draw(st.integers(start, min(len(raw), start + 8)))
+        raw = raw[:start] + b"".join(draw(st.lists(_JSONISH, max_size=3))) + raw[end:]
+    return raw
+
+
+@given(_bodies() | st.binary(max_size=64))
+@settings(max_examples=3000, deadline=None)
+def test_what_msgspec_reads_the_stdlib_reads_alike(raw: bytes) -> None:
+    """msgspec reads a body first; only what it refuses goes to the stdlib's strict reading,
+    which was the one reading before. So every body it takes must be one that reading takes,
+    as the same values (an int stays an int, every digit kept): else a body's meaning, its
+    price, or its 400 would depend on which parser ran."""
+    try:
+        fast = _FAST.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return  # the stdlib's reading decides, as it always did
+    assert repr(_strictly(raw)) == repr(fast)
 
 
 # -- tools: what the chat template renders into the prompt is priced ---------------------------

@@ -152,6 +152,17 @@ def test_an_access_json_line_starts_with_ts_level_logger() -> None:
     assert (fields["key"], fields["class"], fields["status"]) == ("A#0", "batch", 200)
 
 
+@pytest.mark.parametrize("model", ["modèle-7b", "模型", "\ud800 half a pair", "ok"])
+def test_an_access_json_line_is_ascii_whatever_a_name_holds(model: str) -> None:
+    """A client names its model, an operator its keys: any text. The line is written
+    as ASCII JSON all the same (stdout need not take UTF-8), with the name escaped."""
+    made = access_log.AccessRecord("req-1", org="A", model=model, cost=0.1 + 0.2, status=200)
+    [line] = access_lines("json", [made])
+    assert line.isascii()
+    fields = json.loads(line)
+    assert (fields["model"], fields["cost"], fields["status"]) == (model, 0.1 + 0.2, 200)
+
+
 def test_an_access_text_line_starts_with_ts_level_logger() -> None:
     made = access_log.AccessRecord("req-1", org="A", key="ci-bot", status=404)
     [line] = access_lines("text", [made])

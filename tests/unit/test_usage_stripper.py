@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sfq_proxy.http.relay import Relayed, error_event, read_usage
+from sfq_proxy.http.sse import _EVENT_END, _event_ends, ends_event
 from sfq_proxy.http.sse import UsageStripper as _UsageStripper
-from sfq_proxy.http.sse import ends_event
 
 TOKEN = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"a"},"finish_reason":null}]}'
 FINISH = b'data: {"id":"c","choices":[{"index":0,"delta":{},"finish_reason":"length"}]}'
@@ -350,3 +350,16 @@ def test_an_error_event_is_found_where_the_single_pattern_found_it(pieces: list[
     tail = b"".join(pieces)
     relayed = Relayed(response=None, upstream_s=0.0, tail=tail)  # type: ignore[arg-type]
     assert error_event(relayed) is (_EVERY_BYTE.search(tail) is not None)
+
+
+@given(st.lists(st.sampled_from([b"\n", b"x", b"data: {}"]), max_size=40), st.data())
+def test_events_of_lf_streams_end_where_the_pattern_ends_them(
+    pieces: list[bytes], data: st.DataObject
+) -> None:
+    """An LF-only stream's event ends are found by a plain search (the pattern is tried at
+    every byte): at the same places, a run of empty lines going with the event before."""
+    text = b"".join(pieces)
+    pos = data.draw(st.integers(0, len(text)))
+    endpos = data.draw(st.integers(pos, len(text)))
+    by_pattern = [found.end() for found in _EVENT_END.finditer(text, pos, endpos)]
+    assert _event_ends(text, pos, endpos) == by_pattern
