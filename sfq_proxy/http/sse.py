@@ -78,7 +78,9 @@ class UsageStripper:
         if found is None:
             return chunk  # whole events, as servers send them: passed on uncopied
         start = _last_end(chunk, found.start())  # the events before the first marked one
-        return chunk[:start] + self._events(chunk[start:]) if start else self._events(chunk)
+        if not start:
+            return self._events(chunk)
+        return b"".join((memoryview(chunk)[:start], self._events(chunk[start:])))  # one copy
 
     def close(self) -> bytes:
         """What is left at the end of the stream: an event held, and one that no empty line
