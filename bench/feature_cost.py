@@ -8,7 +8,8 @@ spread over the features every request passes through. To decide which of them t
 inline, sample or batch, each is measured by its absence: sfq-proxy serves
 ``instructions.py``'s load under callgrind on ``overhead.py``'s config, once as it is and
 once per feature with that feature replaced by nothing (in the proxy's process only, by
-this file run as its launcher), and the instructions per request are compared. A feature
+this file run as its launcher), then with all of them replaced at once (what is left: the
+path every request must take), and the instructions per request are compared. A feature
 switched off here is broken on purpose (no metrics, no access line, a usage event left in
 the stream): this measures, it never serves.
 Requires: apt-get install valgrind nginx-light.
@@ -82,16 +83,23 @@ def main() -> None:
         with overhead.nginx_backends(work, args.modes):
             print(f"{'mode':<7}{'switched off':<19}{'Minstr/req':>11}{'saves':>9}  what")
             for mode in args.modes:
-                config = work / f"{mode}.yaml"
-                config.write_text(overhead.proxy_config(work, modes=(mode,)))
-                features = [f for f in args.features if mode == "stream" or f not in STREAM_ONLY]
-                whole = _count(mode, config, args, ())
-                print(f"{mode:<7}{'(nothing)':<19}{whole / 1e6:>11.3f}", flush=True)
-                for feature in features:
-                    count = _count(mode, config, args, (feature,))
-                    saves = f"{(whole - count) / whole:.1%}"
-                    print(f"{mode:<7}{feature:<19}{count / 1e6:>11.3f}{saves:>9}  "
-                          f"{FEATURES[feature][0]}", flush=True)  # fmt: skip
+                _rows(mode, work, args)
+
+
+def _rows(mode: str, work: Path, args: argparse.Namespace) -> None:
+    """One mode's rows: as it is, without each feature, then without all of them."""
+    config = work / f"{mode}.yaml"
+    config.write_text(overhead.proxy_config(work, modes=(mode,)))
+    features = [f for f in args.features if mode == "stream" or f not in STREAM_ONLY]
+    whole = _count(mode, config, args, ())
+    print(f"{mode:<7}{'(nothing)':<19}{whole / 1e6:>11.3f}", flush=True)
+    rows = [((feature,), feature, FEATURES[feature][0]) for feature in features]
+    if len(features) > 1:  # what is left without any of them: the path every request takes
+        rows.append((tuple(features), "all of these", ""))
+    for off, name, what in rows:
+        count = _count(mode, config, args, off)
+        saves = f"{(whole - count) / whole:.1%}"
+        print(f"{mode:<7}{name:<19}{count / 1e6:>11.3f}{saves:>9}  {what}", flush=True)
 
 
 def _count(mode: str, config: Path, args: argparse.Namespace, off: tuple[str, ...]) -> float:
