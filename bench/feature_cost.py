@@ -21,7 +21,6 @@ import argparse
 import importlib
 import os
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +77,8 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--features", nargs="+", choices=list(FEATURES), default=list(FEATURES))
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        with overhead.nginx_backends(work, args.modes):
-            print(f"{'mode':<7}{'switched off':<19}{'Minstr/req':>11}{'saves':>9}  what")
-            for mode in args.modes:
-                _rows(mode, work, args)
+    header = f"{'mode':<7}{'switched off':<19}{'Minstr/req':>11}{'saves':>9}  what"
+    instructions.each_mode(args.modes, header, lambda mode, work: _rows(mode, work, args))
 
 
 def _rows(mode: str, work: Path, args: argparse.Namespace) -> None:

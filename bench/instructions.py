@@ -30,7 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import aiohttp
@@ -49,15 +49,22 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--baseline", type=Path, help="a checkout whose sfq-proxy runs too")
     args = parser.parse_args()
+    header = f"{'mode':<7}{'target':<15}{'Minstr/req':>11}{'×bare':>7}{'sfq÷base':>10}"
+    each_mode(args.modes, header, lambda mode, work: _compare(mode, args, work))
+
+
+def each_mode(modes: Sequence[str], header: str, rows: Callable[[str, Path], None]) -> None:
+    """Print ``header``, then ``rows(mode, work)`` for each of ``modes``, in front of
+    overhead.py's nginx backends (their files in the temporary directory ``work``)."""
     for tool in ("valgrind", "callgrind_control", "nginx"):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: apt-get install valgrind nginx-light")
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        with overhead.nginx_backends(work, args.modes):
-            print(f"{'mode':<7}{'target':<15}{'Minstr/req':>11}{'×bare':>7}{'sfq÷base':>10}")
-            for mode in args.modes:
-                _compare(mode, args, work)
+        with overhead.nginx_backends(work, modes):
+            print(header, flush=True)
+            for mode in modes:
+                rows(mode, work)
 
 
 def _compare(mode: str, args: argparse.Namespace, work: Path) -> None:
