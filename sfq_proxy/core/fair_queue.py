@@ -91,13 +91,18 @@ class _Lanes:
     marks: deque[list[int]] = field(default_factory=deque)  # [bucket, times overtaken]
 
 
-@dataclass(slots=True)
 class _Flow(Generic[T]):
-    meter: int
-    weight: float = 1.0  # the flow's weight when it is next charged
-    queue: deque[tuple[T, float]] = field(default_factory=deque)  # (item, cost)
-    entry: int = -1  # sequence number of this flow's live heap entry; -1 when it has none
-    lanes: _Lanes | None = None  # None: the flow is a FIFO (no size buckets)
+    """A flow's meter, queue and place in the heap. Not a dataclass: mypyc cannot compile
+    a generic one (bench/compiled_core.py)."""
+
+    __slots__ = ("entry", "lanes", "meter", "queue", "weight")
+
+    def __init__(self, meter: int) -> None:
+        self.meter = meter
+        self.weight = 1.0  # the flow's weight when it is next charged
+        self.queue: deque[tuple[T, float]] = deque()  # (item, cost)
+        self.entry = -1  # sequence number of this flow's live heap entry; -1 when it has none
+        self.lanes: _Lanes | None = None  # None: the flow is a FIFO (no size buckets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +172,7 @@ class FairQueue(Generic[T]):
             check_size(bucket, max_overtaken)
         state = self._flows.get(flow)
         if state is None:
-            state = self._flows[flow] = _Flow(meter=self._v)
+            state = self._flows[flow] = _Flow(self._v)
         if not state.queue:
             state.meter = max(state.meter, self._v)
         state.weight = weight

@@ -242,10 +242,10 @@ def _field_texts(value: Any) -> tuple[list[str], int]:
             texts.append(item)
         elif in_array and _is_token(item):
             token_ids += 1
-        elif isinstance(item, dict):
-            stack.extend((v, False) for v in reversed(list(item.values())))
+        elif isinstance(item, dict):  # [::-1], not reversed(): mypyc fails on that of Any
+            stack.extend([(member, False) for member in list(item.values())[::-1]])
         elif isinstance(item, list):
-            stack.extend((v, True) for v in reversed(item))
+            stack.extend([(element, True) for element in item[::-1]])
     return texts, token_ids
 
 
