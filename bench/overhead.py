@@ -2,7 +2,7 @@
 
     python bench/overhead.py [--seconds 5] [--connections 1 16 64] [--rounds 3]
                              [--modes json stream paced] [--no-router]
-                             [--baseline CHECKOUT]
+                             [--baseline CHECKOUT] [--without FEATURE ...]
 
 Three kinds of answer: ``json``, a fixed chat completion with usage, and ``stream``, a
 200-event SSE stream ending with a usage chunk and [DONE], both from nginx (Debian's
@@ -21,7 +21,9 @@ p50/p99 latency, ratio to direct, and the CPU microseconds per request (per even
 of --rounds runs, interleaved across targets so a noisy spell hits all alike. ``--baseline`` adds
 "sfq (base)": the sfq-proxy of another checkout (``git worktree add /tmp/base <commit>``)
 on the same config and port kind, so that a change is measured against the code before it
-in the same rounds.
+in the same rounds. ``--without`` adds "sfq −features": sfq-proxy with those per-request
+features switched off (``feature_cost.py``'s names, or ``all``), so that what the rest of
+the path costs is timed beside the whole, in the same rounds.
 Requires: apt-get install nginx-light wrk.
 """
 
@@ -47,6 +49,7 @@ NGINX_PORTS = {"json": (18301, 18302), "stream": (18311, 18312)}
 PACED_PORTS = (18351, 18352)  # paced_backend.py
 MODES = ("json", "stream", "paced")
 PASS_PORT, UPSTREAM_PORT, PROXY_PORT, BASE_PORT, ROUTER_PORT = 18320, 18321, 18330, 18331, 18340
+WITHOUT_PORT = 18332  # sfq-proxy with features switched off (--without)
 PACED_EVENTS = 200  # as nginx's stream: 200 chunks, then a usage event and [DONE]
 ROUTER = "vllm-router==0.1.17"
 ROUTER_VENV = HERE / ".venv-router"
@@ -239,7 +242,15 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
     parser.add_argument("--baseline", type=Path, help="a checkout whose sfq-proxy runs too")
+    parser.add_argument(
+        "--without",
+        nargs="+",
+        default=[],
+        metavar="FEATURE",
+        help="also run sfq-proxy with these features off (feature_cost.py's)",
+    )
     args = parser.parse_args()
+    args.without = _features(args.without)
     for tool in ("nginx", "wrk"):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: apt-get install nginx-light wrk")
@@ -250,6 +261,7 @@ def main() -> None:
         (work / "nginx.conf").write_text(nginx_conf(work))
         (work / "proxy.yaml").write_text(proxy_config(work))
         (work / "base.yaml").write_text(proxy_config(work, port=BASE_PORT))
+        (work / "without.yaml").write_text(proxy_config(work, port=WITHOUT_PORT))
         procs = [subprocess.Popen(["nginx", "-c", str(work / "nginx.conf")])]
         paced = [sys.executable, str(HERE / "paced_backend.py"), "--events", str(PACED_EVENTS)]
         procs += [subprocess.Popen([*paced, str(port)]) for port in PACED_PORTS]
@@ -289,6 +301,8 @@ def _compare(
         env = {**os.environ, "PYTHONPATH": str(args.baseline.resolve())}
         base = subprocess.Popen(serve, env=env, cwd=args.baseline, **quiet)  # ``-m``: cwd first
         middles["sfq (base)"] = (BASE_PORT, base)
+    if args.without:
+        middles["sfq −features"] = (WITHOUT_PORT, _without(args.without, work, quiet))
     if router is not None:
         command = [str(router), "--host", "127.0.0.1", "--port", str(ROUTER_PORT), "--policy",
                    "round_robin", "--log-level", "warning", "--worker-urls", *backends]  # fmt: skip
@@ -316,6 +330,27 @@ def _compare(
         for _, proc in middles.values():
             _stop(proc)
     return [proc for _, proc in middles.values()]
+
+
+def _features(names: list[str]) -> list[str]:
+    """--without's features, checked against feature_cost.py's (``all``: every one)."""
+    import feature_cost  # it imports this module: here, not at the top
+
+    known = list(feature_cost.FEATURES)
+    if names == ["all"]:
+        return known
+    if unknown := sorted(set(names) - set(known)):
+        sys.exit(f"--without: no feature {unknown}; known: {known} or all")
+    return names
+
+
+def _without(features: list[str], work: Path, quiet: dict[str, int]) -> subprocess.Popen[bytes]:
+    """sfq-proxy with ``features`` switched off, run by feature_cost.py as its launcher."""
+    import feature_cost
+
+    env = {**os.environ, feature_cost.OFF_ENV: ",".join(features)}
+    serve = [sys.executable, str(HERE / "feature_cost.py"), feature_cost.LAUNCH, "serve"]
+    return subprocess.Popen([*serve, "--config", str(work / "without.yaml")], env=env, **quiet)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
