@@ -100,16 +100,17 @@ async def sse_events(
     return raw, [e for e in re.split(rb"\r?\n\r?\n", raw) if e.strip()]
 
 
-async def read_to_the_cut(response: aiohttp.ClientResponse) -> bytes:
-    """What an interrupted stream sent: the server ends it with ``data: [DONE]`` and then
-    drops the connection mid-body (no last chunk of the chunked encoding)."""
+async def read_to_the_end(response: aiohttp.ClientResponse) -> bytes:
+    """What an interrupted stream sent: the server ends it with ``data: [DONE]``, then
+    either ends the body or drops the connection mid-body (no last chunk of the chunked
+    encoding), as the race between its generator and its lock goes: CI has seen both."""
     raw = b""
     try:
         async for line in response.content:
             raw += line
     except aiohttp.ClientPayloadError:
-        return raw
-    raise AssertionError(f"the stream ended whole: {raw[-200:]!r}")
+        pass
+    return raw
 
 
 def chunks(events: list[bytes]) -> list[dict[str, Any]]:
@@ -221,7 +222,7 @@ async def test_overlap_ends_a_stream_early_and_the_proxy_never_overlaps(
         raw = await first.content.readline()  # the stream is running
         async with http.get(f"{server.url}/v1/models") as second:  # waits for the lock
             assert second.status == 200
-        raw += await read_to_the_cut(first)
+        raw += await read_to_the_end(first)
     cut = [e for e in re.split(rb"\r?\n\r?\n", raw) if e.strip()]
     assert cut[-1] == b"data: [DONE]"
     assert len(cut) < 400
