@@ -7,8 +7,8 @@
 The profile of a request is flat: most of what the proxy adds to a bare pass-through is
 Python bytecode spread over many small functions, which no single trim removes. The
 sans-I/O core is fully typed (``mypy --strict``), the code mypyc turns into C extension
-modules; this builds such a copy in DIR (``sfq_proxy/`` copied, ``MODULES`` compiled in
-place; with ``--with-http`` the shell's modules on the request path too) for the benches'
+modules; this builds such a copy in DIR (``sfq_proxy/`` copied, the ``CORE`` modules
+compiled in place, and with ``--with-http`` the shell's ``HTTP`` ones too) for the benches'
 ``--baseline``, so that what compiling would save is measured beside the code as it is, in
 the same rounds.
 
@@ -17,8 +17,9 @@ each argument's declared type at a call, so a bad value sent to the core is a Ty
 where the core's own check would say which value is bad (a ValueError); an interpreted
 class may not subclass a compiled one (``SharedCalibration``); a compiled class cannot be
 patched (``feature_cost.py``). Left out: ``keys.py`` (pydantic models), ``queues.py``
-(the lab's other disciplines), and of the shell ``sse.py`` and ``answer.py`` (an async
-generator; a class attribute read through ``cls``).
+(the lab's other disciplines), and of the shell ``sse.py`` and ``answer.py`` (a class
+attribute read through ``cls``; an async generator) and ``upstream.py`` (compiled, it
+refuses aiohttp's parsed response, a C object its types call a NamedTuple).
 Requires: a C compiler, and the dev extra (mypy, which brings mypyc).
 """
 
