@@ -150,6 +150,7 @@ class Workload:
 async def conversation(
     client: openai.AsyncOpenAI, system: str, seed: int, workload: Workload, ttft: list[float]
 ) -> None:
+    # the pauses draw from their own generator: the questions are the same whatever think_ms
     rng, pauses = random.Random(seed), random.Random(-1 - seed)
     messages: list[dict[str, str]] = [{"role": "system", "content": system}]
     for _ in range(workload.turns):
