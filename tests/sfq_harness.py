@@ -13,6 +13,8 @@ from fractions import Fraction
 from typing import Any, Literal, Protocol
 
 # ("push", flow, cost) | ("front", flow, cost) | ("pop",) | ("remove", flow, k) | ("elig", flow, ok)
+# | ("settle", flow, k, actual): the k-th (mod) running request of flow ends, having cost
+# actual (None: unknown, the estimate stands)
 Op = tuple[Any, ...]
 
 
@@ -24,6 +26,7 @@ class QueueLike(Protocol):
     ) -> None: ...
     def pop(self) -> tuple[str, Any] | None: ...
     def remove(self, flow: str, item: Any) -> bool: ...
+    def settle(self, flow: str, cost: float, actual: float | None = None) -> None: ...
     def set_eligible(self, flow: str, ok: bool) -> None: ...
     def meter(self, flow: str) -> Any: ...
     def backlog(self, flow: str) -> int: ...
@@ -39,9 +42,14 @@ class ReferenceSFQ:
         join: Literal["max", "reset"] = "max",
         idle_reset: bool = True,
         charge_at: Literal["pop", "push"] = "pop",
+        true_up: bool = True,
+        busy_while_running: bool = True,
     ) -> None:
         self.join, self.idle_reset, self.charge_at = join, idle_reset, charge_at
+        self.true_up, self.busy_while_running = true_up, busy_while_running
         self.S: dict[str, Fraction] = {}
+        self.w: dict[str, Fraction] = {}  # each flow's weight, as of its latest push
+        self.running: dict[str, int] = {}
         self.q: dict[str, deque[tuple[Any, Fraction]]] = {}
         self.v = Fraction(0)
         self.ineligible: set[str] = set()
@@ -54,6 +62,7 @@ class ReferenceSFQ:
         self, flow: str, item: Any, cost: float, weight: float = 1.0, *, front: bool = False
     ) -> None:
         charge = Fraction(cost) / Fraction(weight)
+        self.w[flow] = Fraction(weight)
         queue = self.q.setdefault(flow, deque())
         if not queue:
             old = self.S.get(flow, self.v)
@@ -71,8 +80,19 @@ class ReferenceSFQ:
         item, charge = self.q[flow].popleft()
         if self.charge_at == "pop":
             self.S[flow] += charge
+        self.running[flow] = self.running.get(flow, 0) + 1
         self._maybe_idle()
         return flow, item
+
+    def settle(self, flow: str, cost: float, actual: float | None = None) -> None:
+        """True-up: a debt sticks, a refund stops at v (none for a meter below v)."""
+        assert self.running.get(flow), f"settle of {flow} with nothing running"
+        self.running[flow] -= 1
+        if actual is not None and self.true_up:
+            owed = (Fraction(actual) - Fraction(cost)) / self.w[flow]
+            meter = self.S[flow] + owed
+            self.S[flow] = meter if owed >= 0 else max(meter, min(self.S[flow], self.v))
+        self._maybe_idle()
 
     def remove(self, flow: str, item: Any) -> bool:
         queue = self.q.get(flow, deque())
@@ -101,7 +121,8 @@ class ReferenceSFQ:
         return sum(len(q) for q in self.q.values())
 
     def _maybe_idle(self) -> None:
-        if self.idle_reset and not len(self) and self.S:
+        running = self.busy_while_running and any(self.running.values())
+        if self.idle_reset and not len(self) and not running and self.S:
             self.v = max(self.v, *self.S.values())
 
 
@@ -117,12 +138,21 @@ class Trace:
     # the charge (cost / weight) each dispatch made, and the op index it happened at
     charges: list[tuple[int, str, Fraction]] = field(default_factory=list)
     max_charge: dict[str, Fraction] = field(default_factory=dict)
+    # what a flow's requests in flight may owe at most: the most it had running at once times
+    # its largest debt ((actual − cost) / weight) of one request
+    max_running: dict[str, int] = field(default_factory=dict)
+    max_debt: dict[str, Fraction] = field(default_factory=dict)
+
+    def owed(self, flow: str) -> Fraction:
+        return self.max_running.get(flow, 0) * self.max_debt.get(flow, Fraction(0))
 
 
 def run(queue: QueueLike, ops: list[Op], weights: dict[str, float]) -> Trace:
     """Apply ``ops`` to ``queue``, checking FIFO-within-flow and no loss as it goes."""
     trace = Trace()
     mirror: dict[str, deque[tuple[int, Fraction]]] = {f: deque() for f in weights}
+    costs: dict[int, float] = {}
+    running: dict[str, list[int]] = {f: [] for f in weights}
     ineligible: set[str] = set()
     for index, op in enumerate(ops):
         kind = op[0]
@@ -131,6 +161,7 @@ def run(queue: QueueLike, ops: list[Op], weights: dict[str, float]) -> Trace:
             charge = Fraction(cost) / Fraction(weights[flow])
             front = kind == "front"
             queue.push(flow, index, cost, weights[flow], front=front)
+            costs[index] = cost
             (mirror[flow].appendleft if front else mirror[flow].append)((index, charge))
             trace.max_charge[flow] = max(trace.max_charge.get(flow, Fraction(0)), charge)
         elif kind == "pop":
@@ -143,6 +174,16 @@ def run(queue: QueueLike, ops: list[Op], weights: dict[str, float]) -> Trace:
                 assert item == expected, f"flow {flow} not FIFO: got {item}, head {expected}"
                 trace.dispatches.append(got)
                 trace.charges.append((index, flow, charge))
+                running[flow].append(item)
+                trace.max_running[flow] = max(trace.max_running.get(flow, 0), len(running[flow]))
+        elif kind == "settle":
+            _, flow, k, actual = op
+            if running[flow]:
+                item = running[flow].pop(k % len(running[flow]))
+                queue.settle(flow, costs[item], actual)
+                if actual is not None:
+                    debt = (Fraction(actual) - Fraction(costs[item])) / Fraction(weights[flow])
+                    trace.max_debt[flow] = max(trace.max_debt.get(flow, Fraction(0)), debt)
         elif kind == "remove":
             _, flow, k = op
             if mirror[flow]:
@@ -169,14 +210,15 @@ def run(queue: QueueLike, ops: list[Op], weights: dict[str, float]) -> Trace:
 
 
 def check_band(trace: Trace) -> None:
-    """Every eligible backlogged meter lies in [v, v + its largest charge]; v never falls."""
+    """Every eligible backlogged meter lies in [v, v + its largest charge + what its requests
+    in flight may owe]; v never falls."""
     previous_v = Fraction(0)
     for step, (v, flows) in enumerate(trace.states):
         assert v >= previous_v, f"step {step}: v went back from {previous_v} to {v}"
         previous_v = v
         for flow, (backlog, eligible, meter) in flows.items():
             if backlog and eligible:
-                hi = v + trace.max_charge[flow]
+                hi = v + trace.max_charge[flow] + trace.owed(flow)
                 assert v <= meter <= hi, f"step {step}: {flow} meter {meter} outside [{v}, {hi}]"
 
 
@@ -184,27 +226,23 @@ def check_pairwise(trace: Trace) -> None:
     """Two flows eligible and backlogged over an interval: served/weight within the bound.
 
     For every maximal run of steps where both are, the largest swing of the difference of
-    their cumulative charges over any sub-interval must stay within cmax_i + cmax_j.
+    what their meters were charged (dispatches and true-ups) over any sub-interval must stay
+    within ``cmax_i + owed_i + cmax_j + owed_j`` (docs/design.md §3, The fairness guarantee).
+    While a flow stays backlogged and eligible its meter moves by its charges alone, so the
+    difference of the meters is the difference of the charges plus a constant.
     """
     flows = sorted(trace.max_charge)
-    per_step: list[dict[str, Fraction]] = [{} for _ in trace.states]
-    for index, flow, charge in trace.charges:
-        per_step[index][flow] = per_step[index].get(flow, Fraction(0)) + charge
     for a_pos, a in enumerate(flows):
         for b in flows[a_pos + 1 :]:
-            bound = trace.max_charge[a] + trace.max_charge[b]
-            diff = lo = hi = Fraction(0)
-            was_both = False
+            bound = trace.max_charge[a] + trace.owed(a) + trace.max_charge[b] + trace.owed(b)
+            lo = hi = Fraction(0)
+            base: Fraction | None = None
             for step, (_, state) in enumerate(trace.states):
-                both = all(state[f][0] and state[f][1] for f in (a, b))
-                if not both:
-                    was_both = False
+                if not all(state[f][0] and state[f][1] for f in (a, b)):
+                    base = None
                     continue
-                if not was_both:  # a new interval opens after this step's own dispatch
-                    diff = lo = hi = Fraction(0)
-                else:
-                    served = per_step[step]
-                    diff += served.get(a, Fraction(0)) - served.get(b, Fraction(0))
-                    lo, hi = min(lo, diff), max(hi, diff)
-                was_both = True
+                gap = state[a][2] - state[b][2]
+                if base is None:  # a new interval opens after this step
+                    base, lo, hi = gap, Fraction(0), Fraction(0)
+                lo, hi = min(lo, gap - base), max(hi, gap - base)
                 assert hi - lo <= bound, f"{a} vs {b}: swing {hi - lo} > {bound} by step {step}"

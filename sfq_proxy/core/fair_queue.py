@@ -9,8 +9,14 @@ Rules, from Goyal, Vin & Cheng (SIGCOMM 1996) as restated for LLM load balancers
 1. Arrival to an empty (or new) flow joins at ``S = max(S, v)``: no credit is banked while
    idle, and what a flow over-took just before leaving is remembered.
 2. Dispatch picks the eligible backlogged flow with the smallest meter ``S`` (ties by flow
-   id), sets ``v = S`` and charges ``S += cost / weight``. Charges are final: no refunds.
-3. When nothing waits anywhere, ``v = max(v, max S)``: the next busy period starts level.
+   id), sets ``v = S`` and charges ``S += cost / weight``: the estimate, since the work is
+   not known yet.
+3. When the request ends, the charge is trued up to the work the backend reports,
+   ``S += (actual − cost) / weight``: a debt always sticks, a refund never takes ``S`` below
+   ``v`` (no credit is banked). Without a report the estimate stands.
+4. When nothing waits and nothing runs, ``v = max(v, max S)``: the next busy period starts
+   level. A request in service belongs to the busy period: what it was charged (and may
+   still owe) is not forgotten while it runs.
 
 Inside a flow, requests leave in arrival order, unless the flow has **size buckets**
 (docs/design.md §3, Size buckets inside a flow): then the next request of the flow is the
@@ -95,10 +101,11 @@ class _Flow(Generic[T]):
     """A flow's meter, queue and place in the heap. Not a dataclass: mypyc cannot compile
     a generic one (bench/compiled_core.py)."""
 
-    __slots__ = ("entry", "lanes", "meter", "queue", "weight")
+    __slots__ = ("entry", "lanes", "meter", "queue", "running", "weight")
 
     def __init__(self, meter: int) -> None:
         self.meter = meter
+        self.running = 0  # dispatched and not settled: the flow is kept until they are
         self.weight = 1.0  # the flow's weight when it is next charged
         self.queue: deque[tuple[T, float]] = deque()  # (item, cost)
         self.entry = -1  # sequence number of this flow's live heap entry; -1 when it has none
@@ -136,6 +143,7 @@ class FairQueue(Generic[T]):
         self._max_meter = 0
         self._offset = 0  # what renormalisation subtracted so far; the outside never sees it
         self._queued = 0
+        self._running = 0  # dispatched and not settled, over every flow
         self._renormalize_at = renormalize_at
 
     # -- the operations -------------------------------------------------------------------
@@ -206,20 +214,20 @@ class FairQueue(Generic[T]):
         # nothing below can raise (bounded inputs: the charge is finite), so taking it first
         # changes nothing half-way
         item, cost = state.queue.popleft() if lanes is None else _take(state.queue, lanes)
-        charge = max(1, round(cost * UNITS_PER_COST / state.weight))
         self._v = state.meter
-        state.meter += charge
+        state.meter += _units(cost, state.weight)
         self._max_meter = max(self._max_meter, state.meter)
         self._queued -= 1
+        state.running += 1
+        self._running += 1
         if state.queue:
             self._seq += 1
             state.entry = self._seq
             heapq.heapreplace(heap, (state.meter, flow, self._seq))
-        else:
+        else:  # it runs: the busy period goes on until it is settled
             state.entry = -1
             state.lanes = None
             heapq.heappop(heap)
-            self._after_drain()
         if self._renormalize_at is not None and self._v >= self._renormalize_at:
             self._renormalize()
         return flow, item
@@ -243,6 +251,35 @@ class FairQueue(Generic[T]):
             state.lanes = None
             self._after_drain()
         return True
+
+    def settle(self, flow: str, cost: float, actual: float | None = None) -> None:
+        """A request of ``flow`` dispatched with ``cost`` has ended: true its charge up to the
+        ``actual`` cost the backend reported (None: unknown, the estimate stands).
+
+        ``S += (actual − cost) / weight`` at the flow's weight now: a debt always sticks, a
+        refund stops at ``v`` (a meter already below ``v`` gets none), so a flow can neither
+        bank credit nor escape what its requests really did. Raises ValueError, changing
+        nothing, for a flow with nothing running or an ``actual`` outside [0, MAX_COST].
+        """
+        check_cost(cost)
+        if actual is not None:
+            _check_range("actual", actual, MAX_COST, allow_zero=True)
+        state = self._flows.get(flow)
+        if state is None or not state.running:
+            raise ValueError(f"settle() of flow {flow!r}, which has nothing running")
+        if actual is not None:
+            owed = round(actual * UNITS_PER_COST / state.weight) - _units(cost, state.weight)
+            meter = state.meter + owed
+            if owed < 0:  # a refund: down to v at most, and none for a meter below it
+                meter = max(meter, min(state.meter, self._v))
+            if meter != state.meter:
+                state.meter = meter
+                self._max_meter = max(self._max_meter, meter)
+                if state.entry >= 0:  # queued and eligible: its heap entry moves with it
+                    self._enter(flow, state)
+        state.running -= 1
+        self._running -= 1
+        self._after_drain()
 
     def set_weight(self, flow: str, weight: float) -> None:
         """Change a queued flow's weight (a config reload): its next charges use it."""
@@ -330,12 +367,12 @@ class FairQueue(Generic[T]):
         heapq.heappush(self._heap, (state.meter, flow, self._seq))
 
     def _after_drain(self) -> None:
-        """Close the busy period when the last waiting request anywhere has left.
+        """Close the busy period when nothing waits and nothing runs anywhere.
 
         Every flow is then idle at or below the new baseline, where a returning flow would
         join anyway, so their state is forgotten: memory stays bounded by active flows.
         """
-        if self._queued:
+        if self._queued or self._running:
             return
         self._v = max(self._v, self._max_meter)
         self._max_meter = self._v
@@ -351,6 +388,11 @@ class FairQueue(Generic[T]):
         for state in self._flows.values():
             state.meter -= shift
         self._heap = [(m - shift, f, s) for m, f, s in self._heap]  # order kept: heap intact
+
+
+def _units(cost: float, weight: float) -> int:
+    """What a cost charges a flow of ``weight``, in meter units (at least one)."""
+    return max(1, round(cost * UNITS_PER_COST / weight))
 
 
 def size_bucket(cost: float, bounds: Sequence[float]) -> int:
@@ -439,12 +481,18 @@ def check_weight(weight: float) -> None:
     _check_range("weight", weight, MAX_WEIGHT, MIN_WEIGHT)
 
 
-def _check_range(name: str, value: float, high: float, low: float = 0.0) -> None:
-    """``value`` must be a real number in (0, ``high``] and at least ``low``.
+def _check_range(
+    name: str, value: float, high: float, low: float = 0.0, *, allow_zero: bool = False
+) -> None:
+    """``value`` must be a real number in (0, ``high``] (``[0, high]`` with ``allow_zero``)
+    and at least ``low``.
 
     Compared, never converted: a huge int must fail the check, not overflow inside it.
     NaN fails every comparison.
     """
     ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not (ok and 0 < value <= high and value >= low):
-        raise ValueError(f"{name} must be a number in (0, {high:g}] and >= {low:g}, got {value!r}")
+    if not (ok and (value > 0 or (allow_zero and value == 0)) and low <= value <= high):
+        opening = "[" if allow_zero else "("
+        raise ValueError(
+            f"{name} must be a number in {opening}0, {high:g}] and >= {low:g}, got {value!r}"
+        )

@@ -80,6 +80,11 @@ class DispatchQueue(Protocol[T]):
         """Take a queued ``item`` out, uncharged; False if it was not queued."""
         ...
 
+    def settle(self, flow: str, cost: float, actual: float | None = None) -> None:
+        """A dispatched item of ``flow`` (of ``cost``) ended, having cost ``actual`` (None:
+        unknown). Each ``pop`` is settled once."""
+        ...
+
     def set_weight(self, flow: str, weight: float) -> None: ...
 
     def set_eligible(self, flow: str, ok: bool) -> None:
@@ -185,6 +190,14 @@ class _Baseline(Generic[T]):
             self._left(flow)
             self._after_drain()
         return True
+
+    def settle(self, flow: str, cost: float, actual: float | None = None) -> None:
+        """A baseline orders by its own rule, never by meters: the true-up only makes the
+        meter shown the flow's actual service (while the flow is known)."""
+        check_cost(cost)
+        state = self._flows.get(flow)
+        if state is not None and actual is not None:
+            state.served += (actual - cost) / state.weight
 
     def set_weight(self, flow: str, weight: float) -> None:
         check_weight(weight)

@@ -156,11 +156,15 @@ class Scheduler:
             return True
         return False
 
-    def finish(self, ticket: Ticket, now: float) -> list[Ticket]:
-        """A dispatched ticket is done (or failed): free its slot and dispatch more."""
+    def finish(self, ticket: Ticket, now: float, actual: float | None = None) -> list[Ticket]:
+        """A dispatched ticket is done (or failed): free its slot, true its flow's charge up
+        to the ``actual`` cost the backend reported (None: the estimate stands), and
+        dispatch more."""
         backend = ticket.backend
         if backend is None:
             raise RuntimeError("finish() of a ticket that holds no slot")
+        if not ticket.priority:  # first: it checks ``actual`` before anything changes
+            self.queue.settle(ticket.flow, ticket.cost, actual)
         ticket.backend = None
         self.placement.release(backend)
         self.running -= 1

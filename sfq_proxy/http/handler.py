@@ -38,6 +38,7 @@ from ..core.throttle import MAX_PAUSE_S, retry_after
 from .access_log import REQUEST_ID_HEADER, AccessRecord
 from .drain import ANSWERING, absorbed, cut_error
 from .error_response import error_response
+from .metrics import Key, Metrics
 from .pool_runtime import QUEUE_DEADLINE, Pool
 from .relay import (
     COST_HEADER,
@@ -234,7 +235,7 @@ async def _serve(
         if not ticket.priority:
             metrics.count(key, "cost_charged", amount=ticket.cost)  # the cost, not cost/weight
         relayed, generated = None, True
-        slot = _Slot(pool, ticket, backend)
+        slot = _Slot(pool, ticket, backend, estimate, partial(_trued_up, metrics, key))
         try:
             relayed = await forward(
                 proxy.upstreams, pool, backend, request, inference, record.request_id,
@@ -259,10 +260,10 @@ async def _serve(
             record.outcome = "failed"
             raise
         except asyncio.CancelledError:
-            _bill_hang_up(record, request, estimate)
+            slot.release(refund=False, completion_tokens=_bill_hang_up(record, request, estimate))
             raise
         except ConnectionResetError:  # the client hung up as we wrote: a cancellation too
-            _bill_hang_up(record, request, estimate)
+            slot.release(refund=False, completion_tokens=_bill_hang_up(record, request, estimate))
             raise asyncio.CancelledError from None
         finally:
             slot.release(refund=not generated)
@@ -289,14 +290,15 @@ async def _serve(
     return relayed.response
 
 
-def _bill_hang_up(record: AccessRecord, request: web.Request, estimate: Estimate) -> None:
+def _bill_hang_up(record: AccessRecord, request: web.Request, estimate: Estimate) -> int:
     """The client left a dispatched request before its answer's end, so before its usage:
     it is billed its prompt as estimated and the token events relayed to it (none for a
-    whole body). Hanging up cannot shorten a bill, nor dodge a budget."""
+    whole body), which it returns. Hanging up cannot shorten a bill, nor dodge a budget."""
     record.outcome = "cancelled_running"
     counted = request.get(STREAM_TOKENS)
     record.prompt_tokens = estimate.input_tokens
     record.completion_tokens = 0 if counted is None else counted.tokens
+    return record.completion_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,8 +349,7 @@ def _count_answer(
 ) -> None:
     """Usage, metrics, access log and calibration. The answer is the backend's: a failure
     to count it is logged, and never changes what the client gets."""
-    try:
-        read_usage(relayed)
+    try:  # its usage was read when its slot was given back (``_Slot.settle``)
         _account(proxy, flow, record, relayed)
         if relayed.response.status == 200 and relayed.fault is None:
             proxy.pools[flow.pool].cost.observe(
@@ -360,10 +361,25 @@ def _count_answer(
 
 class _Slot:
     """A dispatched attempt's slot, given back once: as soon as its backend is done with
-    (judged first, so that the next dispatch knows its health), else when the attempt ends."""
+    (judged first, so that the next dispatch knows its health), else when the attempt ends.
 
-    def __init__(self, pool: Pool, ticket: Ticket, backend: Backend) -> None:
+    Given back, its flow's charge is trued up to what the attempt really cost
+    (docs/design.md §3): the usage the backend reported; without a report (a stream cut, a
+    client gone, a server that reports none), the estimate at least, and more when the
+    tokens relayed say so. So the estimate orders dispatch, and the backend's own count
+    decides what a flow paid: a field the estimator does not read buys nothing, nor does
+    leaving before the end."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        ticket: Ticket,
+        backend: Backend,
+        estimate: Estimate,
+        on_true_up: Callable[[float], None],
+    ) -> None:
         self._pool, self._ticket, self._backend = pool, ticket, backend
+        self._estimate, self._on_true_up = estimate, on_true_up
         self._held = True
 
     def settle(self, relayed: Relayed) -> None:
@@ -371,17 +387,39 @@ class _Slot:
             return
         self._held = False
         try:
+            read_usage(relayed)
             if backend_failed(relayed):
                 self._pool.report_failure(self._backend)
             else:
                 self._pool.report_success(self._backend)
         finally:
-            self._pool.release(self._ticket, refund=_refused(relayed))
+            served = self._served(relayed.prompt_tokens, relayed.completion_tokens)
+            self._pool.release(self._ticket, refund=_refused(relayed), actual=served)
 
-    def release(self, *, refund: bool) -> None:
+    def release(self, *, refund: bool, completion_tokens: int | None = None) -> None:
+        """Given back without an answer's usage: ``completion_tokens`` relayed, if any."""
         if self._held:
             self._held = False
-            self._pool.release(self._ticket, refund=refund)
+            served = self._served(None, completion_tokens)
+            self._pool.release(self._ticket, refund=refund, actual=served)
+
+    def _served(self, prompt: int | None, completion: int | None) -> float | None:
+        """What the attempt cost, for its flow's true-up (None: a band request, never
+        charged)."""
+        if self._ticket.priority:
+            return None
+        cost, estimate = self._pool.cost, self._estimate
+        served = cost.actual(prompt, completion)
+        if served is None:  # no report: never less than the estimate
+            served = max(estimate.cost, cost.actual(estimate.input_tokens, completion) or 0.0)
+        if served != estimate.cost:
+            self._on_true_up(served - estimate.cost)
+        return served
+
+
+def _trued_up(metrics: Metrics, key: Key, amount: float) -> None:
+    """``sfq_cost_trued_up_total``: what a flow's charges were corrected by, by direction."""
+    metrics.count(key, "cost_trued_up", "up" if amount > 0 else "down", abs(amount))
 
 
 def _refused(relayed: Relayed | None) -> bool:

@@ -50,6 +50,10 @@ COUNTERS = {
     "cost_charged": ("Estimated cost charged at dispatch (share: its rate per flow)", None),
     "cost_actual": ("The cost formula on the tokens backends reported using (compare with "
                     "cost_charged: a gap is mis-estimation or gaming)", None),
+    "cost_trued_up": ("What the flows' charges were trued up by when their requests ended "
+                      "(the cost the backend reported, or at least the estimate without a "
+                      "report, minus the estimate), by direction: up (a debt) or down (a "
+                      "refund, down to the virtual time at most)", "direction"),
     "prompt_tokens": ("Prompt tokens the backends reported using", None),
     "completion_tokens": ("Completion tokens the backends reported (or streamed) generating", None),
     "retries": ("Requests sent again, by what failed (unreachable or the status)", "reason"),

@@ -251,13 +251,15 @@ class Pool:
         """Dispatch what capacity allows now: a backend came back, or the config changed."""
         self._run(self.scheduler.pump(self.clock()))
 
-    def release(self, ticket: Ticket, *, refund: bool = False) -> None:
+    def release(self, ticket: Ticket, *, refund: bool = False, actual: float | None = None) -> None:
         """The request holding a slot is over (done, failed or cancelled); ``refund`` when
-        the upstream generated nothing, so the pool's pacing gives its tokens back."""
+        the upstream generated nothing, so the pool's pacing gives its tokens back;
+        ``actual``: what the backend reports it cost, its flow's charge trued up to it (None:
+        the estimate stands)."""
         now = self.clock()
         if refund:
             self.scheduler.refund(ticket.tokens, now)
-        self._run(self.scheduler.finish(ticket, now))
+        self._run(self.scheduler.finish(ticket, now, actual))
 
     def report_failure(self, backend: Backend) -> None:
         """A failed probe, connection failure or 5xx: ``health.consecutive_failures`` in a row

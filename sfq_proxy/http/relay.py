@@ -339,7 +339,9 @@ async def _relay_stream(
         relayed.fault = "proxy"
     finally:
         watchdog.cancel()
-    if upstream_end is not None:
+    relayed.tail = counter.tail()
+    relayed.events = counter  # its tokens, where no usage comes (read_usage)
+    if upstream_end is not None:  # its usage is known now: the slot's true-up reads it
         upstream_end()
     rest = b""
     if stripper is not None and relayed.fault != "proxy":  # a stripper that failed: not again
@@ -348,8 +350,6 @@ async def _relay_stream(
         at_boundary = ends_event(rest or written)  # whatever its line endings
         rest += (b"" if at_boundary else b"\n\n") + _error_event(relayed.fault, message)
     await relayed.response.write_eof(rest)  # one write
-    relayed.tail = counter.tail()
-    relayed.events = counter  # its tokens, where no usage comes (read_usage)
 
 
 def backend_failed(relayed: Relayed) -> bool:

@@ -101,7 +101,8 @@ class SharedPool(Pool):
         self._renewed = 0.0  # when Redis last took this process's heartbeat (monotonic)
         self.reachable = False  # whether Redis answered the last heartbeat
         self._joined = False  # registered as a holder, and not fenced since
-        self._unreturned: set[str] = set()  # leases whose hand-back failed: tried again
+        # leases whose hand-back failed, with their requests' actual costs: tried again
+        self._unreturned: dict[str, float | None] = {}
         self._stop = asyncio.Event()
         self._view: tuple[float, list[FlowView]] = (0.0, [])  # as of the last heartbeat
         self.mode = Mode.SHARED
@@ -229,21 +230,23 @@ class SharedPool(Pool):
             future.set_exception(evicted())
         self._later(self._cancel(ticket_id))
 
-    def release(self, ticket: Ticket, *, refund: bool = False) -> None:
+    def release(self, ticket: Ticket, *, refund: bool = False, actual: float | None = None) -> None:
         """Hand the lease back, in the background: the handler does not wait on Redis. A
         lease that Redis reclaimed meanwhile frees nothing (it is fenced)."""
         held = self._held.pop(ticket, None)
-        self._stop_running(ticket, refund=refund)
+        self._stop_running(ticket, refund=refund, actual=actual)
         if held is not None:
-            self._later(self._finish(held[0], ticket.tokens if refund else None))
+            self._later(self._finish(held[0], ticket.tokens if refund else None, actual))
             if self.mode is Mode.LOCAL:  # a slot Redis granted is this process's to fill
                 self.pump()
 
-    def _stop_running(self, ticket: Ticket, *, refund: bool = False) -> None:
+    def _stop_running(
+        self, ticket: Ticket, *, refund: bool = False, actual: float | None = None
+    ) -> None:
         """The accounting of a request that no longer runs here."""
         if ticket in self._local:
             del self._local[ticket]
-            super().release(ticket, refund=refund)  # the local scheduler's, which it frees
+            super().release(ticket, refund=refund, actual=actual)  # the local scheduler's
         elif ticket.backend is not None:
             ticket.backend.in_flight = max(0, ticket.backend.in_flight - 1)
             ticket.backend = None
@@ -341,9 +344,9 @@ class SharedPool(Pool):
             self._grant(await self.dispatch.heartbeat(self._ttl, self._down()))
             self._renewed, self.reachable = time.monotonic(), True
             self._view = await self.dispatch.view()
-            unreturned, self._unreturned = self._unreturned, set()
-            for lease in unreturned:
-                await self._finish(lease)
+            unreturned, self._unreturned = self._unreturned, {}
+            for lease, actual in unreturned.items():
+                await self._finish(lease, actual=actual)
             if self.mode is Mode.SETTLING and time.monotonic() >= self._settled_at:
                 self._resume()
         else:
@@ -459,15 +462,19 @@ class SharedPool(Pool):
             log.warning("pool %s: cancel in Redis failed: %s", self.name, err)
             return True
 
-    async def _finish(self, lease: str, refund: float | None = None) -> None:
-        """Hand a lease back (``refund``: its tokens go back to the pool's rate); one that
-        cannot be (Redis unreachable) is tried again at each heartbeat, else the heartbeat
-        would keep its slot taken for as long as it beats."""
+    async def _finish(
+        self, lease: str, refund: float | None = None, actual: float | None = None
+    ) -> None:
+        """Hand a lease back (``refund``: its tokens go back to the pool's rate; ``actual``:
+        what its request cost, for the true-up); one that cannot be (Redis unreachable) is
+        tried again at each heartbeat, else the heartbeat would keep its slot taken for as
+        long as it beats."""
         try:
-            self._grant(await self.dispatch.finish(lease, self._down(), refund=refund))
+            finished = self.dispatch.finish(lease, self._down(), refund=refund, actual=actual)
+            self._grant(await finished)
         except RedisError as err:
             log.warning("pool %s: a lease could not be handed back yet: %s", self.name, err)
-            self._unreturned.add(lease)
+            self._unreturned[lease] = actual
         except Fenced:  # Redis gave it back with the others: the heartbeat will find out
             pass
 

@@ -53,7 +53,7 @@ local function write_numbers(key, t)
   if #flat > 0 then redis.call('HSET', key, unpack(flat)) end
 end
 
--- the pool's scalars (v, maxm, offset, queued, fence, born, reaped, paced, alf), read once per
+-- the pool's scalars (v, maxm, offset, queued, run, fence, born, reaped, paced, alf), read once per
 -- call and written back once at its end: most of a call's work would otherwise be these
 -- reads and writes. Only the fields the call changed are written (one HSET, and one HDEL for
 -- those set to nil), not the whole hash again
@@ -203,8 +203,8 @@ local function weight_of(flow)
   return w
 end
 
--- the fair queue's keys deleted (its lines are empty): once, while no meter is written since
--- (a batch of submits that each dispatch at once clears it at each: the first does the work)
+-- the fair queue's keys deleted (its lines are empty, nothing of it runs): once, while no
+-- meter is written since (a batch whose calls each end a busy period: the first does the work)
 local function clear_fair_queue()
   if C.clear then return end
   redis.call('DEL', P .. 'meter', P .. 'weight', P .. 'ready', P .. 'ovt')
@@ -213,8 +213,10 @@ end
 
 local function enter(flow, meter) redis.call('ZADD', P .. 'ready', meter, flow) end
 
+-- the busy period ends when nothing waits and nothing of the fair queue runs (meta run: its
+-- tickets granted and not yet finished, over every holder)
 local function after_drain()
-  if meta('queued') > 0 then return end
+  if meta('queued') > 0 or meta('run') > 0 then return end
   local v = math.max(meta('v'), meta('maxm'))
   set_meta('v', v)
   set_meta('maxm', v)
@@ -332,15 +334,34 @@ local function pop(flow, cost, id, b, sized, passed)
   set_meter(flow, meter)
   set_meta('maxm', math.max(meta('maxm'), meter))
   set_meta('queued', meta('queued') - 1)
-  local drained = meta('queued') == 0  -- no line holds a ticket: after_drain clears ready
-  if not drained and backlog(flow) > 0 then
+  set_meta('run', meta('run') + 1)  -- it runs: the busy period goes on until its finish
+  if backlog(flow) > 0 then
     enter(flow, meter)
   else
-    if not drained then redis.call('ZREM', P .. 'ready', flow) end
+    redis.call('ZREM', P .. 'ready', flow)
     if sized then redis.call('DEL', P .. 'ob:' .. flow) end
-    after_drain()
   end
   if meta('v') >= RENORMALIZE_AT then renormalize() end
+end
+
+-- a fair-queued request of `flow`, dispatched at `cost`, ended having cost `actual` (nil:
+-- unknown, the estimate stands): its flow's charge trued up as FairQueue.settle does it, at
+-- the flow's weight now. A debt sticks, a refund stops at v (none for a meter below it)
+local function settle(flow, cost, actual)
+  set_meta('run', meta('run') - 1)
+  local meter, weight = meter_of(flow), weight_of(flow)
+  if actual ~= nil and meter ~= nil and weight ~= nil then
+    local owed = round_half_even(actual * UNITS / weight)
+      - math.max(1, round_half_even(cost * UNITS / weight))
+    local m = meter + owed
+    if owed < 0 then m = math.max(m, math.min(meter, meta('v'))) end
+    if m ~= meter then
+      set_meter(flow, m)
+      set_meta('maxm', math.max(meta('maxm'), m))
+      if redis.call('ZSCORE', P .. 'ready', flow) then enter(flow, m) end
+    end
+  end
+  after_drain()
 end
 
 local function remove(flow, id, b)
@@ -633,11 +654,15 @@ end
 -- a slot on `backend` leased to holder h for a request of org o, class c. Lease numbers only
 -- grow, and start from Redis's clock (in µs-sized steps) when the pool's state is new: a
 -- Redis that lost its data never hands out a number a replica may still hold from before
-local function grant_lease(backend, h, o, c)
+-- A ticket of the fair queue (t.p ~= 1) keeps its flow and cost in its lease, for the true-up
+-- at its finish (settle); a band ticket's, or an adopted request's, holds none
+local function grant_lease(backend, h, o, c, t)
   local lease = math.max(meta('fence'), now_ms() * 1000) + 1
   set_meta('fence', lease)
   lease = string.format('%.0f', lease)
-  redis.call('HSET', P .. 'lease', lease, cjson.encode({b = backend, h = h, o = o, c = c}))
+  local record = {b = backend, h = h, o = o, c = c}
+  if t ~= nil and t.p ~= 1 then record.f, record.cost = t.f, t.cost end
+  redis.call('HSET', P .. 'lease', lease, cjson.encode(record))
   redis.call('SADD', P .. 'hl:' .. h, lease)
   add_count('inflight', backend, 1)
   running({o = o, c = c}, 1)
@@ -676,7 +701,7 @@ local function dispatch(down)
     else
       pop(t.f, t.cost, id, t.b, sized, passed)
     end
-    local lease = grant_lease(backend, t.h, t.o, t.c)
+    local lease = grant_lease(backend, t.h, t.o, t.c, t)
     drop_ticket(id, t.h)
     local grant = id .. ' ' .. lease .. ' ' .. reason .. ' ' .. backend
     if t.h == holder then
@@ -694,14 +719,15 @@ waits (no flow holds a ticket, queued = 0, and no band ticket can go), the pool 
 the ticket's flow is not held at a cap (not in inel), its org and class are under their caps,
 and a backend has a free slot. dispatch() would then take it at once, as the only ticket in
 the only ready flow (pick() returns the sole ticket of a line, size buckets or not), and leave
-no trace of its queueing: push then pop charge the flow from max(meter, v) and drain the fair
-queue (after_drain), the ticket's record and hq entry come and go, its size-bucket fields are
-marked and unmarked. What remains is written here: v and maxm, the drained fair queue's keys,
-then the lease, whose running() refreshes the caps' sets as after a dispatch. The flow itself
-is left out of its caps' sets: track() would add it and that refresh take it out again (its
-line is empty), or, when this grant brings its org or class to the cap, hold it there (inel)
-with an empty line, which changes no decision: its next ticket is held by its own track(), as
-any flow's is. Returns nil, having changed nothing, when it does not apply. ]]
+no trace of its queueing but its charge: push then pop join the flow at max(meter, v), set v
+to that start and charge the flow, and the ticket runs (meta run), so the busy period goes on;
+its record and hq entry come and go, its size-bucket fields are marked and unmarked. What
+remains is written here: v, the flow's meter and weight, maxm and run, then the lease, whose
+running() refreshes the caps' sets as after a dispatch. The flow itself is left out of its
+caps' sets: track() would add it and that refresh take it out again (its line is empty), or,
+when this grant brings its org or class to the cap, hold it there (inel) with an empty line,
+which changes no decision: its next ticket is held by its own track(), as any flow's is.
+Returns nil, having changed nothing, when it does not apply. ]]
 local function dispatch_at_once(id, t, down)
   if meta('queued') > 0 or band_next() ~= nil then return nil end
   if meta('paced') == 1 and next(pacing()) ~= nil then return nil end
@@ -709,21 +735,26 @@ local function dispatch_at_once(id, t, down)
   if in_set('inel', t.f) then return nil end
   local backend, reason = choose(down, t.a)
   if backend == nil then return nil end
-  local v = meta('v')
-  local meter = math.max(meter_of(t.f) or v, v) + math.max(1, round_half_even(t.cost * UNITS / t.w))
-  set_meta('v', math.max(meta('maxm'), meter))  -- pop(), then after_drain()
-  set_meta('maxm', meta('v'))
-  clear_fair_queue()
+  local start = math.max(meter_of(t.f) or meta('v'), meta('v'))  -- push(), then pop()
+  local meter = start + math.max(1, round_half_even(t.cost * UNITS / t.w))
+  set_meta('v', start)
+  set_meter(t.f, meter)
+  redis.call('HSET', P .. 'weight', t.f, t.w)
+  C.weight[t.f] = t.w
+  set_meta('maxm', math.max(meta('maxm'), meter))
+  set_meta('run', meta('run') + 1)
   if meta('v') >= RENORMALIZE_AT then renormalize() end
-  local grant = id .. ' ' .. grant_lease(backend, t.h, t.o, t.c) .. ' ' .. reason .. ' ' .. backend
+  local lease = grant_lease(backend, t.h, t.o, t.c, t)
+  local grant = id .. ' ' .. lease .. ' ' .. reason .. ' ' .. backend
   if t.h == holder then return {grant} end
   redis.call('RPUSH', P .. 'inbox:' .. t.h, grant)
   return {}
 end
 
--- a lease handed back by its holder h: one it no longer holds (reclaimed, handed back
+-- a lease handed back by its holder h, its request having cost `actual` (nil: unknown; a
+-- fair-queued one's flow is trued up, settle): one it no longer holds (reclaimed, handed back
 -- already, or never its own) frees nothing
-local function release(lease, h)
+local function release(lease, h, actual)
   local raw = redis.call('HGET', P .. 'lease', lease)
   if not raw then return nil end
   local l = cjson.decode(raw)
@@ -732,6 +763,7 @@ local function release(lease, h)
   redis.call('SREM', P .. 'hl:' .. l.h, lease)
   add_count('inflight', l.b, -1)
   running(l, -1)
+  if l.f then settle(l.f, l.cost, actual) end
   return l
 end
 
@@ -870,8 +902,9 @@ local function run(op)
     return {1, grants, wake, admitted}
   elseif op == 'cancel' then  -- id
     return {cancel(A[3]) and 1 or 0}
-  elseif op == 'finish' then  -- lease, down, tokens to give back ('': none)
-    local l = release(A[3], holder)
+  elseif op == 'finish' then  -- lease, down, tokens to give back ('': none), actual cost
+    -- ('': unknown)
+    local l = release(A[3], holder, A[6] and A[6] ~= '' and tonumber(A[6]) or nil)
     if l == nil then return {0, {}} end  -- fenced: reclaimed, released already, or not its own
     if A[5] ~= '' then rate_add(1, tonumber(A[5]), now_ms()) end  -- Scheduler.refund
     return {1, dispatch(down_set(A[4]))}

@@ -211,14 +211,21 @@ class RedisDispatch:
         return bool(_checked(await self._call("cancel", ticket_id))[0])
 
     async def finish(
-        self, lease: str, down: Iterable[str] = (), *, refund: float | None = None
+        self,
+        lease: str,
+        down: Iterable[str] = (),
+        *,
+        refund: float | None = None,
+        actual: float | None = None,
     ) -> Grants:
         """Hand a lease back and dispatch what it frees; ``refund``: the tokens its request
-        gives back to the pool's rate (the upstream generated nothing). A lease that Redis
-        reclaimed (or that was handed back already) frees nothing: the fencing that keeps a
-        late release from freeing a slot granted since."""
+        gives back to the pool's rate (the upstream generated nothing); ``actual``: what the
+        request really cost, its flow's charge trued up to it in the same step (None: the
+        estimate stands). A lease that Redis reclaimed (or that was handed back already) frees
+        nothing: the fencing that keeps a late release from freeing a slot granted since."""
         tokens = "" if refund is None else f"{refund:.17g}"
-        reply = _checked(await self._call("finish", lease, _names(down), tokens))
+        cost = "" if actual is None else f"{actual:.17g}"
+        reply = _checked(await self._call("finish", lease, _names(down), tokens, cost))
         return _grants(reply[1], reply[2]) if reply[0] == 1 else Grants()
 
     async def pump(self, down: Iterable[str] = ()) -> Grants:

@@ -7,9 +7,10 @@ operation they must have dispatched the same tickets to the same backends in the
 and answered every cancel alike; at the end they hold the same number of queued tickets and
 the same virtual time. What is proven that way:
 
-1. SFQ over random flows, weights and costs (charges at dispatch, joins at max(S, v), ties by
-   flow id, the global-idle reset), with least-loaded placement over 1–3 backends whose slots
-   Redis never exceeds;
+1. SFQ over random flows, weights and costs (charges at dispatch, the true-up at each finish
+   to an actual cost the estimate knows nothing of, or none, joins at max(S, v), ties by flow
+   id, the reset once nothing waits and nothing runs), with least-loaded placement over 1–3
+   backends whose slots Redis never exceeds;
 2. the same with org and class in-flight caps (no class ever runs over its cap);
 3. the same with strict-band priority tickets mixed in, their class capped;
 4. two holders on one pool form one fairness domain: the grants of both (returned by the
@@ -99,6 +100,7 @@ class Submit:
 @dataclass(frozen=True)
 class Finish:
     pick: int  # which running ticket (modulo how many run)
+    actual: float | None = None  # what it cost, for its flow's true-up; None: unknown
 
 
 @dataclass(frozen=True)
@@ -129,6 +131,8 @@ COSTS = st.one_of(
     st.sampled_from([1.0, 2.5, 7.0, 100.0]),
     st.floats(min_value=0.001, max_value=1e4, allow_nan=False, allow_infinity=False),
 )
+# what a request really cost, unknown to its estimate: nothing, anything, or no report
+ACTUALS = st.none() | st.just(0.0) | COSTS
 WEIGHTS = st.sampled_from([0.5, 1.0, 2.0, 4.0])
 BOUNDS = [2.0, 50.0]  # size buckets: cost ≤ 2, ≤ 50, above
 KS = st.sampled_from([None, 0, 1, 2, 8])
@@ -199,12 +203,12 @@ def scenarios(
     ops = st.one_of(
         submits,
         submits,
-        st.builds(Finish, st.integers(0, 1000)),
+        st.builds(Finish, st.integers(0, 1000), ACTUALS),
         st.builds(Cancel, st.integers(0, 1000)),
         *([st.builds(Toggle, st.integers(0, 1000))] if affinity else []),
     )
     if sized:  # four submits to two finishes and a cancel, so that lines grow
-        kinds = {"s": submits, "f": st.builds(Finish, st.integers(0, 1000)),
+        kinds = {"s": submits, "f": st.builds(Finish, st.integers(0, 1000), ACTUALS),
                  "c": st.builds(Cancel, st.integers(0, 1000))}  # fmt: skip
         ops = st.sampled_from("ssssffc").flatmap(kinds.__getitem__)
     return Scenario(
@@ -244,8 +248,8 @@ class MemorySide:
         self.ids[id(ticket)] = tid
         return self._named(self.scheduler.submit(ticket, 0.0, front=op.front))
 
-    async def finish(self, tid: str) -> list[Dispatch]:
-        return self._named(self.scheduler.finish(self.tickets[tid], 0.0))
+    async def finish(self, tid: str, actual: float | None = None) -> list[Dispatch]:
+        return self._named(self.scheduler.finish(self.tickets[tid], 0.0, actual))
 
     async def cancel(self, tid: str) -> bool:
         return self.scheduler.cancel(self.tickets[tid])
@@ -326,14 +330,14 @@ class RedisSide:
         self.down ^= {name}
         return await self._granted(0, await self.holders[0].pump(sorted(self.down)))
 
-    async def finish(self, tid: str) -> list[Dispatch]:
+    async def finish(self, tid: str, actual: float | None = None) -> list[Dispatch]:
         holder = self.owner[tid]
         lease = self.leases.pop(tid)
         # the backend and class it ran on are freed before the call's own grants count
         self.running[self.backend_of[tid]] -= 1
         self.class_running[self.classes[tid]] -= 1
         finish = self.holders[holder].finish
-        return await self._granted(holder, await finish(lease, sorted(self.down)))
+        return await self._granted(holder, await finish(lease, sorted(self.down), actual=actual))
 
     async def cancel(self, tid: str) -> bool:
         return await self.holders[self.owner[tid]].cancel(tid)
@@ -417,7 +421,11 @@ async def plan(
             return None
         tid = finishable.pop(op.pick % len(finishable))
         trace.running.remove(tid)
-        done = Planned(await memory.finish(tid), shared.finish(tid), f"finish {tid}")
+        done = Planned(
+            await memory.finish(tid, op.actual),
+            shared.finish(tid, op.actual),
+            f"finish {tid} at {op.actual}",
+        )
     elif isinstance(op, Toggle):
         index = op.pick % len(scenario.backends)
         name = scenario.backends[index][0]
@@ -583,9 +591,10 @@ async def test_calls_made_while_one_is_on_its_way_leave_as_one(redis_url: str) -
 
 
 async def test_tie_by_flow_id_and_global_idle_reset(redis_url: str) -> None:
-    """One slot. ``b/x`` queues before ``a/x`` at the same meter: ``a/x`` goes first. Then,
-    once the pool drained, a flow that was charged 100 joins level with the others (ties by
-    id again) instead of waiting behind them for what it took in the last busy period."""
+    """One slot. ``b/x`` queues before ``a/x`` at the same meter: ``a/x`` goes first. Once
+    nothing waits and nothing runs, the next busy period starts level; but a request that
+    runs keeps its busy period open: ``a/x``, charged 100 by one that went straight into the
+    free slot, waits behind ``b/x`` for it (docs/design.md §3 rule 4)."""
     flows = [Flow("a", "x", 1.0), Flow("b", "x", 1.0), Flow("c", "x", 1.0)]
     a, b, c = 0, 1, 2
     ops: list[Op] = [
@@ -594,16 +603,16 @@ async def test_tie_by_flow_id_and_global_idle_reset(redis_url: str) -> None:
         Submit(a, 1.0),  # t2 waits at meter v too: a/x < b/x
         Finish(0),  # t0 done: t2 (a/x) goes, not t1
         Finish(0),  # t2 done: t1
-        Finish(0),  # t1 done: nothing waits, nothing runs
-        Submit(a, 100.0),  # t6 runs at once: a charged 100, the pool drains again
-        Submit(b, 1.0),  # t7 waits at v = 101 (the reset), not at b's old meter
-        Submit(a, 1.0),  # t8 waits at v = 101 as well: a/x first
-        Finish(0),  # t6 done: t8
-        Finish(0),  # t8 done: t7
+        Finish(0),  # t1 done: nothing waits, nothing runs: v = 2 (the reset)
+        Submit(a, 100.0),  # t6 runs at once: a charged 100 (a at 102), the queue empty
+        Submit(b, 1.0),  # t7 waits at v = 2, not at b's old meter
+        Submit(a, 1.0),  # t8 waits at a's 102: t6 still runs, its charge is remembered
+        Finish(0),  # t6 done: t7
+        Finish(0),  # t7 done: t8
     ]
     scenario = Scenario(backends=[("b0", 1)], flows=flows, ops=ops)
     dispatches = await conform(redis_url, scenario)
-    assert [tid for tid, _ in dispatches] == ["t0", "t2", "t1", "t6", "t8", "t7"]
+    assert [tid for tid, _ in dispatches] == ["t0", "t2", "t1", "t6", "t7", "t8"]
 
 
 async def test_short_requests_overtake_long_ones_of_their_flow_at_most_k_times(

@@ -317,8 +317,10 @@ def test_band_is_fifo_and_never_charged() -> None:
     assert sched.finish(blocker, 0.0) == [p1]
     assert sched.finish(p1, 0.0) == [p2]
     assert sched.finish(p2, 0.0) == [p3]
-    # the band moved no meter: a and b still wait at the baseline v = 1 set by the idle
-    assert (q.virtual_time, q.meter("a/batch"), q.meter("b/batch")) == (1.0, 1.0, 1.0)
+    # the band moved no meter: a and b still wait at v = 0, where they joined while the
+    # blocker ran (its busy period), and z's charge is remembered
+    assert (q.virtual_time, q.meter("a/batch"), q.meter("b/batch")) == (0.0, 0.0, 0.0)
+    assert q.meter("z/batch") == 1.0
     assert sched.finish(p3, 0.0) == waiting[:1]
     assert sched.finish(waiting[0], 0.0) == waiting[1:]
     assert [t.dispatches for t in (p1, p2, p3)] == [1, 1, 1]
@@ -367,11 +369,12 @@ def test_org_cap_skips_the_org_and_keeps_its_place() -> None:
     assert sched.finish(b[0], 0.0) == [b[1]]
     assert sched.finish(b[1], 0.0) == [b[2]]
     assert sched.finish(b[2], 0.0) == [b[3]]
-    assert (q.meter("a/batch"), q.virtual_time, q.meter("b/batch")) == (2.0, 5.0, 6.0)
+    # (a's running requests keep the busy period open: nobody is reset to a new baseline)
+    assert (q.meter("a/batch"), q.virtual_time, q.meter("b/batch")) == (2.0, 4.0, 5.0)
     assert not q.is_eligible("a/batch")
-    # a drops below its cap: it rejoins at max(S, v) = v = 5 and goes before b (6)
+    # a drops below its cap: it rejoins at max(S, v) = v = 4 and goes before b (5)
     assert sched.finish(a[0], 0.0) == [a[2]]
-    assert (q.meter("a/batch"), q.virtual_time) == (6.0, 5.0)
+    assert (q.meter("a/batch"), q.virtual_time) == (5.0, 4.0)
     assert not q.is_eligible("a/batch")  # at the cap again
     assert sched.submit(a[3], 0.0) == []
     assert sched.finish(b[3], 0.0) == [b[4]]
@@ -419,11 +422,11 @@ def test_class_cap_on_a_fair_queued_class() -> None:
     assert sched.submit(i1, 0.0) == [i1]  # another class is not capped
     assert sched.submit(i2, 0.0) == [i2]
     assert q.is_eligible("a/interactive")
-    assert (q.meter("a/batch"), q.meter("b/batch"), q.virtual_time) == (2.0, 2.0, 3.0)
+    assert (q.meter("a/batch"), q.meter("b/batch"), q.virtual_time) == (2.0, 1.0, 2.0)
     assert sched.finish(i1, 0.0) == []
-    # both rejoin at max(S, v) = 3, not at their older meters; the tie goes to a
+    # both rejoin at max(S, v) = 2, b not at its older meter; the tie goes to a
     assert sched.finish(a1, 0.0) == [a3]
-    assert (q.meter("a/batch"), q.meter("b/batch")) == (4.0, 3.0)
+    assert (q.meter("a/batch"), q.meter("b/batch")) == (3.0, 2.0)
     assert sched.finish(a3, 0.0) == [b1]
     assert sched.finish(a2, 0.0) == [b2]
     assert sched.finish(i2, 0.0) == []

@@ -108,6 +108,7 @@ def run_sized(q: Any, ops: list[Op], weights: dict[str, float], ks: Ks) -> Trace
                     assert older.bucket > line[at].bucket  # only a smaller one overtakes
                     assert older.overtaken <= (ks[flow] or 0), older
                 trace.dispatches.append(got)
+                q.settle(flow, ops[item][2])  # it ends at once: the rule is the queue's
                 trace.charges.append((index, flow, line[at].charge))
                 del line[at]
         elif kind == "remove":
@@ -172,9 +173,12 @@ class ReferenceSized:
         chosen = line.pop(at)
         self.v = self.S[flow]
         self.S[flow] += chosen.charge
+        return flow, chosen.item
+
+    def settle(self, flow: str, cost: float, actual: float | None = None) -> None:
+        """Each request ends right after its dispatch here: the busy period may end."""
         if not any(self.lines.values()):
             self.v = max(self.v, *self.S.values())
-        return flow, chosen.item
 
     def remove(self, flow: str, item: int) -> bool:
         line = self.lines.get(flow, [])
@@ -264,7 +268,9 @@ def test_off_or_a_single_bucket_is_exactly_fifo(
                     q.push(flow, index, cost, weights[flow], front=front, bucket=bucket,
                            max_overtaken=kk)  # fmt: skip
             elif kind == "pop":
-                out.append(q.pop())
+                out.append(got := q.pop())
+                if got is not None:
+                    q.settle(got[0], ops[got[1]][2])
             elif kind == "remove":
                 flow, n = args
                 out.append(q.remove(flow, n))
