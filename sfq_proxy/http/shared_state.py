@@ -48,7 +48,12 @@ def connect(config: Config) -> Redis | RedisCluster | None:
     options = {"socket_connect_timeout": CONNECT_TIMEOUT_S, "socket_timeout": SOCKET_TIMEOUT_S}
     if state.sentinel is not None:  # the primary, as the sentinels name it at each connect
         sentinels = [_host_port(host) for host in state.sentinel.hosts]
-        primary: Redis = Sentinel(sentinels, **options).master_for(
+        sentinel = Sentinel(
+            sentinels,
+            socket_connect_timeout=CONNECT_TIMEOUT_S,
+            socket_timeout=SOCKET_TIMEOUT_S,
+        )
+        primary: Redis = sentinel.master_for(
             state.sentinel.service,
             password=config.redis_password(),
             max_connections=UNWAITED_CONNECTIONS,
