@@ -278,10 +278,28 @@ class Ledger:
         self.writing: list[Table] = []
         # every org's and key's spending in the day and the month of the last read
         self.base: dict[SubjectPeriod, Spent] = {}
+        # what the requests dispatched and not yet recorded may spend, per org and key:
+        # counted as used until their usage replaces it (``reserve``), with how many they are
+        self.reserved: dict[tuple[Kind, str], tuple[int, Spent]] = {}
         self._warned: set[tuple[Budget, int]] = set()
 
     def record(self, key: RowKey, counts: Counts) -> None:
         self.pending.add(key, counts)
+
+    def reserve(self, org: str, key: str, spent: Spent, sign: int = 1) -> None:
+        """A request of ``org`` by ``key`` was dispatched: what it may spend counts as used
+        until it ends (``sign`` -1: it ended, its usage recorded instead). So a budget is
+        checked against what runs too, and the many requests queued when it was nearly used
+        up cannot all start on it: its overshoot is what was running when it was reached."""
+        for subject in (("org", org), ("key", key)):
+            count, (tokens, money_) = self.reserved.get(subject, (0, (0, 0.0)))
+            if count + sign:
+                self.reserved[subject] = (
+                    count + sign,
+                    (tokens + sign * spent[0], money_ + sign * spent[1]),
+                )
+            else:
+                self.reserved.pop(subject, None)
 
     def take(self) -> Table:
         """The pending rows, a batch now being written."""
@@ -301,6 +319,8 @@ class Ledger:
         for table in (self.pending, *self.writing):
             more = table.spent(budget.kind, budget.name, start)
             tokens, money_ = tokens + more[0], money_ + more[1]
+        _, running = self.reserved.get((budget.kind, budget.name), (0, (0, 0.0)))
+        tokens, money_ = tokens + running[0], money_ + running[1]
         return Level(budget, budget.used((tokens, money_)), start, next_start(now, period))
 
     def refusal(self, org: str, key: str, now: float) -> Level | None:

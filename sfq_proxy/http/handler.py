@@ -229,6 +229,8 @@ async def _serve(
             raise
         waited = proxy.clock() - queued_at
         record.queue_wait_s += waited
+        if proxy.usage is not None:
+            _within_budget(proxy, flow, ticket, record, estimate, headers.intake)
         record.backend = backend.name
         metrics.observe(key, "queue_wait_seconds", waited)
         metrics.placed(flow.pool, backend.name, ticket.placed)
@@ -288,6 +290,26 @@ async def _serve(
     # counted once the answer is written, before the request is settled (``handle``)
     asyncio.get_running_loop().call_soon(_count_answer, proxy, flow, record, estimate, relayed)
     return relayed.response
+
+
+def _within_budget(
+    proxy: Proxy,
+    flow: Flow,
+    ticket: Ticket,
+    record: AccessRecord,
+    estimate: Estimate,
+    intake: Intake | None,
+) -> None:
+    """Its budgets checked again as it leaves the queue, counting what runs (its own
+    estimate is reserved until it ends): refused now, it gives its slot back unsent, having
+    cost nothing, and gets the budget's 429."""
+    assert proxy.usage is not None
+    try:
+        proxy.usage.dispatched(record, estimate.input_tokens, estimate.max_tokens)
+    except ApiError:
+        proxy.pools[flow.pool].release(ticket, refund=True, actual=0.0)
+        _refund(proxy, flow, ticket.tokens, intake)
+        raise
 
 
 def _bill_hang_up(record: AccessRecord, request: web.Request, estimate: Estimate) -> int:

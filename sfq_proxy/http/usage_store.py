@@ -247,6 +247,9 @@ class UsageBook:
     def __init__(self, config: Config, store: Store, wall: Callable[[], float]) -> None:
         self.config, self.store, self.wall = config, store, wall
         self.ledger = Ledger(budgets_of(config))
+        # id(record) → (org, key, spent): the reservations of the requests dispatched, by
+        # record (not by request id, which a client chooses)
+        self._reserved: dict[int, tuple[str, str, Spent]] = {}
         self._lock = asyncio.Lock()  # one write or read of the store at a time
         self._unwritten: list[tuple[str, Table]] = []  # (id, batch): sent again as they were
         self._ids = (f"{secrets.token_hex(8)}.{n}" for n in itertools.count())
@@ -257,8 +260,26 @@ class UsageBook:
         self.config = config
         self.ledger.budgets = budgets_of(config, records)
 
+    def dispatched(self, record: AccessRecord, input_tokens: int, max_tokens: int) -> None:
+        """A request of ``record``'s org and key is about to be sent upstream, with its
+        estimated input and at most ``max_tokens`` of output: refused (the 429 of ``check``)
+        if a budget is used up by now, counting what runs; else what it may spend is
+        reserved until ``record``. Once per request: a retry keeps its reservation."""
+        org, key = record.org or "", record.key or ""
+        self.check(org, key)
+        if id(record) in self._reserved:
+            return
+        price = price_of(self.config, record.pool or "", record.model or "")
+        cost = 0.0 if price is None else money(price, input_tokens, max_tokens)
+        spent = (input_tokens + max_tokens, cost)
+        self._reserved[id(record)] = (org, key, spent)
+        self.ledger.reserve(org, key, spent)
+
     def record(self, record: AccessRecord) -> None:
         """A request that reached a backend, at its end (its tokens as the backend reported)."""
+        reserved = self._reserved.pop(id(record), None)
+        if reserved is not None:
+            self.ledger.reserve(*reserved, sign=-1)
         if record.backend is None or not (record.org and record.pool and record.model):
             return
         prompt, completion = record.prompt_tokens or 0, record.completion_tokens or 0

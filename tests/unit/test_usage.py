@@ -167,6 +167,26 @@ def test_admitted_while_under_the_limit_refused_at_it() -> None:
     assert ledger.refusal("A", "a-key", DEC_1 + 86400) is None  # a new day
 
 
+def test_what_runs_counts_against_a_budget_until_its_usage_replaces_it() -> None:
+    """A hundred requests queued while the budget was nearly unused cannot all start on it:
+    each dispatched one reserves its estimate, so the next dispatch sees it used."""
+    ledger, _ = ledger_with(tokens=20_000)
+    now = DEC_1 + 5
+    started = 0
+    for _ in range(100):  # each checked at its dispatch, as UsageBook.dispatched does
+        if ledger.refusal("A", "a-key", now) is not None:
+            break
+        ledger.reserve("A", "a-key", (1_056, 0.0))
+        started += 1
+    assert started == 19  # 19 · 1,056 = 20,064 ≥ 20,000: the 20th is refused
+    for _ in range(started):  # they end: their usage replaces the reservations
+        ledger.reserve("A", "a-key", (1_056, 0.0), sign=-1)
+        use(ledger, now, 1_056)
+    assert ledger.reserved == {}
+    level = ledger.refusal("A", "a-key", now)
+    assert level is not None and level.used == 19 * 1_056
+
+
 def test_a_batch_counts_until_a_read_after_its_write_and_never_twice() -> None:
     ledger, budget = ledger_with(tokens=1000)
     store = Table()
