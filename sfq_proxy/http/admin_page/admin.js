@@ -94,19 +94,27 @@ function renderPools(pools) {
 function renderFlows(pools) {
   return Object.entries(pools).flatMap(([name, pool]) => {
     const shares = pool.served_recent.shares;
+    const costs = pool.costs;
+    const spent = (flow) => {
+      const c = costs[flow];
+      return c === undefined ? ["—", "—"] : [num(c.charged, 0), num(c.actual, 0)];
+    };
     const rows = pool.flows.map((f) => [
       f.flow, f.weight, f.meter, f.lag, f.queued,
-      f.eligible ? "yes" : "at a cap", share(shares[f.flow]),
+      f.eligible ? "yes" : "at a cap", share(shares[f.flow]), ...spent(f.flow),
     ]);
     const tracked = new Set(pool.flows.map((f) => f.flow));
-    for (const [flow, part] of Object.entries(shares)) {
-      if (!tracked.has(flow)) rows.push([flow, "—", "—", "—", 0, "idle", share(part)]);
+    const idle = new Set([...Object.keys(shares), ...Object.keys(costs)]);
+    for (const flow of [...idle].sort()) {
+      if (!tracked.has(flow)) {
+        rows.push([flow, "—", "—", "—", 0, "idle", share(shares[flow]), ...spent(flow)]);
+      }
     }
     const minutes = num(pool.served_recent.window_s / 60, 0);
     return [
       el("h3", null, name),
       rows.length ? table(["Flow (org/class)", "Weight", "Meter", "Lag behind v", "Queued",
-        "Eligible", `Share, last ${minutes} min`], rows)
+        "Eligible", `Share, last ${minutes} min`, "Cost charged", "Cost actual"], rows)
         : el("p", "muted", "No flow waiting or served lately."),
     ];
   });
