@@ -214,9 +214,15 @@ end
 local function enter(flow, meter) redis.call('ZADD', P .. 'ready', meter, flow) end
 
 -- the busy period ends when nothing waits and nothing of the fair queue runs (meta run: its
--- tickets granted and not yet finished, over every holder)
+-- tickets granted and not yet finished, over every holder). No lease at all means nothing
+-- runs whatever run says: a finish by an older version of this library (a rolling update)
+-- does not count its lease down, and the count heals here
 local function after_drain()
-  if meta('queued') > 0 or meta('run') > 0 then return end
+  if meta('queued') > 0 then return end
+  if meta('run') > 0 then
+    if redis.call('HLEN', P .. 'lease') > 0 then return end
+    set_meta('run', 0)
+  end
   local v = math.max(meta('v'), meta('maxm'))
   set_meta('v', v)
   set_meta('maxm', v)
