@@ -10,9 +10,14 @@ recalibrating the estimate itself from the ``usage`` of completed requests (arti
   Σchars ÷ Σtokens cannot tell the two apart: on short chats the template's tokens weigh
   as much as the text's and the ratio sinks to its floor, pricing a long prompt at several
   times its tokens (issue 16);
-- per pool and per (pool, org), ``output_ratio`` = Σ completion tokens ÷ Σ max_tokens,
-  because clients ask for far more ``max_tokens`` than they use, and some much more than
-  others. An org's own ratio is trusted once it has ``min_org_samples`` observations.
+- per pool and per (pool, org), ``output_ratio``, the share of ``max_tokens`` requests
+  use, because clients ask for far more ``max_tokens`` than they use, and some much more
+  than others. It is the mean of completion ÷ max_tokens, each request weighing the output
+  it generated (issue 38): weighed by its ``max_tokens`` instead (Σ completion ÷
+  Σ max_tokens), 300 idle-time requests that asked for 120,000 tokens and stopped at once
+  made it ~0, and real work was then charged a thirtieth of its cost. An org's own ratio is
+  trusted once it has ``min_org_samples`` observations, and never below ``MIN_ORG_SHARE``
+  of its pool's, which the org's own junk does not move.
 
 Both rest on exponentially decayed sums, so that old behaviour fades with a half-life
 counted in observations (not in seconds: a quiet pool keeps what it learned).
@@ -41,7 +46,9 @@ from typing import Any, TypeVar
 __all__ = ["MAX_TOKENS_PER_MESSAGE", "Calibration", "InputFit", "InputModel", "Ratio"]
 
 
-FORMAT_VERSION = 2  # 1 had a chars_per_token ratio where 2 has the input fit's sums
+# 1 had a chars_per_token ratio where 2 has the input fit's sums; 2's output ratios weighed
+# each request by its max_tokens where 3's weigh it by its output
+FORMAT_VERSION = 3
 _RATIO_KEYS = frozenset({"num", "den", "samples"})
 _POOL_KEYS = frozenset({"input", "output_ratio", "orgs"})
 _V1_POOL_KEYS = frozenset({"chars_per_token", "output_ratio", "orgs"})
@@ -70,6 +77,15 @@ _MIN_SPREAD = 1e-4
 # as a 300-token template.
 _A_SPREAD = 8.0
 _B_SPREAD = 0.25
+
+# An org's learned output ratio is at least this share of its pool's. What the org alone
+# learned can be steered by the org: asking for huge budgets it never uses, when the pool is
+# idle and that costs it nothing, then sending full-length work. The pool's ratio weighs
+# every org's output, so such requests (which generate next to nothing) barely move it,
+# and an org's full-length request is charged at least about half its output. The price: an
+# honest org that uses under half the pool's share of its budgets is charged for half the
+# pool's until the fair queue trues charges up to the usage reported.
+MIN_ORG_SHARE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,8 +283,12 @@ class Calibration:
         if chars > 0 and messages >= 0 and prompt_tokens is not None and prompt_tokens > 0:
             state.input.add(messages, chars, prompt_tokens, self.decay)
         if completion_tokens is not None and completion_tokens >= 0 and max_tokens > 0:
-            state.output_ratio.add(completion_tokens, max_tokens, self.decay)
-            self._org_ratio(state, org).add(completion_tokens, max_tokens, self.decay)
+            # weighed by its output (a token at least): a thousand answers of 1 token weigh
+            # one answer of 1,000, however much they asked for
+            weight = max(completion_tokens, 1)
+            used = weight * (completion_tokens / max_tokens)
+            state.output_ratio.add(used, weight, self.decay)
+            self._org_ratio(state, org).add(used, weight, self.decay)
 
     def _org_ratio(self, state: _Pool, org: str) -> Ratio:
         """The org's ratio, moved to the most recent end; a newcomer may evict the weakest."""
@@ -330,7 +350,8 @@ class Calibration:
         return ratio.value() if ratio.samples >= self.min_pool_samples else None
 
     def output_ratio(self, pool: str, org: str, default: float) -> float:
-        """The org's ratio once it has enough samples, else the pool's, else ``default``.
+        """The org's ratio once it has enough samples, but not below ``MIN_ORG_SHARE`` of the
+        pool's; else the pool's; else ``default``.
 
         ``default`` is the configured value and is returned as is: only learned values are
         clamped, since they are the ones that may be skewed by a few odd observations.
@@ -338,13 +359,14 @@ class Calibration:
         state = self._pools.get(pool)
         if state is None:
             return default
+        learned = self._trusted(state.output_ratio)
+        pools = default if learned is None else _clamp(learned, self.output_ratio_bounds)
         own = state.orgs.get(org)
         if own is not None and own.samples >= self.min_org_samples:
-            learned = own.value()
-            if learned is not None:
-                return _clamp(learned, self.output_ratio_bounds)
-        learned = self._trusted(state.output_ratio)
-        return default if learned is None else _clamp(learned, self.output_ratio_bounds)
+            value = own.value()
+            if value is not None:
+                return _org_value(value, pools, self.output_ratio_bounds)
+        return pools
 
     # -- reporting and persistence ---------------------------------------------------------
 
@@ -358,14 +380,20 @@ class Calibration:
         place: ``samples`` tells which applies.
         """
         priors = priors or {}
-        out = self.output_ratio_bounds
         return {
-            name: {
-                "input": self._report_input(state.input, priors.get(name, _DEFAULT_PRIOR)),
-                "output_ratio": _report(state.output_ratio, out),
-                "orgs": {org: _report(ratio, out) for org, ratio in state.orgs.items()},
-            }
+            name: self._report_pool(state, priors.get(name, _DEFAULT_PRIOR))
             for name, state in self._pools.items()
+        }
+
+    def _report_pool(self, state: _Pool, prior: InputModel) -> dict[str, Any]:
+        pools = _report(state.output_ratio, None, self.output_ratio_bounds)
+        return {
+            "input": self._report_input(state.input, prior),
+            "output_ratio": pools,
+            "orgs": {
+                org: _report(ratio, pools["value"], self.output_ratio_bounds)
+                for org, ratio in state.orgs.items()
+            },
         }
 
     def _report_input(self, fit: InputFit, prior: InputModel) -> dict[str, Any]:
@@ -400,12 +428,13 @@ class Calibration:
         A version 1 document (before the input fit) is still read, as strictly: its output
         ratios are kept, its ``chars_per_token`` ratio is dropped, since a ratio of sums
         cannot be split into the fit's two parameters. The input model is then learned
-        afresh, from the configured values until ``min_pool_samples`` text prompts.
+        afresh, from the configured values until ``min_pool_samples`` text prompts. The
+        output ratios of versions 1 and 2 are kept as values, reweighed (``_reweighed``).
         """
         calibration = cls(**settings)
         document = _mapping(data, "document")
         version = document.get("version")
-        if type(version) is not int or version not in (1, FORMAT_VERSION):
+        if type(version) is not int or version not in (1, 2, FORMAT_VERSION):
             raise ValueError(f"unsupported version {version!r}")
         if set(document) != {"version", "pools"}:
             raise ValueError(f"unexpected keys {sorted(set(document) - {'version', 'pools'})}")
@@ -454,13 +483,22 @@ def _evict_weakest(orgs: dict[str, Ratio], count: int) -> None:
         del orgs[org]
 
 
+def _org_value(value: float, pools: float | None, bounds: tuple[float, float]) -> float:
+    """A learned ratio, clamped: an org's (``pools`` its pool's) at least ``MIN_ORG_SHARE``
+    of its pool's."""
+    floor = 0.0 if pools is None else MIN_ORG_SHARE * pools
+    return _clamp(max(value, floor), bounds)
+
+
+def _report(ratio: Ratio, pools: float | None, bounds: tuple[float, float]) -> dict[str, Any]:
+    """A ratio's value as estimates use it (None until learned), and its samples."""
+    value = ratio.value()
+    shown = None if value is None else _org_value(value, pools, bounds)
+    return {"value": shown, "samples": ratio.samples}
+
+
 def _input_to_json(fit: InputFit) -> dict[str, Any]:
     return {f.name: getattr(fit, f.name) for f in fields(fit)}
-
-
-def _report(ratio: Ratio, bounds: tuple[float, float]) -> dict[str, Any]:
-    value = ratio.value()
-    return {"value": None if value is None else _clamp(value, bounds), "samples": ratio.samples}
 
 
 def _ratio_to_json(ratio: Ratio) -> dict[str, Any]:
@@ -474,22 +512,34 @@ def _mapping(data: Any, where: str) -> Mapping[str, Any]:
 
 
 def _pool_from_json(data: Any, where: str, version: int) -> _Pool:
-    """A version 1 pool is checked as strictly as ever, then its chars/token ratio dropped."""
+    """A version 1 pool is checked as strictly as ever, then its chars/token ratio dropped;
+    the output ratios of a version 1 or 2 pool are reweighed."""
     raw = _mapping(data, where)
-    keys = _POOL_KEYS if version == FORMAT_VERSION else _V1_POOL_KEYS
+    keys = _V1_POOL_KEYS if version == 1 else _POOL_KEYS
     if set(raw) != keys:
         raise ValueError(f"{where}: expected keys {sorted(keys)}, got {sorted(raw)}")
-    if version == FORMAT_VERSION:
-        fit = _input_from_json(raw["input"], f"{where}.input")
-    else:
+    if version == 1:
         _ratio_from_json(raw["chars_per_token"], f"{where}.chars_per_token")
         fit = InputFit()
-    orgs = _mapping(raw["orgs"], f"{where}.orgs")
-    return _Pool(
-        input=fit,
-        output_ratio=_ratio_from_json(raw["output_ratio"], f"{where}.output_ratio"),
-        orgs={org: _ratio_from_json(r, f"{where}.orgs.{org}") for org, r in orgs.items()},
-    )
+    else:
+        fit = _input_from_json(raw["input"], f"{where}.input")
+    raw_orgs = _mapping(raw["orgs"], f"{where}.orgs")
+    output = _ratio_from_json(raw["output_ratio"], f"{where}.output_ratio")
+    orgs = {org: _ratio_from_json(r, f"{where}.orgs.{org}") for org, r in raw_orgs.items()}
+    if version < FORMAT_VERSION:
+        output, orgs = _reweighed(output), {org: _reweighed(r) for org, r in orgs.items()}
+    return _Pool(input=fit, output_ratio=output, orgs=orgs)
+
+
+def _reweighed(ratio: Ratio) -> Ratio:
+    """A ratio of version 1 or 2 (Σ completion ÷ Σ max_tokens) as version 3 sums it: the same
+    value, weighing the output it was learned from (Σ completion), as each request now
+    weighs its own. Sums with no value (or none a float can hold) keep only their count."""
+    value = ratio.value()
+    used = math.nan if value is None else ratio.num * value
+    if not math.isfinite(used):
+        return Ratio(samples=ratio.samples)
+    return Ratio(num=used, den=ratio.num, samples=ratio.samples)
 
 
 def _input_from_json(data: Any, where: str) -> InputFit:

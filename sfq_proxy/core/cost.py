@@ -15,6 +15,13 @@ from .calibration import Calibration, InputModel
 from .errors import ApiError
 from .inference_request import RESPONSES_OUTPUT_FIELD, InferenceRequest, Kind, with_output_limit
 
+MIN_TOKENS_PER_MESSAGE = 1
+"""The fewest tokens a message (a prompt, an input) is priced at, its text and its template's
+together: a template renders role markers around the emptiest message, and a tokenizer adds a
+BOS token to each prompt. A floor on what is charged, not on what calibration fits (clamping
+the fit would bend its chars/token): a pool configured or fitted at 0 tokens per message
+still charges 800 empty messages 800 tokens."""
+
 
 class Tokenizer(Protocol):
     def count(self, text: str) -> int: ...
@@ -62,15 +69,19 @@ class CostModel:
         (docs/design.md §4).
 
         A tokenizer counts the text but not the template, hence the configured
-        ``tokens_per_message`` on top. Without text (token ids only) no template applies.
+        ``tokens_per_message`` on top. The template's tokens apply to every message, be its
+        content empty (its role markers are still rendered), and the messages' tokens are
+        at least one each (``MIN_TOKENS_PER_MESSAGE``), whatever was configured or learned:
+        800 empty messages are not free. Token ids alone make no message: no template.
         """
         text = request.text or ""
-        messages = request.messages if text else 0
+        messages = request.messages
         if self._tokenizer is not None:
             counted = self._tokenizer.count(text) if text else 0
             counted += math.ceil(self.spec.tokens_per_message * messages)
         else:  # rounded up, less a millionth: a fit's last bits must not add a whole token
             counted = math.ceil(self.input_model().tokens(messages, len(text)) - 1e-6)
+        counted = max(counted, MIN_TOKENS_PER_MESSAGE * messages)
         return counted + request.token_ids + self.media_tokens(request) + request.fixed_tokens
 
     def media_tokens(self, request: InferenceRequest) -> int:
@@ -114,12 +125,15 @@ class CostModel:
             if tokens > limit:
                 raise _over_limit(f"Its input of about {tokens} tokens is", limit)
             return request, 0
-        room = (limit - tokens) // request.choices  # n (or best_of) sequences, each this long
+        # n (or best_of) sequences for each prompt, each this long
+        room = (limit - tokens) // request.choices
         asked = request.max_tokens
         if asked is not None and asked <= room:
             return request, asked
         if room < 1:
-            raise _over_limit(f"Its input of about {tokens} tokens leaves no output within", limit)
+            sequences = f" for its {request.choices} sequences" if request.choices > 1 else ""
+            what = f"Its input of about {tokens} tokens leaves no output{sequences} within"
+            raise _over_limit(what, limit)
         if asked is not None and self.spec.over_limit == "refuse":
             wanted = tokens + asked * request.choices
             raise _over_limit(f"It may use {wanted} tokens, input and output, over", limit)

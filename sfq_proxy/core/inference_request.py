@@ -23,7 +23,7 @@ import msgspec
 
 from . import affinity
 from .errors import ApiError
-from .media import Media, media_part
+from .media import MEDIA_FIELDS, TEXT_TYPES, Media, media_part
 
 
 class Kind(Enum):
@@ -78,8 +78,12 @@ class InferenceRequest:
     max_tokens: int | None  # as asked, None when the pool's default applies
     raw: bytes  # what the backend is sent: the client's bytes, unless usage had to be asked for
     strip_usage: bool = False  # the proxy asked for the usage chunk; the client did not
-    choices: int = 1  # sequences generated, each up to max_tokens: the larger of n and best_of
-    messages: int = 1  # texts the input is made of (chat messages, prompts, inputs)
+    # sequences generated, each up to max_tokens: the larger of n and best_of, for each prompt
+    # of a /v1/completions batch
+    choices: int = 1
+    # texts the input is made of (chat messages, prompts, inputs), each with its template's
+    # tokens; 0 for token ids only
+    messages: int = 0
     names_output: bool = False  # the body has a token field, be it only null
     media: tuple[Media, ...] = ()  # its image, audio, file and video parts, priced apart
     # with its pool's affinity on: digests of its prompt's prefix and of its ``user`` field
@@ -99,14 +103,30 @@ class InferenceRequest:
 def _ask_for_usage(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
     """A stream's token counts come in its usage chunk, sent only on request: ask for it,
     and remember to strip it, when the client did not (calibration needs every count)."""
-    options = body.get("stream_options")
-    if not body.get("stream") or (isinstance(options, dict) and options.get("include_usage")):
+    if not body.get("stream"):
+        return raw, False
+    options = _stream_options(body)
+    if options is not None and options.get("include_usage") is True:
         return raw, False
     if "stream_options" not in body:  # the common case: add the member, leave the bytes be
         return raw.rstrip()[:-1] + b',"stream_options":{"include_usage":true}}', True
-    if options is not None and not isinstance(options, dict):
-        raise ApiError(400, "'stream_options' must be an object.")
     return _dumps({**body, "stream_options": {**(options or {}), "include_usage": True}}), True
+
+
+def _stream_options(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A stream's ``stream_options``, which must be an object whose ``include_usage`` is a
+    boolean (or null): a server reads the string "false" as false (pydantic's lax mode) and
+    sends no usage chunk, while a truthy string would pass here for one asked for, and the
+    stream would be billed no tokens."""
+    options = body.get("stream_options")
+    if options is None:
+        return None
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object.")
+    usage = options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):  # 0 == False: test the type
+        raise ApiError(400, "'stream_options.include_usage' must be a boolean.")
+    return options
 
 
 def _always(_model: str) -> bool:
@@ -144,11 +164,11 @@ def parse(
         texts, token_ids = [text for _, text in named], 0
     else:
         texts, token_ids = _inputs(kind, body[field], field, media)
-    messages = max(len(texts), 1)  # each text has its template overhead; tools do not
+    messages = len(texts)  # each text has its template overhead; tools do not
     generates = kind.generates
     settings = affinity_of(model) if generates else None
     prefix, user = _affinity(kind, body, texts, named, settings) if settings else (None, None)
-    texts += _tool_texts(kind, body)
+    texts += _rendered_texts(kind, body)
     fields = output_fields(kind)
     max_tokens = _max_tokens(body, fields)
     choices = 1
@@ -157,7 +177,7 @@ def parse(
             _bounded_int(body, "n", MAX_CHOICES),
             _bounded_int(body, "best_of", MAX_CHOICES),
         )
-        choices = max(n or 1, best_of or 1)
+        choices = max(n or 1, best_of or 1) * _prompts(kind, body[field])
     asks_usage = kind in (Kind.CHAT, Kind.COMPLETION) and reports_stream_usage(model)
     upstream, strip_usage = _ask_for_usage(body, raw) if asks_usage else (raw, False)
     return InferenceRequest(
@@ -217,7 +237,7 @@ def parse_extra(
         token_ids=token_ids,
         max_tokens=None,
         raw=raw,
-        messages=max(len(texts), 1),
+        messages=len(texts),
         fixed_tokens=rule.fixed,
         path=path,
     )
@@ -391,19 +411,43 @@ def _inputs(kind: Kind, value: Any, field: str, media: list[Media]) -> tuple[lis
     raise ApiError(400, f"'{field}' must be a string, an array of strings or of token ids.")
 
 
-def _tool_texts(kind: Kind, body: dict[str, Any]) -> list[str]:
-    """Tool (and legacy function) definitions, and the tool calls of a chat's earlier turns,
-    as the JSON text a chat template renders into the prompt: a tenant must not get a 20 KB
-    schema for free. Counted as compact JSON, an estimate like any other chars/token count.
-    (A Responses API request's earlier calls are input items, counted with its input.)"""
-    if kind is Kind.CHAT:
-        parts = [body[name] for name in ("tools", "functions") if body.get(name)]
-        parts += [m["tool_calls"] for m in body["messages"] if m.get("tool_calls")]
-    elif kind is Kind.RESPONSES:
-        parts = [body["tools"]] if body.get("tools") else []
-    else:
+def _prompts(kind: Kind, value: Any) -> int:
+    """How many prompts a request's input holds: a /v1/completions batch (an array of strings
+    or of arrays of token ids) gets n choices for each of them, in vLLM as in OpenAI."""
+    if kind is Kind.COMPLETION and isinstance(value, list) and not _is_token(value[0]):
+        return len(value)
+    return 1
+
+
+# the roles whose markers are the template's tokens per message; any other is text too
+_ROLES = frozenset({"system", "developer", "user", "assistant", "tool", "function"})
+# what a message holds besides the text of its content, read apart
+_READ_APART = frozenset({"role", "content", "tool_calls"})
+
+
+def _rendered_texts(kind: Kind, body: dict[str, Any]) -> list[str]:
+    """What a chat template renders into the prompt besides the messages' content: tool (and
+    legacy function) definitions, and the tool calls of a chat's earlier turns, as compact
+    JSON (a tenant must not get a 20 KB schema for free; an estimate like any other
+    chars/token count); and every string of a message's other fields (its ``name``,
+    ``tool_call_id``, ``reasoning_content``, ``refusal``, a legacy ``function_call``…), and
+    its role when it is not one of the usual ones: templates render them, and reading every
+    field rather than a list of names misses none a new template reads. (A Responses API
+    request's earlier calls are input items, counted with its input.)"""
+    if kind is Kind.RESPONSES:
+        return [_compact(body["tools"])] if body.get("tools") else []
+    if kind is not Kind.CHAT:
         return []
-    return [_compact(part) for part in parts]
+    texts = [_compact(body[name]) for name in ("tools", "functions") if body.get(name)]
+    for message in body["messages"]:
+        if message.get("tool_calls"):
+            texts.append(_compact(message["tool_calls"]))
+        role = message.get("role")
+        if isinstance(role, str) and role not in _ROLES:
+            texts.append(role)
+        rest = [value for name, value in message.items() if name not in _READ_APART]
+        texts += _strings(rest)
+    return texts
 
 
 def _compact(value: Any) -> str:
@@ -447,18 +491,52 @@ def _message_text(message: Any, index: int, media: list[Media]) -> str:
     return _content_text(message.get("content"), f"messages[{index}].content", media)
 
 
+# the fields of a text part that hold no text: its type, its ids, and any media it carries
+# (priced as media by core/media.py, so never read as text)
+_NOT_TEXT = frozenset({"type", "id", "uuid", *MEDIA_FIELDS})
+
+
 def _content_text(content: Any, where: str, media: list[Media]) -> str:
     """The text of a message's ``content`` (named ``where`` in errors): a string, or the
-    ``text`` of its parts; its image, audio, file and video parts go to ``media``."""
+    text of its parts; its image, audio, file and video parts go to ``media``.
+
+    A text part (of no type, or of a text type: ``text``, ``refusal``, ``thinking``…) counts
+    every string in it but those of ``_NOT_TEXT``, not only its ``text``: a template renders
+    a refusal's ``refusal`` and a thinking part's ``thinking``, and a field not named here
+    must not hide text. A part of a media type, or of a type no server knows (priced as a
+    file), is media only."""
     if content is None or isinstance(content, str):
         return content or ""
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        texts = [p.get("text", "") for p in content]  # a text of any part must be a string
-        if all(isinstance(t, str) for t in texts):
-            kinds = [media_part(p) for p in content]
-            media += [m for m in kinds if m is not None]
-            return "".join(t for t, m in zip(texts, kinds, strict=True) if m is None)
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content
+    ):  # a text of any part must be a string
+        texts: list[str] = []
+        for part in content:
+            found = media_part(part)
+            if found is not None:
+                media.append(found)
+            kind = part.get("type")
+            if kind is None or (isinstance(kind, str) and kind in TEXT_TYPES):
+                texts += _strings([v for k, v in part.items() if k not in _NOT_TEXT])
+        return "".join(texts)
     raise ApiError(400, f"'{where}' must be a string or an array of parts.")
+
+
+def _strings(values: list[Any]) -> list[str]:
+    """Every string anywhere in ``values``, in order, the names of members not included. A
+    loop, not recursion, and each value is visited once: linear in the body's size however
+    deep it nests."""
+    found: list[str] = []
+    stack: list[Any] = values[::-1]  # [::-1], not reversed(): mypyc fails on that of Any
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found.append(item)
+        elif isinstance(item, dict):
+            stack.extend(list(item.values())[::-1])
+        elif isinstance(item, list):
+            stack.extend(item[::-1])
+    return found
 
 
 def _max_tokens(body: dict[str, Any], fields: tuple[str, ...] = _OUTPUT_FIELDS) -> int | None:

@@ -40,7 +40,8 @@ class Media:
 # Text-like part types: their text is priced with the message's text, not here. "refusal"
 # (OpenAI's assistant messages), "input_text"/"output_text" (the Responses API), "thinking"
 # and "tool_reference" (vLLM). The text of the last three is not under "text" but under
-# "refusal", "thinking" and "name": the caller must count it there.
+# "refusal", "thinking" and "name": the caller reads every string of such a part but its
+# MEDIA_FIELDS (core/inference_request.py).
 TEXT_TYPES = frozenset(
     {"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"}
 )
@@ -73,6 +74,10 @@ _FIELD_KINDS: tuple[tuple[str, Kind], ...] = (
     ("input_audio", "audio"),
     ("video_url", "video"),
 )
+
+# The fields that carry a part's media (for most types, the field named as the type): their
+# strings are data, URLs and ids, priced here as media and never read as text.
+MEDIA_FIELDS = frozenset({*_TYPE_KINDS, *(field for field, _ in _FIELD_KINDS)})
 
 
 def media_part(part: Mapping[str, Any]) -> Media | None:

@@ -86,21 +86,24 @@ def test_ratio_with_half_life_one_halves_the_weights_per_observation() -> None:
 
 
 def test_calibration_with_half_life_one_decays_by_exactly_one_half() -> None:
+    """Each sample weighs its output: 10 · 0.1, 50 · 0.5 and 30 · 0.5 over 10, 50 and 30."""
     cal = Calibration(half_life_requests=1, min_org_samples=1)
     assert cal.decay == 0.5
     for completion, max_tokens in [(10, 100), (50, 100), (30, 60)]:
         output(cal, completion, max_tokens)
     pool = cal.snapshot()[POOL]
-    assert pool["output_ratio"] == {"value": 57.5 / 135.0, "samples": 3}
-    assert pool["orgs"]["acme"] == {"value": 57.5 / 135.0, "samples": 3}
-    assert cal.to_json()["pools"][POOL]["output_ratio"] == {"num": 57.5, "den": 135.0, "samples": 3}
+    assert pool["output_ratio"] == {"value": 27.75 / 57.5, "samples": 3}
+    assert pool["orgs"]["acme"] == {"value": 27.75 / 57.5, "samples": 3}
+    # (1·½ + 25)·½ + 15, (10·½ + 50)·½ + 30
+    assert cal.to_json()["pools"][POOL]["output_ratio"] == {"num": 27.75, "den": 57.5, "samples": 3}
 
 
 def test_huge_half_life_is_the_plain_ratio_of_sums() -> None:
     cal = Calibration(half_life_requests=HUGE_HALF_LIFE)
     for completion, max_tokens in [(10, 100), (50, 100), (30, 60)]:
         output(cal, completion, max_tokens)
-    assert cal.output_ratio(POOL, "acme", 1.0) == pytest.approx(90 / 260, rel=1e-9)
+    # the ratios 0.1, 0.5, 0.5 weighed by the outputs 10, 50, 30
+    assert cal.output_ratio(POOL, "acme", 1.0) == pytest.approx(41 / 90, rel=1e-9)
 
 
 def test_half_life_is_counted_in_requests() -> None:
@@ -114,10 +117,12 @@ def test_half_life_is_counted_in_requests() -> None:
     d = 0.5 ** (1 / half_life)
     new_weight = sum(d**age for age in range(half_life))
     old_weight = sum(d**age for age in range(half_life, half_life + old_count))
-    expected = (0.2 * old_weight + 0.6 * new_weight) / (old_weight + new_weight)
+    # each sample also weighs its output: 20 tokens for the old, 60 for the new
+    expected = (0.2 * 20 * old_weight + 0.6 * 60 * new_weight) / (20 * old_weight + 60 * new_weight)
     learned = cal.output_ratio(POOL, "someone-else", 1.0)
     assert learned == pytest.approx(expected, rel=1e-12)
-    assert learned == pytest.approx(0.4, abs=1e-9)  # halfway: d**1000 = 2**-100 is negligible
+    # halfway (d**1000 = 2**-100 is negligible), the new answers three times the weight
+    assert learned == pytest.approx((0.2 * 20 + 0.6 * 60) / 80, abs=1e-9)
 
 
 # -- input model -----------------------------------------------------------------------------
@@ -466,13 +471,13 @@ def test_pool_ratio_until_the_org_has_min_samples_then_its_own() -> None:
     cal = Calibration(half_life_requests=HUGE_HALF_LIFE, min_org_samples=3)
     for _ in range(4):
         output(cal, 90, 100, org="heavy")  # 0.9
-    output(cal, 10, 100, org="light")  # 0.1
-    output(cal, 10, 100, org="light")
-    pool_value = (4 * 90 + 2 * 10) / 600
+    output(cal, 50, 100, org="light")  # 0.5
+    output(cal, 50, 100, org="light")
+    pool_value = (4 * 90 * 0.9 + 2 * 50 * 0.5) / (4 * 90 + 2 * 50)  # weighed by output
     assert cal.output_ratio(POOL, "light", 1.0) == pytest.approx(pool_value, rel=1e-9)
     assert cal.output_ratio(POOL, "newcomer", 1.0) == pytest.approx(pool_value, rel=1e-9)
-    output(cal, 10, 100, org="light")  # the third sample: now its own
-    assert cal.output_ratio(POOL, "light", 1.0) == pytest.approx(0.1, rel=1e-9)
+    output(cal, 50, 100, org="light")  # the third sample: now its own
+    assert cal.output_ratio(POOL, "light", 1.0) == pytest.approx(0.5, rel=1e-9)
     assert cal.output_ratio(POOL, "heavy", 1.0) == pytest.approx(0.9, rel=1e-9)
 
 
@@ -691,11 +696,12 @@ def test_merge_ages_what_was_there_by_the_later_observations_of_the_same_sums() 
     output(later, 30, 60, org="a")
     base.merge(later)
     pool = base.to_json()["pools"][POOL]
-    # (10·½ + 40)·¼ + 50·½ + 30, (100·½ + 100)·¼ + 100·½ + 60
-    assert pool["output_ratio"] == {"num": 66.25, "den": 147.5, "samples": 4}
+    # each sample weighs its output: it adds output · ratio and output (1, 10; 16, 40; ...)
+    # (1·½ + 16)·¼ + 25·½ + 15, (10·½ + 40)·¼ + 50·½ + 30
+    assert pool["output_ratio"] == {"num": 31.625, "den": 66.25, "samples": 4}
     assert pool["orgs"] == {
-        "b": {"num": 40.0, "den": 100.0, "samples": 1},
-        "a": {"num": 57.5, "den": 135.0, "samples": 3},  # 10·¼ + 50·½ + 30; most recent
+        "b": {"num": 16.0, "den": 40.0, "samples": 1},
+        "a": {"num": 27.75, "den": 57.5, "samples": 3},  # 1·¼ + 25·½ + 15; most recent
     }
 
 
@@ -787,14 +793,14 @@ def test_snapshot_reports_clamped_values_and_samples() -> None:
         {"tokens_per_message": b.tokens_per_message, "chars_per_token": b.chars_per_token,
          "samples": 1}, rel=1e-9
     )  # fmt: skip
+    # each sample weighs its output: it adds output² / max_tokens and output
+    pool_a = ((25**2 / 100 * d + 7**2 / 256) * d + 64) / ((25 * d + 7) * d + 64)
+    assert (25**2 / 100 * d + 7**2 / 256) / (25 * d + 7) < pool_a / 2
     assert snapshot == {
         "a": {
-            "output_ratio": {
-                "value": ((25 * d + 7) * d + 64) / ((100 * d + 256) * d + 64),
-                "samples": 3,
-            },
+            "output_ratio": {"value": pool_a, "samples": 3},
             "orgs": {
-                "x": {"value": (25 * d + 7) / (100 * d + 256), "samples": 2},
+                "x": {"value": pool_a / 2, "samples": 2},  # its own is below half its pool's
                 "y": {"value": 1.0, "samples": 1},
             },
         },
@@ -818,7 +824,7 @@ def test_snapshot_uses_each_pools_prior_where_the_fit_cannot_tell() -> None:
 def test_json_round_trip_keeps_values_and_samples() -> None:
     cal = learned_cal()
     document = json.loads(json.dumps(cal.to_json(), allow_nan=False))
-    assert document["version"] == FORMAT_VERSION == 2
+    assert document["version"] == FORMAT_VERSION == 3
     assert set(document["pools"]["a"]["input"]) == set(_INPUT_SUMS) | {"samples"}
     restored = Calibration.from_json(document, half_life_requests=4, min_org_samples=2)
     assert restored.to_json() == cal.to_json()
@@ -843,18 +849,34 @@ def test_a_version_1_document_keeps_its_output_ratios_and_drops_chars_per_token(
             "p": {
                 "chars_per_token": _ratio(num=4000.0, den=1000.0, samples=10),
                 "output_ratio": _ratio(num=25.0, den=100.0, samples=3),
-                "orgs": {"acme": _ratio(num=1.0, den=10.0, samples=3)},
+                "orgs": {"acme": _ratio(num=2.0, den=10.0, samples=3)},
             }
         },
     }
     cal = Calibration.from_json(document, half_life_requests=10, min_org_samples=3)
     assert cal.input_model("p", InputModel(2.0, 3.0)) == InputModel(2.0, 3.0)
-    assert cal.output_ratio("p", "acme", 1.0) == 0.1
+    assert cal.output_ratio("p", "acme", 1.0) == 0.2
     assert cal.output_ratio("p", "other", 1.0) == 0.25
     pool = cal.to_json()["pools"]["p"]
-    assert cal.to_json()["version"] == 2
+    assert cal.to_json()["version"] == 3
     assert pool["input"] == _input()
-    assert pool["output_ratio"] == _ratio(num=25.0, den=100.0, samples=3)
+    assert pool["output_ratio"] == _ratio(num=6.25, den=25.0, samples=3)  # reweighed
+
+
+def test_a_version_2_documents_output_ratios_are_kept_weighing_their_output() -> None:
+    """Version 2 summed Σ completion ÷ Σ max_tokens: each ratio keeps its value, and weighs
+    the output it was learned from, as a request's own output weighs it now."""
+    fit = _input(samples=1, m=1, c=400, t=100, mm=1, mc=400, cc=160_000, mt=100, ct=40_000)
+    document = _doc(
+        input=fit,
+        output_ratio=_ratio(num=300.0, den=1200.0, samples=4),
+        orgs={"acme": _ratio(num=80.0, den=100.0, samples=2), "none": _ratio(0.0, 0.0, 1)},
+    )
+    cal = Calibration.from_json(document | {"version": 2}, half_life_requests=10)
+    pool = cal.to_json()["pools"]["p"]
+    assert pool["input"] == {key: float(value) for key, value in fit.items()} | {"samples": 1}
+    assert pool["output_ratio"] == _ratio(num=75.0, den=300.0, samples=4)
+    assert pool["orgs"] == {"acme": _ratio(64.0, 80.0, 2), "none": _ratio(0.0, 0.0, 1)}
 
 
 def _input(samples: Any = 0, **sums: Any) -> dict[str, Any]:
@@ -864,7 +886,7 @@ def _input(samples: Any = 0, **sums: Any) -> dict[str, Any]:
 def _doc(**pool: Any) -> dict[str, Any]:
     empty = {"num": 0.0, "den": 0.0, "samples": 0}
     base = {"input": _input(), "output_ratio": dict(empty), "orgs": {}}
-    return {"version": 2, "pools": {"p": base | pool}}
+    return {"version": FORMAT_VERSION, "pools": {"p": base | pool}}
 
 
 def _doc_v1(**pool: Any) -> dict[str, Any]:
@@ -883,7 +905,7 @@ def _ratio(num: Any = 1.0, den: Any = 2.0, samples: Any = 1) -> dict[str, Any]:
         ([], "document"),
         ("calibration", "document"),
         ({"pools": {}}, "version"),
-        ({"version": 3, "pools": {}}, "version"),
+        ({"version": 4, "pools": {}}, "version"),
         ({"version": True, "pools": {}}, "version"),
         ({"version": 2.0, "pools": {}}, "version"),
         ({"version": 2, "pools": {}, "extra": 1}, "extra"),
@@ -1009,7 +1031,7 @@ def test_missing_file_gives_a_fresh_calibration_and_a_warning(
             json.dumps(_doc(input=_input(samples=1, mt=-2.0))),
             "pools.p.input.mt",
         ),
-        ('{"version": 3, "pools": {}}', "unsupported version 3"),
+        ('{"version": 4, "pools": {}}', "unsupported version 4"),
     ],
 )
 def test_corrupt_file_gives_a_fresh_calibration_and_a_warning(
@@ -1046,3 +1068,30 @@ def test_undecodable_file_gives_a_fresh_calibration_and_a_warning(
 def test_load_still_rejects_invalid_settings(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="half_life_requests"):
         load(tmp_path / "absent.json", half_life_requests=0)
+
+
+# -- issue 38: what idle-time junk can teach ---------------------------------------------------
+
+
+def test_a_thousand_one_token_answers_do_not_outweigh_one_of_a_thousand_tokens() -> None:
+    """A sample weighs the output it generated, not its max_tokens: a thousand answers of 1
+    token out of 120,000 weigh as much as one answer of 1,000 out of 1,000, no more. Weighed
+    by max_tokens, they made the pool's ratio 2,000 / 120,001,000 (clamped to 0.01)."""
+    cal = Calibration(half_life_requests=HUGE_HALF_LIFE, min_org_samples=1)
+    output(cal, 1000, 1000, org="worker")
+    for _ in range(1000):
+        output(cal, 1, 120_000, org="idler")
+    assert cal.output_ratio(POOL, "newcomer", 0.3) == pytest.approx(0.5, rel=1e-4)
+    assert cal.output_ratio(POOL, "worker", 0.3) == 1.0
+
+
+def test_an_orgs_ratio_is_at_least_half_its_pools() -> None:
+    cal = Calibration(half_life_requests=HUGE_HALF_LIFE, min_org_samples=3)
+    for _ in range(10):
+        output(cal, 80, 100, org="others")
+    for _ in range(3):
+        output(cal, 1, 100, org="low")
+    pool = cal.output_ratio(POOL, "newcomer", 1.0)
+    assert pool == pytest.approx((10 * 80 * 0.8 + 3 * 0.01) / 803, rel=1e-9)
+    assert cal.output_ratio(POOL, "low", 1.0) == pytest.approx(pool / 2, rel=1e-9)
+    assert cal.snapshot()[POOL]["orgs"]["low"]["value"] == pytest.approx(pool / 2, rel=1e-9)

@@ -45,8 +45,8 @@ def completion(prompt: Any, **fields: Any) -> InferenceRequest:
 
 @pytest.mark.parametrize(
     ("chars", "chars_per_token", "tokens"),
-    [(0, 4.0, 0), (1, 4.0, 1), (4, 4.0, 1), (5, 4.0, 2), (8, 4.0, 2), (10, 2.5, 4), (11, 2.5, 5)],
-)
+    [(0, 4.0, 1), (1, 4.0, 1), (4, 4.0, 1), (5, 4.0, 2), (8, 4.0, 2), (10, 2.5, 4), (11, 2.5, 5)],
+)  # an empty prompt is a message: a token at least (its BOS)
 def test_input_tokens_from_text_length_rounds_up(
     chars: int, chars_per_token: float, tokens: int
 ) -> None:
@@ -148,8 +148,8 @@ def test_tokenizer_counts_text_and_the_configured_template_tokens(tokenizer_path
 
 @pytest.mark.parametrize(
     ("kind", "fields"),
-    [(Kind.EMBEDDING, {"input": ""}), (Kind.COMPLETION, {"prompt": "", "max_tokens": 1})],
-)
+    [(Kind.EMBEDDING, {"input": [[]]}), (Kind.COMPLETION, {"prompt": [[]], "max_tokens": 1})],
+)  # no token id, so no message: nothing of any input
 def test_cost_floor_is_one(kind: Kind, fields: dict[str, Any]) -> None:
     spec = CostSpec(input_weight=1.0, output_weight=0.5, output_ratio=0.5)
     estimate = CostModel(spec).estimate(parse(kind, body(**fields)))
@@ -185,7 +185,7 @@ def test_tokenizer_counts_unknown_words_and_adds_token_ids(tokenizer_path: Path)
     model = CostModel(CostSpec(tokenizer=str(tokenizer_path)))
     assert model.input_tokens(chat({"content": "the zebra"}, {"content": " jumps, high"})) == 5
     assert model.input_tokens(completion([1, 2, 3])) == 3
-    assert model.input_tokens(completion("")) == 0
+    assert model.input_tokens(completion("")) == 1  # a message: a token at least
 
 
 def test_missing_tokenizer_fails_at_construction(tmp_path: Path) -> None:
@@ -396,3 +396,117 @@ def test_an_extra_path_over_the_ceiling_is_refused() -> None:
     with pytest.raises(ApiError) as info:
         model.price(extra(body(prompt="x" * 400), 1, "prompt"), "a")
     assert info.value.code == "tokens_exceed_limit"
+
+
+# -- issue 38: what a tenant who has read the source cannot steer ------------------------------
+
+
+def test_every_prompt_of_a_batch_generates_its_choices() -> None:
+    """vLLM generates n (or best_of) sequences for each prompt of a list: 50 prompts with
+    n=4 and max_tokens=100 were charged 425 (25 input tokens and 400 output) for the 20,050
+    tokens a server reports (50 prompts of a token each, 200 sequences of 100)."""
+    model = CostModel(CostSpec())
+    estimate = model.estimate(completion(["xx"] * 50, n=4, max_tokens=100))
+    assert (estimate.input_tokens, estimate.max_tokens, estimate.cost) == (50, 20_000, 20_050.0)
+    ids = model.estimate(completion([[1, 2]] * 10, n=2, best_of=3, max_tokens=5))
+    assert (ids.input_tokens, ids.max_tokens) == (20, 10 * 3 * 5)
+    assert model.estimate(completion([1, 2, 3], n=2, max_tokens=5)).max_tokens == 10  # one prompt
+
+
+def test_a_batch_is_bounded_by_the_ceiling_as_a_whole() -> None:
+    """``max_request_tokens`` (and ``tpm``, which counts input_tokens + max_tokens) bounds
+    every sequence of every prompt: 50 prompts × 4 × 100 does not fit in 10,000."""
+    asked = completion(["xx"] * 50, n=4, max_tokens=100)
+    with pytest.raises(ApiError) as info:
+        CostModel(CostSpec(max_request_tokens=10_000)).price(asked, "a")
+    assert info.value.code == "tokens_exceed_limit"
+    clamp = CostModel(CostSpec(max_request_tokens=10_000, over_limit="clamp"))
+    request, estimate = clamp.price(asked, "a")
+    per_sequence = (10_000 - 50) // 200
+    assert sent(request)["max_tokens"] == per_sequence == 49
+    assert (estimate.input_tokens, estimate.max_tokens) == (50, 200 * per_sequence)
+    _, default = clamp.price(completion(["xx"] * 50, n=4), "a")  # the default, cut to fit
+    assert default.max_tokens == 200 * per_sequence
+
+
+def test_calibration_learns_a_batchs_output_per_sequence() -> None:
+    """usage counts every sequence of every prompt: so must the budget it is divided by."""
+    calibration = Calibration(half_life_requests=10, min_org_samples=1)
+    model = CostModel(CostSpec(), pool="p", calibration=calibration)
+    estimate = model.estimate(completion(["xx"] * 50, n=4, max_tokens=100), "acme")
+    model.observe(estimate, "acme", 50, 10_000)  # each of 200 sequences used half its budget
+    assert model.output_ratio("acme") == pytest.approx(0.5)
+
+
+HIDDEN = "x" * 16_000  # 4,000 tokens at the pool's default 4 characters a token
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": HIDDEN}]},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": HIDDEN}]},
+        {"role": "assistant", "content": [{"type": "tool_reference", "name": HIDDEN}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi", "reasoning": HIDDEN}]},
+        {"role": "user", "content": [{"text": HIDDEN, "image_url": "https://x/y.png"}]},
+        {"role": "assistant", "content": "", "reasoning_content": HIDDEN},
+        {"role": "assistant", "content": None, "reasoning": HIDDEN},
+        {"role": "assistant", "content": None, "refusal": HIDDEN},
+        {"role": "user", "content": "hi", "name": HIDDEN},
+        {"role": "tool", "content": "42", "tool_call_id": HIDDEN},
+        {"role": "assistant", "function_call": {"name": "f", "arguments": HIDDEN}},
+        {"role": HIDDEN, "content": "hi"},
+    ],
+    ids=[
+        "refusal-part", "thinking-part", "tool-reference-part", "other-field-of-a-text-part",
+        "text-beside-media", "reasoning_content", "reasoning", "refusal", "name",
+        "tool_call_id", "function_call", "role",
+    ],
+)  # fmt: skip
+def test_text_a_chat_template_renders_is_charged_wherever_it_is(message: dict[str, Any]) -> None:
+    """A refusal or thinking part, or a message's reasoning, was read as no text at all: 16,000
+    characters in one were charged 51 for the 4,057 tokens a server reports."""
+    estimate = CostModel(CostSpec()).estimate(chat(message, max_tokens=1))
+    assert estimate.input_tokens >= 4000
+
+
+def test_every_message_pays_the_template_be_its_content_empty() -> None:
+    """800 messages of empty content were charged their output only (50) for the 4,051
+    tokens of their role markers a server reports: each message now costs the pool's tokens
+    per message, and at least 1 token, learned or configured."""
+    empty = [{"role": "user", "content": ""}] * 800
+    assert CostModel(CostSpec()).input_tokens(chat(*empty)) == 800  # the floor of a token
+    assert CostModel(CostSpec(tokens_per_message=5)).input_tokens(chat(*empty)) == 4000
+    none = [{"role": "assistant", "content": None}, {"role": "tool"}]
+    assert CostModel(CostSpec(tokens_per_message=5)).input_tokens(chat(*none)) == 10
+    calibration = Calibration(half_life_requests=100, min_pool_samples=1)
+    learned = CostModel(CostSpec(), pool="p", calibration=calibration)
+    for chars in (400, 800, 1200):  # no template at all: a is learned as 0
+        estimate = learned.estimate(completion("x" * chars), "acme")
+        learned.observe(estimate, "acme", chars // 4, None)
+    assert learned.input_model().tokens_per_message == pytest.approx(0.0, abs=1e-9)
+    assert learned.input_tokens(chat(*empty)) == 800
+
+
+def test_every_message_pays_at_least_a_token_with_a_tokenizer_too(tokenizer_path: Path) -> None:
+    model = CostModel(CostSpec(tokenizer=str(tokenizer_path)))
+    assert model.input_tokens(chat(*[{"role": "user", "content": ""}] * 800)) == 800
+
+
+def test_idle_time_junk_cannot_collapse_an_orgs_output_ratio() -> None:
+    """300 idle-time requests with max_tokens 120,000 that stop at once made the org's
+    learned output ratio (and its pool's) ~0: its full-length requests were then charged ~36
+    for ~1,020 tokens. A sample now weighs the output it generated, and an org's ratio is at
+    least half its pool's: a full-length request is charged at least half what it costs."""
+    calibration = Calibration(half_life_requests=5000, min_org_samples=50, min_pool_samples=50)
+    model = CostModel(CostSpec(), pool="p", calibration=calibration)
+    full = chat({"role": "user", "content": "x" * 100}, max_tokens=1024)
+    for org in ("alice", "bob"):  # the pool's traffic: answers of about their budget
+        for _ in range(100):
+            model.observe(model.estimate(full, org), org, 30, 1020)
+    junk = chat({"role": "user", "content": "x" * 100}, max_tokens=120_000)
+    for _ in range(300):
+        model.observe(model.estimate(junk, "mallory"), "mallory", 30, 1)
+    charged, actual = model.estimate(full, "mallory").cost, model.actual(30, 1020)
+    assert actual is not None
+    assert actual / 2 <= charged <= actual

@@ -395,9 +395,10 @@ def test_tool_definitions_and_earlier_tool_calls_are_counted_as_input() -> None:
     ]
     req = parse(Kind.CHAT, body(messages=messages, tools=tools))
     compact = {"separators": (",", ":"), "ensure_ascii": False}
-    assert req.text == "Hi" + "" + "42" + json.dumps(tools, **compact) + json.dumps(
-        calls, **compact
-    )
+    assert (
+        req.text
+        == "Hi" + "" + "42" + json.dumps(tools, **compact) + json.dumps(calls, **compact) + "c1"
+    )  # the tool message's tool_call_id
     assert req.messages == 3
 
 
@@ -618,3 +619,81 @@ def test_an_extra_paths_field_nested_beyond_the_parser_is_400_not_a_crash() -> N
     with pytest.raises(ApiError) as info:
         extra(nested(100_000), Rule(input_fields=("q",)))
     assert info.value.status == 400
+
+
+# -- issue 38: what the estimate reads ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("prompt", "fields", "choices"),
+    [
+        (["a", "b", "c"], {"n": 4}, 12),
+        (["a", "b"], {"n": 2, "best_of": 3}, 6),
+        ([[1, 2], [3]], {"n": 5}, 10),
+        ([1, 2, 3], {"n": 5}, 5),  # one prompt of token ids
+        ("abc", {"best_of": 2}, 2),
+    ],
+)
+def test_a_completion_generates_its_choices_for_each_prompt(
+    prompt: Any, fields: dict[str, Any], choices: int
+) -> None:
+    assert parse(Kind.COMPLETION, body(prompt=prompt, **fields)).choices == choices
+
+
+def test_embeddings_generate_nothing_whatever_their_inputs() -> None:
+    assert parse(Kind.EMBEDDING, body(input=["a", "b"], n=3)).choices == 1
+
+
+def test_every_string_of_a_text_part_is_read_but_its_media() -> None:
+    parts = [
+        {"type": "refusal", "refusal": "No"},
+        {"type": "thinking", "thinking": "Hm", "signature": "s"},
+        {"type": "input_text", "text": "A", "id": "part-1", "uuid": "u"},
+        {"type": "text", "text": "B", "image_url": {"url": "https://x/y.png"}},
+        {"type": "image_url", "image_url": {"url": "https://x/z.png", "detail": "low"}},
+    ]
+    req = chat({"role": "user", "content": parts})
+    assert req.text == "NoHmsAB"  # no type, id or media URL; the image priced, never read
+    assert req.media == (Media("image", None), Media("image", 85))
+    assert req.messages == 1
+
+
+def test_every_field_of_a_message_a_template_renders_is_read() -> None:
+    messages = [
+        {"role": "user", "content": "Hi", "name": "ann"},
+        {"role": "assistant", "content": None, "reasoning_content": "think", "refusal": "no"},
+        {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        {"role": "narrator", "content": ""},
+        {"role": "user", "content": ""},
+    ]
+    req = chat(*messages)
+    assert req.text == "Hi" + "42" + "ann" + "think" + "no" + "c1" + "narrator"  # contents first
+    assert req.messages == 5
+
+
+def test_token_ids_alone_make_no_message() -> None:
+    assert parse(Kind.COMPLETION, body(prompt=[[1], [2]])).messages == 0
+    assert parse(Kind.COMPLETION, body(prompt=["", ""])).messages == 2
+
+
+@pytest.mark.parametrize("usage", ["false", "true", 0, 1, [], {}])
+@pytest.mark.parametrize("kind", [Kind.CHAT, Kind.COMPLETION])
+def test_an_include_usage_that_is_not_a_boolean_is_400(kind: Kind, usage: Any) -> None:
+    """A server reads the string "false" as false (pydantic's lax mode) and sent no usage,
+    while the proxy read a truthy string as asked for: the stream was billed no tokens."""
+    field = {"messages": [{"content": "x"}]} if kind is Kind.CHAT else {"prompt": "x"}
+    raw = body(stream=True, stream_options={"include_usage": usage}, **field)
+    assert "'stream_options.include_usage' must be a boolean" in rejected(kind, raw).message
+
+
+@pytest.mark.parametrize("options", ["yes", [], 1, True])
+def test_stream_options_that_are_not_an_object_are_400(options: Any) -> None:
+    raw = body(messages=[{"content": "x"}], stream=True, stream_options=options)
+    assert "'stream_options' must be an object" in rejected(Kind.CHAT, raw).message
+
+
+@pytest.mark.parametrize("options", [{"include_usage": None}, {"include_usage": False}, None])
+def test_usage_is_asked_for_whatever_the_client_said(options: dict[str, Any] | None) -> None:
+    req = chat({"content": "x"}, stream=True, stream_options=options)
+    assert json.loads(req.raw)["stream_options"]["include_usage"] is True
+    assert req.strip_usage
