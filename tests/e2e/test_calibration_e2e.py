@@ -158,12 +158,18 @@ async def _ask(lab: Lab, served: Served, org: str) -> None:
     )
 
 
-async def test_per_org_calibration_stops_punishing_an_org_for_its_max_tokens(lab: Lab) -> None:
+async def test_an_org_is_not_punished_for_its_max_tokens_before_or_after_calibration(
+    lab: Lab,
+) -> None:
+    """B asks 8× A's max_tokens for the same real output. Before calibration B's estimate is
+    8× A's, yet each of its requests is trued up to the 40 tokens it got at its end
+    (docs/design.md §3 rule 3), so it is not served less (estimate-only, it got under a
+    third of A's dispatches); calibrated, its estimate is right to begin with."""
     calibration = {"half_life_requests": 50, "min_org_samples": 20}
     fresh_sim = await lab.backend(output_mode="min_tokens", max_num_seqs=1)
     fresh = await lab.proxy(proxy_config([fresh_sim.url], slots=1, calibration=calibration))
     uncalibrated = await _contended_dispatches(lab, fresh, per_org=40)
-    assert uncalibrated["B"] < 0.3 * uncalibrated["A"], uncalibrated
+    assert abs(uncalibrated["A"] - uncalibrated["B"]) <= 0.2 * max(uncalibrated.values())
 
     sim = await lab.backend(output_mode="min_tokens", max_num_seqs=1)
     served = await lab.proxy(proxy_config([sim.url], slots=1, calibration=calibration))
