@@ -261,8 +261,9 @@ class FairQueue(Generic[T]):
         bank credit nor escape what its requests really did. Raises ValueError, changing
         nothing, for a flow with nothing running or an ``actual`` outside [0, MAX_COST].
         """
-        check_cost(cost)
-        if actual is not None:
+        if not (cost.__class__ is float and 0.0 < cost <= MAX_COST):  # the fast path's check
+            check_cost(cost)
+        if actual is not None and not (actual.__class__ is float and 0.0 <= actual <= MAX_COST):
             _check_range("actual", actual, MAX_COST, allow_zero=True)
         state = self._flows.get(flow)
         if state is None or not state.running:
@@ -279,7 +280,8 @@ class FairQueue(Generic[T]):
                     self._enter(flow, state)
         state.running -= 1
         self._running -= 1
-        self._after_drain()
+        if not self._queued and not self._running:
+            self._after_drain()
 
     def set_weight(self, flow: str, weight: float) -> None:
         """Change a queued flow's weight (a config reload): its next charges use it."""

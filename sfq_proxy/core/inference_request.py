@@ -440,9 +440,11 @@ def _rendered_texts(kind: Kind, body: dict[str, Any]) -> list[str]:
         return []
     texts = [_compact(body[name]) for name in ("tools", "functions") if body.get(name)]
     for message in body["messages"]:
+        role = message.get("role")
+        if len(message) == 2 and "content" in message and isinstance(role, str) and role in _ROLES:
+            continue  # the usual message: its role is the template's, its content read
         if message.get("tool_calls"):
             texts.append(_compact(message["tool_calls"]))
-        role = message.get("role")
         if isinstance(role, str) and role not in _ROLES:
             texts.append(role)
         rest = [value for name, value in message.items() if name not in _READ_APART]

@@ -237,7 +237,7 @@ async def _serve(
         if not ticket.priority:
             metrics.count(key, "cost_charged", amount=ticket.cost)  # the cost, not cost/weight
         relayed, generated = None, True
-        slot = _Slot(pool, ticket, backend, estimate, partial(_trued_up, metrics, key))
+        slot = _Slot(pool, ticket, backend, estimate, metrics, key)
         try:
             relayed = await forward(
                 proxy.upstreams, pool, backend, request, inference, record.request_id,
@@ -398,10 +398,11 @@ class _Slot:
         ticket: Ticket,
         backend: Backend,
         estimate: Estimate,
-        on_true_up: Callable[[float], None],
+        metrics: Metrics,
+        key: Key,
     ) -> None:
         self._pool, self._ticket, self._backend = pool, ticket, backend
-        self._estimate, self._on_true_up = estimate, on_true_up
+        self._estimate, self._metrics, self._key = estimate, metrics, key
         self._held = True
 
     def settle(self, relayed: Relayed) -> None:
@@ -434,14 +435,10 @@ class _Slot:
         served = cost.actual(prompt, completion)
         if served is None:  # no report: never less than the estimate
             served = max(estimate.cost, cost.actual(estimate.input_tokens, completion) or 0.0)
-        if served != estimate.cost:
-            self._on_true_up(served - estimate.cost)
+        owed = served - estimate.cost  # sfq_cost_trued_up_total, by direction
+        if owed:
+            self._metrics.count(self._key, "cost_trued_up", "up" if owed > 0 else "down", abs(owed))
         return served
-
-
-def _trued_up(metrics: Metrics, key: Key, amount: float) -> None:
-    """``sfq_cost_trued_up_total``: what a flow's charges were corrected by, by direction."""
-    metrics.count(key, "cost_trued_up", "up" if amount > 0 else "down", abs(amount))
 
 
 def _refused(relayed: Relayed | None) -> bool:

@@ -163,6 +163,21 @@ class Metrics(Collector):
         down its key's order (``overflow``), or to the least loaded (``fallback``)."""
         self._placements[(pool, backend, reason)] += 1
 
+    def costs(self, pool: str) -> dict[str, dict[str, float]]:
+        """Each flow of ``pool``: the estimates charged at its dispatches (``charged``) and
+        what they were trued up to so far (``actual``: the running requests' still at their
+        estimates), as counted since start by this process (a folded org's as ``other``)."""
+        out: dict[str, dict[str, float]] = {}
+        for (org, cls, of_pool), series in sorted(self._series.items()):
+            if of_pool != pool:
+                continue
+            counters = series.counters
+            charged = counters[("cost_charged", "")]
+            if charged:
+                up, down = counters[("cost_trued_up", "up")], counters[("cost_trued_up", "down")]
+                out[f"{org}/{cls}"] = {"charged": charged, "actual": charged + up - down}
+        return out
+
     def totals(self, name: str) -> dict[Key, float]:
         """Counter ``name`` summed per labelled flow (over its extra label)."""
         out: dict[Key, float] = {}

@@ -120,8 +120,6 @@ class Pool:
         self.cost = CostModel(spec.cost, f"pools.{name}.cost", pool=name, calibration=calibration)
         self.upstream_key = config.upstream_key(name)
         self.recent: deque[Dispatch] = deque(maxlen=RECENT_DISPATCHES)  # one append each
-        # per flow, since start, this process's: [estimates charged, costs trued up to]
-        self.costs: dict[str, list[float]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._revivals: dict[Backend, asyncio.TimerHandle] = {}  # passive: end of cooldowns
         limit = config.limits.queue_memory_bytes
@@ -261,16 +259,7 @@ class Pool:
         now = self.clock()
         if refund:
             self.scheduler.refund(ticket.tokens, now)
-        self.count_cost(ticket, actual)
         self._run(self.scheduler.finish(ticket, now, actual))
-
-    def count_cost(self, ticket: Ticket, actual: float | None) -> None:
-        """A fair-queued request's estimate and what it was trued up to, for the flows
-        table of ``/admin/state`` (charged vs actual)."""
-        if not ticket.priority:
-            costs = self.costs.setdefault(ticket.flow, [0.0, 0.0])
-            costs[0] += ticket.cost
-            costs[1] += ticket.cost if actual is None else actual
 
     def report_failure(self, backend: Backend) -> None:
         """A failed probe, connection failure or 5xx: ``health.consecutive_failures`` in a row
@@ -403,10 +392,6 @@ class Pool:
                 for b in self.placement.backends
             ],
             "recent_dispatches": [d.view(now) for d in self.recent],
-            "costs": {
-                flow: {"charged": charged, "actual": actual}
-                for flow, (charged, actual) in sorted(self.costs.items())
-            },
             "served_recent": {"window_s": SERVED_WINDOW_S, "shares": self._served(now)},
             "provider_feedback": self.throttle.state(self.clock(), self.scheduler.rate),
             "calibration": self._calibration_state(),

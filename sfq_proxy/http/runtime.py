@@ -301,7 +301,11 @@ class Proxy:
             self.save_calibration()
 
     def state(self) -> dict[str, Any]:
-        return {name: pool.state() for name, pool in self.pools.items()}
+        """``/admin/state``: each pool's, with its flows' costs from the metrics."""
+        return {
+            name: {**pool.state(), "costs": self.metrics.costs(name)}
+            for name, pool in self.pools.items()
+        }
 
 
 def _replicas(pools: dict[str, Pool]) -> Callable[[], int]:

@@ -236,7 +236,6 @@ class SharedPool(Pool):
         held = self._held.pop(ticket, None)
         self._stop_running(ticket, refund=refund, actual=actual)
         if held is not None:
-            self.count_cost(ticket, actual)
             self._later(self._finish(held[0], ticket.tokens if refund else None, actual))
             if self.mode is Mode.LOCAL:  # a slot Redis granted is this process's to fill
                 self.pump()

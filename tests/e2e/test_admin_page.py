@@ -267,7 +267,7 @@ async def test_the_page_shows_a_live_flow_and_a_key_revoked_there_stops_working(
     [a_batch] = [row for row in flows if row[0] == "A/batch"]
     assert a_batch[1] == "1"  # weight
     assert a_batch[4:6] == ["3", "yes"]  # queued, eligible
-    costs = served.state.pools["sim"].state()["costs"]["A/batch"]  # the tenant's one request
+    costs = served.state.state()["sim"]["costs"]["A/batch"]  # the tenant's one request
     assert a_batch[7:9] == [f"{costs['charged']:.0f}", f"{costs['actual']:.0f}"]
     recent = await asyncio.to_thread(rows, browser, "recent")
     assert [row[1] for row in recent] == ["A/batch", "C/interactive"]  # newest last
