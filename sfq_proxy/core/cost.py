@@ -1,7 +1,9 @@
 """What a request costs (docs/design.md §4): ``input_weight·input + output_weight·expected_output``.
 
 The estimate is made once, at admission, and travels with the request: SFQ charges it at
-dispatch and it is never corrected, so the order never depends on what happened later.
+dispatch, so the order never depends on what happens later; at the request's end its flow's
+charge is trued up to ``actual``, the same formula on the usage the backend reported
+(docs/design.md §3 rule 3).
 """
 
 from __future__ import annotations
@@ -174,8 +176,8 @@ class CostModel:
 
     def actual(self, prompt_tokens: int | None, completion_tokens: int | None) -> float | None:
         """The same formula on the tokens the backend reported: what the request really cost,
-        to be shown beside what it was charged (a charge is never corrected; the gap is a
-        mis-estimation, or a tenant gaming the estimate). None without a prompt count."""
+        what its flow's charge is trued up to at its end (the gap is a mis-estimation, or a
+        tenant gaming the estimate). None without a prompt count."""
         if prompt_tokens is None:
             return None
         spec = self.spec

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,8 +28,15 @@ from ..http.runtime import PROXY, Proxy
 from ..http.server import bound_url, running
 from ..sim.server import SimBackend, SimConfig
 from . import report
-from .loadgen import run_load
-from .policies import DEFAULT_PRIORITY_ORDER, POLICY_NAMES, SFQ_FIFO, make_policy
+from .loadgen import check_replayable, run_load
+from .policies import (
+    DEFAULT_PRIORITY_ORDER,
+    POLICY_NAMES,
+    SFQ_ESTIMATE_ONLY,
+    SFQ_FIFO,
+    make_policy,
+    trues_up,
+)
 from .scenario import Scenario, Served, Team, load_scenario
 from .simulator import POOL, cost_of, simulate
 
@@ -42,11 +50,14 @@ def default_quantum(scenario: Scenario) -> float:
 
 
 def default_policies(scenario: Scenario) -> list[str]:
-    """Every policy, and ``sfq-fifo`` before ``sfq`` when a class of the scenario has size
-    buckets (what they change, on the same run)."""
-    names = [name for name in POLICY_NAMES if name != SFQ_FIFO]
+    """Every policy, and before ``sfq``: ``sfq-fifo`` when a class of the scenario has size
+    buckets (what they change, on the same run), ``sfq-estimate-only`` when some of its
+    requests have hidden input tokens (what the true-up buys)."""
+    names = [name for name in POLICY_NAMES if name not in (SFQ_FIFO, SFQ_ESTIMATE_ONLY)]
     if any(team.size_buckets is not None for team in scenario.teams):
         names.insert(names.index("sfq"), SFQ_FIFO)
+    if any(r.hidden_input_tokens for r in scenario.requests):
+        names.insert(names.index("sfq"), SFQ_ESTIMATE_ONLY)
     return names
 
 
@@ -62,7 +73,11 @@ def simulate_all(
     if policies is None:
         policies = default_policies(scenario)
     return {
-        name: simulate(scenario, make_policy(name, quantum=quantum, priority_order=priority_order))
+        name: simulate(
+            scenario,
+            make_policy(name, quantum=quantum, priority_order=priority_order),
+            true_up=trues_up(name),
+        )
         for name in policies
     }
 
@@ -203,8 +218,18 @@ def _simulate_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replayable(path: str, duration_s: float | None) -> Scenario:
+    """The scenario at ``path`` if a real run can replay it; else exit saying why."""
+    scenario = load_scenario(path, duration_s=duration_s)
+    try:
+        check_replayable(scenario)
+    except ValueError as err:
+        sys.exit(f"{path}: {err}")
+    return scenario
+
+
 def _loadgen_command(args: argparse.Namespace) -> int:
-    scenario = load_scenario(args.scenario, duration_s=args.duration)
+    scenario = _replayable(args.scenario, args.duration)
     keys = team_keys(scenario) | dict(k.split("=", 1) for k in args.key)
     served, refused = asyncio.run(
         run_load(scenario, args.url.rstrip("/"), keys, time_scale=args.time_scale)
@@ -222,6 +247,9 @@ def _report(args: argparse.Namespace, scenario: Scenario, runs: dict[str, list[S
     buckets = report.size_buckets_table(table)
     if buckets:
         print(buckets)
+    true_up = report.true_up_table(runs, scenario.teams)
+    if true_up:
+        print(true_up)
     checks = [
         c for name, run in runs.items() for c in report.bound_checks(run, scenario.teams, name)
     ]
@@ -236,7 +264,7 @@ def _report(args: argparse.Namespace, scenario: Scenario, runs: dict[str, list[S
 async def demo_scenario(path: str, *, time_scale: float, duration_s: float | None) -> None:
     """``sfq-proxy demo --scenario``: backends, proxy and load in one go, a live per-flow
     table every second, then the report beside the simulator's SFQ prediction."""
-    scenario = load_scenario(path, duration_s=duration_s)
+    scenario = _replayable(path, duration_s)
     served: list[Served] = []
     proxy: list[Proxy] = []
     ticker = asyncio.create_task(_tick(scenario, served, proxy))
@@ -259,13 +287,13 @@ async def _tick(scenario: Scenario, served: list[Served], proxy: list[Proxy]) ->
 
 def _live_table(scenario: Scenario, served: list[Served], proxy: Proxy) -> str:
     lags = {v.flow: v.lag for pool in proxy.pools.values() for v in pool.scheduler.queue.flows()}
-    total = sum(s.cost for s in served) or 1.0
+    total = sum(s.served_cost for s in served) or 1.0
     lines = [f"{'team':<10} {'done':>6} {'cost share':>10} {'wait p50':>9} {'wait p99':>9} "
              f"{'meter lag':>10}"]  # fmt: skip
     for team in scenario.teams:
         mine = [s for s in served if s.request.team == team.name]
         waits = sorted(s.start_s - s.request.time_s for s in mine) or [math.nan]
-        share = sum(s.cost for s in mine) / total
+        share = sum(s.served_cost for s in mine) / total
         lag = lags.get(flow_id(team.org, team.cls), math.nan)
         lines.append(
             f"{team.name:<10} {len(mine):>6} {share:>10.0%} {_rank(waits, 50):>8.2f}s "

@@ -6,7 +6,10 @@ through that scheduler. SFQ *is* the proxy's ``FairQueue``; the others are the b
 [FAIR-GPU] article (docs/design.md) measures it against: a global FIFO, strict priority by
 class, round robin by request count, and Deficit Round Robin with a quantum. All are
 deterministic. ``sfq-fifo`` is SFQ with every flow a strict FIFO whatever its class's size
-buckets (docs/design.md §3): what the buckets change, on the same run.
+buckets (docs/design.md §3): what the buckets change, on the same run. ``sfq-estimate-only``
+is SFQ run without true-ups: the simulator tells the scheduler nothing of a request's actual
+cost at its end, so its estimate stands (``trues_up``): what the true-up buys, on the same
+workload.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from ..core.scheduler import Ticket
 __all__ = [
     "DEFAULT_PRIORITY_ORDER",
     "POLICY_NAMES",
+    "SFQ_ESTIMATE_ONLY",
     "SFQ_FIFO",
     "Drr",
     "Fifo",
@@ -38,13 +42,15 @@ __all__ = [
     "SfqFifoFlows",
     "StrictPriority",
     "make_policy",
+    "trues_up",
 ]
 
 Policy = DispatchQueue[Ticket]
 """What ``simulate`` takes: a fresh queue of scheduler tickets."""
 Sfq = FairQueue
 SFQ_FIFO = "sfq-fifo"
-POLICY_NAMES = (*QUEUE_NAMES, SFQ_FIFO)
+SFQ_ESTIMATE_ONLY = "sfq-estimate-only"
+POLICY_NAMES = (*QUEUE_NAMES, SFQ_FIFO, SFQ_ESTIMATE_ONLY)
 
 
 class SfqFifoFlows(FairQueue[Ticket]):
@@ -68,5 +74,15 @@ def make_policy(name: str, *, quantum: float, priority_order: Sequence[str]) -> 
     """A fresh policy by name (one of ``POLICY_NAMES``)."""
     if name == SFQ_FIFO:
         return SfqFifoFlows()
+    if name == SFQ_ESTIMATE_ONLY:  # the queue is SFQ's: the run differs (``trues_up``)
+        return Sfq()
     queue: Policy = make_queue(name, quantum=quantum, priority_order=priority_order)
     return queue
+
+
+def trues_up(name: str) -> bool:
+    """Whether a run of policy ``name`` passes each request's actual cost to the scheduler at
+    its end, as the proxy does: SFQ's runs, but ``sfq-estimate-only``. A baseline orders by
+    its own rule, which a true-up does not change: its run is the same either way, and its
+    charges stay the final ones the report's bound check takes."""
+    return name in ("sfq", SFQ_FIFO)

@@ -12,16 +12,26 @@ Definitions (all times in seconds from the scenario start):
   (``start_s > time_s``).  A team is *backlogged* at t when one of its requests is waiting at t;
   ``backlogged_intervals`` gives the maximal such intervals.  A request dispatched the instant
   it arrived never waited and backlogs nothing (so a team that never waits has no share).
-* Cost is the cost *charged* at dispatch: the proxy's estimate (docs/design.md §4) as the
-  simulator's ``CostModel`` made it, or as the proxy reported it (``X-Cost-Charged``).
-* ``share`` (headed ``share@backlog``), the share of charged cost while backlogged, for team
+* Two costs per request.  The cost *charged* at dispatch (``Served.cost``): the proxy's
+  estimate (docs/design.md §4) as the simulator's ``CostModel`` made it, or as the proxy
+  reported it (``X-Cost-Charged``).  The cost *served* (``Served.served_cost``): what the
+  request really cost, the pool's formula on the tokens the backend reported
+  (``Served.actual``), or the charge where that is unknown.  They differ where the estimate
+  missed: a tenant gaming it, an output shorter than asked for.
+* ``share`` (headed ``share@backlog``), the share of served cost while backlogged, for team
   T: over the dispatch events (one per ``Served``, at ``start_s``) at which T was
-  backlogged, T's charged cost ÷ all charged cost.  The request that starts at t still
+  backlogged, T's served cost ÷ all served cost.  The request that starts at t still
   counts as waiting at t, so T's own dispatch of a queued request is one of those events.
   NaN when T was never backlogged.  Each team's is over its *own* backlogged time, so the
   teams' shares do not add up to 100 %: it says what T got when it asked, not a division.
-* ``share_of_total`` (headed ``share@run``): T's charged cost ÷ all charged cost in the
+* ``share_of_total`` (headed ``share@run``): T's served cost ÷ all served cost in the
   run.  These add up to 100 % over the teams of a run.
+* The true-up comparison (``contended_shares``, ``true_up_table``): each org's share of the
+  served cost over the dispatches at which *every* org had requests waiting (the
+  intersection of the orgs' backlogged intervals, both ends included), in the
+  ``sfq-estimate-only`` run (charges never trued up) and in the ``sfq`` run (each charge
+  trued up to the actual cost at the request's end).  These add up to 100 %; while every
+  org waits, SFQ divides the pool by weight, so this is what the division gave.
 * The SFQ bound check (``bound_checks``): for two teams i, j and each maximal interval
   ``[lo, hi]`` over which both were backlogged, take the dispatches with
   ``lo < start_s ≤ hi`` (nothing dispatched at ``lo`` itself can follow the arrival that
@@ -31,11 +41,15 @@ Definitions (all times in seconds from the scenario start):
   compared with ``c_i,max/w_i + c_j,max/w_j``, ``c_max`` being each team's largest single
   charge in the run (docs/design.md §3).  Teams of one org and class are one flow to SFQ (a
   team's short and long requests): the check takes them together, named ``short+long``.
-  SFQ keeps every gap within its bound; the other policies need not.  ``table.json`` carries
-  what it takes to check this from the report alone: per team ``weight``, ``cost_max``,
-  ``backlogged_intervals`` and ``charged_series`` (``[start_s, cumulative charged cost]``
-  after each of its dispatches), and ``bound`` (per other flow: the largest gap and the
-  bound).
+  SFQ keeps every gap within its bound when the charges are final; the other policies need
+  not.  A pair whose charges were trued up (``Served.trued_up``, an actual cost other than
+  the charge) is marked ``trued_up``: its meters also moved when its requests ended, so
+  the bound holds for the meters (with what the requests in flight may owe), not for these
+  dispatch charges, and a gap above it is shown as "trued up", not as a failure.
+  ``table.json`` carries what it takes to check this from the report alone: per team
+  ``weight``, ``cost_max``, ``backlogged_intervals`` and ``charged_series`` (``[start_s,
+  cumulative charged cost]`` after each of its dispatches), and ``bound`` (per other flow:
+  the largest gap, the bound and ``trued_up``).
 """
 
 from __future__ import annotations
@@ -50,27 +64,32 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from fractions import Fraction
+from functools import reduce
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
+from .policies import SFQ_ESTIMATE_ONLY
 from .scenario import Served, Team
 
 __all__ = [
     "BOUND_LEGEND",
     "LEGEND",
+    "Contention",
     "PairCheck",
     "Row",
     "backlogged_intervals",
     "bound_checks",
     "bound_table",
     "charged_series",
+    "contended_shares",
     "flow_names",
     "format_table",
     "markdown_table",
     "percentile",
     "rows",
     "size_buckets_table",
+    "true_up_table",
     "write_report",
 ]
 
@@ -96,12 +115,13 @@ class Row:
     done_p50: float
     done_p99: float
     # added (scripts that read the fields above keep working)
-    share_of_total: float = NAN  # share of all cost charged in the run, 0..1
+    share_of_total: float = NAN  # share of all cost served in the run, 0..1
     charged: float = 0.0  # total cost charged to the team
     cost_max: float = NAN  # its largest single charge
     weight: float = 1.0
     gap_max: float = NAN  # largest pairwise gap |ΔW_i/w_i − ΔW_j/w_j| with any other team
     gap_bound: float = NAN  # the SFQ bound for the pair with the smallest slack
+    served: float = 0.0  # total cost served to the team: actual where known, else charged
 
 
 @dataclass(frozen=True)
@@ -114,10 +134,28 @@ class PairCheck:
     gap: float  # the largest observed gap; 0 when never backlogged together
     bound: float  # c_a,max/w_a + c_b,max/w_b
     intervals: int  # how many common backlogged intervals there were
+    trued_up: bool = False  # a true-up moved either flow's meter: the bound is the meters'
 
     @property
     def within(self) -> bool:
         return self.gap <= self.bound * (1 + 1e-9) + 1e-9
+
+    @property
+    def verdict(self) -> str:
+        """What the tables say: "yes", "NO", or "trued up" for a gap above a bound that
+        does not apply to dispatch charges alone."""
+        if self.within:
+            return "yes"
+        return "trued up" if self.trued_up else "NO"
+
+
+@dataclass(frozen=True)
+class Contention:
+    """Each org's share of the served cost while every org had requests waiting, and how
+    long that was (see the module docstring)."""
+
+    shares: dict[str, float]  # org → 0..1; NaN when nothing was served in that time
+    seconds: float
 
 
 # -- figures ------------------------------------------------------------------------------------
@@ -173,14 +211,14 @@ def _shares(served: Sequence[Served], team_names: Sequence[str]) -> dict[str, fl
     """
     events = sorted(served, key=lambda s: s.start_s)
     times = [s.start_s for s in events]
-    total = [0.0, *accumulate(s.cost for s in events)]
+    total = [0.0, *accumulate(s.served_cost for s in events)]
     shares: dict[str, float] = {}
     for name in team_names:
         intervals = backlogged_intervals(served, name)
         if not intervals:
             shares[name] = NAN
             continue
-        own = [0.0, *accumulate(s.cost if s.request.team == name else 0.0 for s in events)]
+        own = [0.0, *accumulate(s.served_cost if s.request.team == name else 0.0 for s in events)]
         own_sum = all_sum = 0.0
         for lo, hi in intervals:
             i, j = bisect.bisect_left(times, lo), bisect.bisect_right(times, hi)
@@ -189,6 +227,31 @@ def _shares(served: Sequence[Served], team_names: Sequence[str]) -> dict[str, fl
         # all_sum > 0 unless every dispatch in the intervals was free of cost.
         shares[name] = own_sum / all_sum if all_sum > 0 else NAN
     return shares
+
+
+def contended_shares(served: Sequence[Served], teams: Sequence[Team]) -> Contention:
+    """Each org's share of the served cost over the dispatches at which every org of
+    ``teams`` had requests waiting (both ends of each interval included, as in ``share``).
+
+    Only there does SFQ divide the pool among all of them by weight: before and after, an
+    org alone gets what the others leave, so a run's whole share would say more about who
+    sent the most than about the division.
+    """
+    orgs: dict[str, set[str]] = {}
+    for t in teams:
+        orgs.setdefault(t.org, set()).add(t.name)
+    backlogs = [_backlog(served, names) for names in orgs.values()]
+    common = reduce(_intersect, backlogs) if backlogs else []
+    starts = [lo for lo, _ in common]
+    org_of = {t.name: t.org for t in teams}
+    cost = dict.fromkeys(orgs, 0.0)
+    for s in served:
+        k = bisect.bisect_right(starts, s.start_s) - 1  # the last interval opening by then
+        if s.request.team in org_of and k >= 0 and s.start_s <= common[k][1]:
+            cost[org_of[s.request.team]] += s.served_cost
+    total = math.fsum(cost.values())
+    shares = {org: c / total if total > 0 else NAN for org, c in cost.items()}
+    return Contention(shares, math.fsum(hi - lo for lo, hi in common))
 
 
 def _intersect(
@@ -226,9 +289,11 @@ def bound_checks(served: Sequence[Served], teams: Sequence[Team], policy: str) -
     members = {f: {t for t, of in flow_of.items() if of == f} for f in flows}
     weight = {flow_of[t.name]: t.weight for t in teams}
     cmax = dict.fromkeys(flows, 0.0)
+    moved = dict.fromkeys(flows, False)  # a true-up changed the flow's meter
     for s in served:
         if (f := flow_of.get(s.request.team)) is not None:
             cmax[f] = max(cmax[f], s.cost)
+            moved[f] |= s.trued_up and s.served_cost != s.cost
     backlog = {f: _backlog(served, members[f]) for f in flows}
     out: list[PairCheck] = []
     for k, a in enumerate(flows):
@@ -247,7 +312,7 @@ def bound_checks(served: Sequence[Served], teams: Sequence[Team], policy: str) -
                     low, high = min(low, d), max(high, d)
                 gap = max(gap, high - low)
             bound = cmax[a] / weight[a] + cmax[b] / weight[b]
-            out.append(PairCheck(policy, a, b, gap, bound, count))
+            out.append(PairCheck(policy, a, b, gap, bound, count, moved[a] or moved[b]))
     return out
 
 
@@ -265,7 +330,7 @@ def rows(runs: Mapping[str, Sequence[Served]], teams: Sequence[Team]) -> list[Ro
     flow_of = flow_names(teams)
     for policy, served in runs.items():
         shares = _shares(served, names)
-        total = math.fsum(s.cost for s in served)  # exactly rounded: order-independent
+        total = math.fsum(s.served_cost for s in served)  # exactly rounded: order-independent
         pairs = bound_checks(served, teams, policy)
         by_team: dict[str, list[Served]] = {name: [] for name in names}
         for s in served:
@@ -276,6 +341,7 @@ def rows(runs: Mapping[str, Sequence[Served]], teams: Sequence[Team]) -> list[Ro
             waits = sorted(s.start_s - s.request.time_s for s in mine)
             dones = sorted(s.end_s - s.request.time_s for s in mine)
             charged = math.fsum(s.cost for s in mine)
+            served_cost = math.fsum(s.served_cost for s in mine)
             own = [p for p in pairs if flow_of[name] in (p.team_a, p.team_b) and p.intervals]
             tightest = min(own, key=lambda p: (p.bound - p.gap, p.team_a, p.team_b), default=None)
             out.append(
@@ -290,12 +356,13 @@ def rows(runs: Mapping[str, Sequence[Served]], teams: Sequence[Team]) -> list[Ro
                     wait_max=waits[-1] if waits else NAN,
                     done_p50=percentile(dones, 50),
                     done_p99=percentile(dones, 99),
-                    share_of_total=charged / total if total > 0 else NAN,
+                    share_of_total=served_cost / total if total > 0 else NAN,
                     charged=charged,
                     cost_max=max((s.cost for s in mine), default=NAN),
                     weight=weights[name],
                     gap_max=max((p.gap for p in own), default=NAN),
                     gap_bound=NAN if tightest is None else tightest.bound,
+                    served=served_cost,
                 )
             )
     return out
@@ -317,10 +384,12 @@ _HEADERS = (
     "share@run",
 )
 LEGEND = """\
-share@backlog: the team's share of the cost charged while it had requests waiting (its own
+share@backlog: the team's share of the cost served while it had requests waiting (its own
   backlogged time, so teams' figures do not add up to 100 %); JSON/CSV field "share".
-share@run: the team's share of all cost charged in the run (adds up to 100 %); field
+share@run: the team's share of all cost served in the run (adds up to 100 %); field
   "share_of_total".
+cost served: the actual cost (the pool's formula on the tokens the backend reported) where
+  known, else the cost charged at dispatch; fields "served" and "charged".
 wait: from arrival to dispatch; done: from arrival to completion; percentiles nearest-rank.
 """
 _NUMERIC_FROM = 2  # columns from this index on are right-aligned
@@ -411,24 +480,30 @@ def _fmt_cost(x: float) -> str:
     return f"{x:.6g}"
 
 
-def bound_table(checks: Sequence[PairCheck]) -> str:
-    """The SFQ bound check, one line per policy × pair of teams."""
-    head = ("policy", "pair", "intervals", "largest gap", "bound", "within")
-    body = [
-        (c.policy, f"{c.team_a}~{c.team_b}", str(c.intervals), _fmt_cost(c.gap),
-         _fmt_cost(c.bound), "yes" if c.within else "NO")
-        for c in checks
-    ]  # fmt: skip
+def _grid(head: Sequence[str], body: Sequence[Sequence[str]], left: int) -> str:
+    """A fixed-width table: its first ``left`` columns aligned left, the others right, a
+    rule under the header."""
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
     lines = [
         "  ".join(
-            c.rjust(w) if i >= 2 else c.ljust(w)
+            c.ljust(w) if i < left else c.rjust(w)
             for i, (c, w) in enumerate(zip(r, widths, strict=True))
         ).rstrip()
         for r in (head, *body)
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines) + "\n"
+
+
+def bound_table(checks: Sequence[PairCheck]) -> str:
+    """The SFQ bound check, one line per policy × pair of teams."""
+    head = ("policy", "pair", "intervals", "largest gap", "bound", "within")
+    body = [
+        (c.policy, f"{c.team_a}~{c.team_b}", str(c.intervals), _fmt_cost(c.gap),
+         _fmt_cost(c.bound), c.verdict)
+        for c in checks
+    ]  # fmt: skip
+    return _grid(head, body, left=2)
 
 
 SIZE_BUCKETS_LEGEND = """\
@@ -453,15 +528,50 @@ def size_buckets_table(rows: Sequence[Row]) -> str:
         for name, f in fifo.items()
         if name in sized
     ]  # fmt: skip
-    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
-    lines = [
-        "  ".join(
-            c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        ).rstrip()
-        for r in (head, *body)
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n" + SIZE_BUCKETS_LEGEND
+    return _grid(head, body, left=1) + SIZE_BUCKETS_LEGEND
+
+
+TRUE_UP_LEGEND = f"""\
+true-up (docs/design.md §3): each org's share of the cost served (the actual cost, the pool's
+formula on the tokens the backend reported) while every org had requests waiting. In
+{SFQ_ESTIMATE_ONLY} each request is charged its estimate for good; in sfq its charge is
+trued up to its actual cost when it ends, as the proxy does. charged ÷ actual: the org's
+estimates over its actual cost, in the sfq run.
+"""
+
+
+def true_up_table(runs: Mapping[str, Sequence[Served]], teams: Sequence[Team]) -> str:
+    """Each org's share of the served cost while every org waited, under
+    ``sfq-estimate-only`` and ``sfq``: what the true-up changes. Empty unless ``runs`` hold
+    both."""
+    before, after = runs.get(SFQ_ESTIMATE_ONLY), runs.get("sfq")
+    if before is None or after is None:
+        return ""
+    was, now = contended_shares(before, teams), contended_shares(after, teams)
+    org_of = {t.name: t.org for t in teams}
+    head = ("org", "charged ÷ actual", f"share {SFQ_ESTIMATE_ONLY}", "share sfq")
+    body = [
+        (org, _fmt_estimate_ratio(*_charged_and_served(after, org, org_of)),
+         _fmt_share(was.shares[org]), _fmt_share(now.shares[org]))
+        for org in was.shares
+    ]  # fmt: skip
+    every = (
+        f"every org waiting: {_fmt_seconds(was.seconds)} of the {SFQ_ESTIMATE_ONLY} run, "
+        f"{_fmt_seconds(now.seconds)} of the sfq run\n"
+    )
+    return _grid(head, body, left=1) + every + TRUE_UP_LEGEND
+
+
+def _fmt_estimate_ratio(charged: float, served: float) -> str:
+    return f"{charged / served:.2f}" if served > 0 else "-"
+
+
+def _charged_and_served(
+    served: Sequence[Served], org: str, org_of: Mapping[str, str]
+) -> tuple[float, float]:
+    """What ``org``'s requests were charged at dispatch, and what they served, in all."""
+    mine = [s for s in served if org_of.get(s.request.team) == org]
+    return math.fsum(s.cost for s in mine), math.fsum(s.served_cost for s in mine)
 
 
 def _fmt_ratio(new: float, old: float) -> str:
@@ -474,7 +584,10 @@ BOUND_LEGEND = """\
 SFQ bound: over every interval in which both teams of a pair had requests waiting, the
 largest |W_i/w_i - W_j/w_j| of their charged cost W over weight w, against
 c_i,max/w_i + c_j,max/w_j (each team's largest single charge). Checkable from table.json
-alone: "charged_series", "backlogged_intervals", "weight", "cost_max" per team.
+alone: "charged_series", "backlogged_intervals", "weight", "cost_max" per team. "trued up":
+a charge of the pair was trued up to an actual cost other than it when its request ended,
+so the meters moved by more than these charges and the bound is theirs (with what the
+requests in flight may owe), not these figures'.
 """
 
 
@@ -484,7 +597,7 @@ def _bound_markdown(checks: Sequence[PairCheck]) -> str:
         "| :--- | :--- | ---: | ---: | ---: | :--- |",
         *(
             f"| {c.policy} | {c.team_a}~{c.team_b} | {c.intervals} | {_fmt_cost(c.gap)} | "
-            f"{_fmt_cost(c.bound)} | {'yes' if c.within else 'NO'} |"
+            f"{_fmt_cost(c.bound)} | {c.verdict} |"
             for c in checks
         ),
     ]
@@ -527,7 +640,10 @@ def _json_text(
         for c in checks:
             if c.policy == row.policy and flow in (c.team_a, c.team_b):
                 other = c.team_b if c.team_a == flow else c.team_a
-                bound[other] = {"gap": c.gap, "bound": c.bound, "intervals": c.intervals}
+                bound[other] = {
+                    "gap": c.gap, "bound": c.bound, "intervals": c.intervals,
+                    "trued_up": c.trued_up,
+                }  # fmt: skip
         record["bound"] = bound
         records.append(json.dumps(record, separators=(",", ":"), allow_nan=False))
     return "[\n" + ",\n".join(records) + "\n]\n"
@@ -551,7 +667,7 @@ def _interactive_team(runs: Mapping[str, Sequence[Served]], teams: Sequence[Team
     for served in runs.values():
         for s in served:
             if s.request.team in cost:
-                cost[s.request.team] += s.cost
+                cost[s.request.team] += s.served_cost
                 count[s.request.team] += 1
     means = [(cost[name] / n, i, name) for i, (name, n) in enumerate(count.items()) if n]
     return min(means)[2] if means else None
@@ -579,7 +695,7 @@ def _plot_served_cost(
     axes = fig.subplots(n, 1, sharex=True, sharey=True, squeeze=False)[:, 0]
     for ax, (policy, served) in zip(axes, runs.items(), strict=False):
         for k, team in enumerate(teams):
-            mine = sorted((s.start_s, s.cost) for s in served if s.request.team == team.name)
+            mine = sorted((s.start_s, s.served_cost) for s in served if s.request.team == team.name)
             xs = [0.0, *(t for t, _ in mine)]
             ys = [0.0, *accumulate(c for _, c in mine)]
             ax.step(xs, ys, where="post", color=f"C{k % 10}", label=team.name, linewidth=1.2)
@@ -645,20 +761,24 @@ def write_report(
 
     Files: ``table.txt``, ``table.md``, ``table.csv``, ``table.json`` (a list of row objects,
     NaN as null), then ``served_cost.png`` and ``wait_cdf_<team>.png`` for the team with the
-    smallest mean request cost.  Returns the paths written, in that order.  Without matplotlib
+    smallest mean served cost.  The text tables carry the size-buckets and true-up tables when
+    ``runs`` hold what they compare.  Returns the paths written, in that order.  Without matplotlib
     the plots are skipped with a warning on this module's logger.
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     checks = [c for policy, served in runs.items() for c in bound_checks(served, teams, policy)]
     buckets = size_buckets_table(rows)
+    true_up = true_up_table(runs, teams)
     texts = {
         "table.txt": f"Scenario: {scenario_name}\n\n{format_table(rows)}\n{LEGEND}"
         + (f"\n{buckets}" if buckets else "")
+        + (f"\n{true_up}" if true_up else "")
         + f"\n{bound_table(checks)}\n{BOUND_LEGEND}",
         "table.md": f"### Scenario: {scenario_name}\n\n{markdown_table(rows)}\n"
         + "".join(f"{line}  \n" for line in LEGEND.splitlines())
         + (f"\n#### Size buckets\n\n```\n{buckets}```\n" if buckets else "")
+        + (f"\n#### True-up\n\n```\n{true_up}```\n" if true_up else "")
         + f"\n#### SFQ bound check\n\n{_bound_markdown(checks)}\n{BOUND_LEGEND}",
         "table.csv": _csv_text(rows),
         "table.json": _json_text(rows, runs, teams, checks),

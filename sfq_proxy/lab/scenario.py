@@ -8,8 +8,8 @@ all see the same plain data.
 
 The module is pure: it reads the YAML and the trace file and nothing else, keeps no state
 and uses no clock. Randomness is one ``random.Random(f"{seed}:{team}:{purpose}")`` per team
-and purpose (``arrivals``, ``input``, ``output``), so a run is reproducible and adding a
-team never changes another team's requests. Bad scenarios raise
+and purpose (``arrivals``, ``input``, ``output``, ``hidden``), so a run is reproducible and
+adding a team never changes another team's requests. Bad scenarios raise
 :class:`~sfq_proxy.config.ConfigError` with paths like ``teams.A.arrivals.per_s``.
 """
 
@@ -93,7 +93,11 @@ class Team:
 @dataclass(frozen=True, slots=True)
 class Request:
     """One request: sent at ``time_s``, it reads ``input_tokens`` and generates
-    ``output_tokens`` (≤ ``max_tokens``, the limit the client asks for)."""
+    ``output_tokens`` (≤ ``max_tokens``, the limit the client asks for).
+
+    ``hidden_input_tokens`` more prompt tokens are read by the backend but not seen by the
+    proxy's estimate (a tenant gaming it, say with text that tokenizes far denser than the
+    pool's chars per token): the backend reads and reports ``prompt_tokens``, the sum."""
 
     id: int
     time_s: float
@@ -103,6 +107,12 @@ class Request:
     input_tokens: int
     output_tokens: int
     max_tokens: int
+    hidden_input_tokens: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        """What the backend reads and reports: the prompt the estimate saw and the rest."""
+        return self.input_tokens + self.hidden_input_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +157,23 @@ class Scenario:
 @dataclass(frozen=True, slots=True)
 class Served:
     """What became of a request in a run (simulated or real): dispatched to a slot at
-    ``start_s``, completed at ``end_s`` (scenario seconds), charged ``cost``."""
+    ``start_s``, completed at ``end_s`` (scenario seconds), charged ``cost`` (the estimate,
+    at dispatch). ``actual`` is what it really cost, the pool's formula on the tokens the
+    backend reported (``CostModel.actual``); None when unknown. ``trued_up``: the scheduler
+    was told ``actual`` at the request's end, so its flow's charge was trued up to it (the
+    proxy's behaviour, docs/design.md §3); False when the estimate stood."""
 
     request: Request
     start_s: float
     end_s: float
     cost: float
+    actual: float | None = None
+    trued_up: bool = False
+
+    @property
+    def served_cost(self) -> float:
+        """The cost of what was served: the actual cost where known, else the charge."""
+        return self.cost if self.actual is None else self.actual
 
 
 # --------------------------------------------------------------------------- the YAML
@@ -337,6 +358,9 @@ class TeamSpec(StrictModel):
     input_tokens: Tokens
     output_tokens: Tokens
     max_tokens_multiplier: Multiplier = 1.0
+    # prompt tokens the proxy's estimate does not see (Request.hidden_input_tokens); none
+    # unless given
+    hidden_input_tokens: Tokens | None = None
 
 
 class TraceSpec(StrictModel):
@@ -430,8 +454,9 @@ def parse_scenario(
         raise
 
 
-# (time_s, team order, index in the team, team, org, class, input, output, max_tokens)
-_Row = tuple[float, int, int, str, str, str, int, int, int]
+# (time_s, team order, index in the team, team, org, class, input, output, max_tokens,
+# hidden input)
+_Row = tuple[float, int, int, str, str, str, int, int, int, int]
 # (time_s, org, class, input, output, max_tokens) of a trace, in file order
 _TraceRow = tuple[float, str, str, int, int, int]
 
@@ -526,12 +551,16 @@ def _generate(seed: int, name: str, order: int, team: TeamSpec, duration: float)
     times = list(arrivals.times(end, rng("arrivals")))
     input_tokens = team.input_tokens.sampler(rng("input"))
     output_tokens = team.output_tokens.sampler(rng("output"))
+    hidden = team.hidden_input_tokens
+    # a stream of its own: the other draws are the same with or without hidden tokens
+    hidden_tokens = (lambda: 0) if hidden is None else hidden.sampler(rng("hidden"))
     org = team.org or name
     rows: list[_Row] = []
     for i, t in enumerate(times):
         out = output_tokens()
         max_tokens = _max_tokens(out, team.max_tokens_multiplier)
-        rows.append((t, order, i, name, org, team.cls, input_tokens(), out, max_tokens))
+        row = (t, order, i, name, org, team.cls, input_tokens(), out, max_tokens, hidden_tokens())
+        rows.append(row)
     return rows
 
 
@@ -568,7 +597,7 @@ def _trace_team_rows(
     rows: list[_Row] = []
     for t, org, cls, inp, out, max_tokens in trace_rows:
         team_order, name = order[org, cls]
-        rows.append((t, team_order, counts[org, cls], name, org, cls, inp, out, max_tokens))
+        rows.append((t, team_order, counts[org, cls], name, org, cls, inp, out, max_tokens, 0))
         counts[org, cls] += 1
     return rows
 

@@ -6,7 +6,11 @@ proxy's ``FairQueue``), ``Placement`` over the scenario's backends (least loaded
 backend with a free slot), and a ``CostModel`` built from the scenario's cost section with
 ``Calibration`` at the proxy's default settings, so a request is charged what the proxy
 would charge it (the floor of 1, ``output_ratio``, and what calibration has learned from the
-usage of the requests completed before it arrived).
+usage of the requests completed before it arrived). When a request ends, the scheduler is
+told what it really cost (``CostModel.actual`` of the tokens the engine read and generated,
+hidden prompt tokens included), as the proxy's handler tells it from the backend's usage, and
+the fair queue trues its charge up (docs/design.md §3); ``true_up=False`` tells it nothing
+(``actual=None``: the estimate stands), as for a backend that reports no usage.
 
 Only time is simulated: arrivals and completions are events in a heap, and the time is
 passed to the scheduler. A request's service time comes from the one engine model
@@ -33,7 +37,15 @@ from ..core.queues import DispatchQueue
 from ..core.scheduler import Scheduler, Ticket
 from .scenario import PoolModel, Request, Scenario, Served
 
-__all__ = ["POOL", "cost_model", "cost_of", "inference_request", "service_time", "simulate"]
+__all__ = [
+    "POOL",
+    "actual_cost",
+    "cost_model",
+    "cost_of",
+    "inference_request",
+    "service_time",
+    "simulate",
+]
 
 POOL = "lab"  # the pool's name, in the simulator as in the proxy config of a real run
 _FINISH, _PUMP, _ARRIVE = 0, 1, 2  # at one instant: completions, then pacing, then arrivals
@@ -83,15 +95,25 @@ def cost_of(request: Request, pool: PoolModel) -> float:
     return cost_model(cost_spec(pool), calibrate=False).estimate(inference_request(request)).cost
 
 
+def actual_cost(request: Request, costs: CostModel) -> float:
+    """What ``request`` really cost: the pool's formula on the tokens the engine reports, its
+    whole prompt (what the estimate did not see included) and its output."""
+    cost = costs.actual(request.prompt_tokens, request.output_tokens)
+    assert cost is not None  # None only without a prompt count
+    return cost
+
+
 def service_time(request: Request, pool: PoolModel, running: int) -> float:
-    """Seconds in its slot for ``request`` starting with ``running`` sequences on its backend."""
-    return pool.engine.service_seconds(request.input_tokens, request.output_tokens, running)
+    """Seconds in its slot for ``request`` starting with ``running`` sequences on its backend:
+    its whole prompt is prefilled, what the estimate did not see included."""
+    return pool.engine.service_seconds(request.prompt_tokens, request.output_tokens, running)
 
 
 @dataclass(slots=True)
 class _Job:
     request: Request
     estimate: Estimate
+    actual: float
 
 
 def simulate(
@@ -99,12 +121,16 @@ def simulate(
     policy: DispatchQueue[Ticket],
     *,
     events: list[tuple[str, int]] | None = None,
+    true_up: bool = True,
 ) -> list[Served]:
     """Run every request of ``scenario`` through a ``Scheduler`` ordering with ``policy`` (a
-    fresh, empty queue); the records in dispatch order, each with the cost charged.
+    fresh, empty queue); the records in dispatch order, each with the cost charged and the
+    actual cost.
 
     ``events``, when given, receives ``("arrive" | "start", request id)`` in the exact order
     the scheduler saw them, so a checker can tell who was backlogged at each dispatch.
+    ``true_up``: each request's actual cost is passed to ``Scheduler.finish`` (the proxy's
+    behaviour); False passes None, so the estimates stand (to compare what the true-up buys).
     """
     pool = scenario.pool
     specs = [
@@ -133,7 +159,7 @@ def simulate(
             heapq.heappush(heap, (end, _FINISH, seq, ticket))
             seq += 1
             cost = 0.0 if ticket.priority else ticket.cost
-            served.append(Served(job.request, now, end, cost))
+            served.append(Served(job.request, now, end, cost, job.actual, true_up))
             if events is not None:
                 events.append(("start", job.request.id))
         wake = scheduler.wake_at
@@ -147,9 +173,9 @@ def simulate(
         if kind == _FINISH:
             assert ticket is not None
             job = ticket.payload
-            dispatched = scheduler.finish(ticket, now)
+            dispatched = scheduler.finish(ticket, now, job.actual if true_up else None)
             costs.observe(
-                job.estimate, ticket.org, job.request.input_tokens, job.request.output_tokens
+                job.estimate, ticket.org, job.request.prompt_tokens, job.request.output_tokens
             )
         elif kind == _PUMP:
             pump_at = None
@@ -167,7 +193,7 @@ def simulate(
                 tokens=float(estimate.input_tokens + estimate.max_tokens),
                 bucket=0 if bounds is None else size_bucket(estimate.cost, bounds),
                 max_overtaken=None if bounds is None else team.max_overtaken,
-                payload=_Job(request, estimate),
+                payload=_Job(request, estimate, actual_cost(request, costs)),
             )
             if events is not None:
                 events.append(("arrive", request.id))

@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from sfq_proxy.lab import report
-from sfq_proxy.lab.commands import default_quantum, run_real, simulate_all, with_max_overtaken
+from sfq_proxy.lab.commands import (
+    default_policies,
+    default_quantum,
+    run_real,
+    simulate_all,
+    with_max_overtaken,
+)
 from sfq_proxy.lab.policies import make_policy
 from sfq_proxy.lab.scenario import Scenario, Served, load_scenario
 from sfq_proxy.lab.simulator import cost_of, simulate
@@ -181,6 +187,9 @@ async def test_the_real_proxy_agrees_with_the_simulator(short: Scenario) -> None
     sim_cost = {s.request.id: s.cost for s in simulated}
     for s in real:
         assert s.cost == pytest.approx(sim_cost[s.request.id], rel=1e-5), s.request.id
+    # and what the answer's usage says it cost is the simulator's actual cost
+    sim_actual = {s.request.id: s.actual for s in simulated}
+    assert all(s.trued_up and s.actual == sim_actual[s.request.id] for s in real)
     for team in ("A", "B", "C"):
         sim_share = served_share(simulated, team, until=short.duration_s)
         real_share = served_share(real, team, until=short.duration_s)
@@ -332,3 +341,57 @@ def test_simulate_compares_sfq_fifo_for_a_scenario_with_size_buckets(tmp_path: P
     scenario = load_scenario(SIZE_BUCKETS, duration_s=60)
     assert "sfq-fifo" in simulate_all(scenario)  # by default, when a class has size buckets
     assert "sfq-fifo" not in simulate_all(load_scenario(SHORT, duration_s=30))
+
+
+GAMING = ROOT / "config" / "scenarios" / "gaming.yaml"
+
+
+def test_the_true_up_holds_a_gaming_tenant_to_its_share() -> None:
+    """Two orgs of equal weight, both backlogged; the cheater's requests really cost about
+    5 times their estimate (docs/lab.md, A tenant gaming the estimate). Estimate-only, SFQ
+    divides the estimates evenly and the cheater gets most of what the pool really serves;
+    with each charge trued up to the actual cost at the request's end, about half."""
+    scenario = load_scenario(GAMING)
+    assert default_policies(scenario)[-2:] == ["sfq-estimate-only", "sfq"]
+    assert "sfq-estimate-only" not in default_policies(load_scenario(SHORT))
+    runs = simulate_all(scenario, ["sfq-estimate-only", "sfq"])
+    pool = scenario.pool
+    for name, run in runs.items():  # the actual cost of each request, told or not
+        assert sorted(s.request.id for s in run) == list(range(len(scenario.requests)))
+        for s in run:
+            request = s.request
+            actual = pool.input_weight * request.prompt_tokens + pool.output_weight * (
+                request.output_tokens
+            )
+            assert (s.actual, s.trued_up) == (actual, name == "sfq"), (name, request.id)
+    was = report.contended_shares(runs["sfq-estimate-only"], scenario.teams)
+    now = report.contended_shares(runs["sfq"], scenario.teams)
+    assert was.shares["cheater"] > 0.7, was
+    assert 0.45 <= now.shares["cheater"] <= 0.55, now
+    assert was.seconds > 0.9 * max(s.start_s for s in runs["sfq-estimate-only"])
+    assert now.seconds > 200  # the honest org's 300 requests take that long at half the pool
+    # the charges the estimate-only run made are final: SFQ's bound holds on them
+    [check] = report.bound_checks(runs["sfq-estimate-only"], scenario.teams, "sfq-estimate-only")
+    assert check.within
+    assert not check.trued_up
+    [check] = report.bound_checks(runs["sfq"], scenario.teams, "sfq")
+    assert check.trued_up
+
+
+def test_simulate_prints_what_the_true_up_buys_and_a_real_run_refuses_hidden_tokens(
+    tmp_path: Path,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "sfq_proxy.cli", "simulate", str(GAMING), "--policy",
+         "sfq-estimate-only", "--policy", "sfq", "--out", str(tmp_path), "--no-plots"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "share sfq-estimate-only" in done.stdout
+    assert "#### True-up" in (tmp_path / "table.md").read_text()
+    refused = subprocess.run(
+        [sys.executable, "-m", "sfq_proxy.cli", "loadgen", str(GAMING), "--url",
+         "http://127.0.0.1:9"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert refused.returncode == 1
+    assert "teams.cheater.hidden_input_tokens: a real run cannot send" in refused.stderr

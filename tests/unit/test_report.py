@@ -18,14 +18,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sfq_proxy.lab.report import (
+    PairCheck,
     Row,
     backlogged_intervals,
     bound_checks,
+    bound_table,
     charged_series,
+    contended_shares,
     format_table,
     markdown_table,
     percentile,
     rows,
+    true_up_table,
     write_report,
 )
 from sfq_proxy.lab.scenario import Request, Served, Team
@@ -37,9 +41,18 @@ HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 _ids = iter(range(10**9))
 
 
-def served(team: str, arrive: float, start: float, end: float, cost: float) -> Served:
+def served(
+    team: str,
+    arrive: float,
+    start: float,
+    end: float,
+    cost: float,
+    actual: float | None = None,
+    *,
+    trued_up: bool = False,
+) -> Served:
     request = Request(next(_ids), arrive, team, "org", "cls", 1, 1, 1)
-    return Served(request, start, end, cost)
+    return Served(request, start, end, cost, actual, trued_up)
 
 
 def plain(row: Row) -> tuple[object, ...]:
@@ -128,6 +141,86 @@ def test_worked_example_shares_of_the_run_and_the_bound_check() -> None:
     assert not checks["fifo"].within
     assert (got["rr", "B"].gap_max, got["rr", "B"].gap_bound) == (4, 5)
     assert charged_series(worked_runs()["rr"], "B") == [(4, 1), (9, 2)]
+
+
+def hidden_b(*, trued_up: bool = False) -> list[Served]:
+    """The "rr" run of ``worked_runs``, B's requests really costing 3 each (charged 1)."""
+    return [
+        served("A", 0, 0, 4, 4, 4, trued_up=trued_up),
+        served("B", 1, 4, 5, 1, 3, trued_up=trued_up),
+        served("A", 0, 5, 9, 4, 4, trued_up=trued_up),
+        served("B", 2, 9, 10, 1, 3, trued_up=trued_up),
+        served("A", 0, 10, 14, 4, 4, trued_up=trued_up),
+        served("A", 0, 14, 18, 4, 4, trued_up=trued_up),
+    ]
+
+
+def test_shares_are_of_the_actual_cost_served_where_it_is_known() -> None:
+    got = {r.team: r for r in rows({"rr": hidden_b()}, TEAMS)}
+    # served: A 4 × 4 = 16, B 2 × 3 = 6 (charged 2); A waits on [0, 14], all six dispatches
+    assert (got["A"].served, got["B"].served, got["B"].charged) == (16, 6, 2)
+    assert got["A"].share_of_total == 16 / 22
+    assert got["A"].share == 16 / 22
+    # B waits on [1, 9]: b1 (3), a2 (4), b2 (3)
+    assert got["B"].share == 6 / 10
+    # unknown actual costs: the charge stands for them (worked_runs: shares of 18)
+    unknown = {r.team: r for r in rows({"rr": worked_runs()["rr"]}, TEAMS)}
+    assert (unknown["B"].served, unknown["B"].share_of_total) == (2, 2 / 18)
+    # the charges, and the bound check on them, are the dispatch charges still
+    assert (got["B"].cost_max, got["B"].gap_max, got["B"].gap_bound) == (1, 4, 5)
+
+
+def test_contended_shares_are_of_the_actual_cost_while_every_org_waits() -> None:
+    # A (org1) waits on [0, 14], B (org2) on [1, 9]: both on [1, 9], whose dispatches are
+    # b1 at 4 (3), a2 at 5 (4) and b2 at 9 (3); a1 at 0 and a3, a4 after 9 do not count
+    got = contended_shares(hidden_b(), TEAMS)
+    assert got.shares == {"org1": 4 / 10, "org2": 6 / 10}
+    assert got.seconds == 8
+    # teams of one org wait together: its backlog is theirs (C's [2, 3] is inside B's)
+    teams = [*TEAMS, Team("C", "org2", "batch", 1.0)]
+    run = [*hidden_b(), served("C", 2, 3, 4, 1, 1)]
+    assert contended_shares(run, teams).shares == {"org1": 4 / 11, "org2": 7 / 11}
+    # never all waiting at once: no time, no shares
+    apart = contended_shares([served("A", 0, 1, 2, 1), served("B", 3, 4, 5, 1)], TEAMS)
+    assert apart.seconds == 0
+    assert all(math.isnan(share) for share in apart.shares.values())
+
+
+def test_true_up_table_compares_sfq_estimate_only_with_sfq(tmp_path: Path) -> None:
+    # the same run twice, for the arithmetic: both show B 60 %, A 40 %
+    runs = {"sfq-estimate-only": hidden_b(), "sfq": hidden_b(trued_up=True)}
+    text = true_up_table(runs, TEAMS)
+    lines = text.splitlines()
+    assert lines[0].split() == ["org", "charged", "÷", "actual", "share", "sfq-estimate-only",
+                                "share", "sfq"]  # fmt: skip
+    assert lines[2].split() == ["org1", "1.00", "40.0%", "40.0%"]
+    assert lines[3].split() == ["org2", "0.33", "60.0%", "60.0%"]
+    assert "8.00 s of the sfq-estimate-only run, 8.00 s of the sfq run" in text
+    assert true_up_table({"sfq": hidden_b()}, TEAMS) == ""
+    assert true_up_table({"sfq-estimate-only": hidden_b()}, TEAMS) == ""
+    paths = write_report(tmp_path, "t", rows(runs, TEAMS), runs, TEAMS, plots=False)
+    assert text in paths[0].read_text()  # table.txt
+    assert f"#### True-up\n\n```\n{text}```" in paths[1].read_text()  # table.md
+
+
+def test_a_gap_over_the_bound_is_a_failure_unless_true_ups_moved_the_meters() -> None:
+    # fifo of worked_runs: gap 12 over a bound of 5 (see above)
+    fifo = worked_runs()["fifo"]
+    [plain_check] = bound_checks(fifo, TEAMS, "fifo")
+    assert (plain_check.trued_up, plain_check.verdict) == (False, "NO")
+    # the scheduler told of actual costs equal to the charges: nothing moved, still a failure
+    told = [served(s.request.team, s.request.time_s, s.start_s, s.end_s, s.cost, s.cost,
+                   trued_up=True) for s in fifo]  # fmt: skip
+    assert bound_checks(told, TEAMS, "fifo")[0].verdict == "NO"
+    # actual costs it was not told of move no meter either
+    assert bound_checks(hidden_b(), TEAMS, "rr")[0].trued_up is False
+    # B's charges trued up from 1 to 3: the meters moved, the bound is theirs
+    moved = bound_checks(hidden_b(trued_up=True), TEAMS, "sfq")[0]
+    assert moved.trued_up
+    assert moved.verdict == "yes"  # within anyway: a gap of 4 against 5
+    over = PairCheck("sfq", "A", "B", gap=12, bound=5, intervals=1, trued_up=True)
+    assert over.verdict == "trued up"
+    assert bound_table([over]).splitlines()[2].split()[-2:] == ["trued", "up"]
 
 
 def test_rows_follow_mapping_and_team_order() -> None:
@@ -332,7 +425,7 @@ def test_write_report_tables_round_trip(tmp_path: Path) -> None:
     rr_b = data[1]
     assert rr_b["backlogged_intervals"] == [[1, 9]]
     assert rr_b["charged_series"] == [[4, 1], [9, 2]]
-    assert rr_b["bound"]["A"] == {"gap": 4, "bound": 5, "intervals": 1}
+    assert rr_b["bound"]["A"] == {"gap": 4, "bound": 5, "intervals": 1, "trued_up": False}
     assert "largest gap" in paths[0].read_text()
 
 

@@ -547,3 +547,60 @@ def test_a_class_may_have_size_buckets_as_in_the_proxys_config() -> None:
     assert errors_of(data) == [("classes.interactive.max_overtaken", "must be >= 0")]
     data["classes"]["interactive"] = {"max_overtaken": 4}
     assert errors_of(data) == [("classes.interactive.max_overtaken", "only with size_buckets")]
+
+
+# --------------------------------------------------------------------------- hidden tokens
+
+
+def test_hidden_input_tokens_have_draws_of_their_own_and_none_by_default() -> None:
+    """Prompt tokens the estimate does not see: from a stream of their own, so the team's
+    other draws are the ones it has without them."""
+    plain = build(abc_like(3))
+    data = abc_like(3)
+    data["teams"]["A"]["hidden_input_tokens"] = {"kind": "uniform", "low": 100, "high": 900}
+    hidden = build(data)
+    assert without_ids(hidden.requests) == without_ids(plain.requests)
+    assert {r.hidden_input_tokens for r in plain.requests} == {0}
+    a = hidden.requests_of("A")
+    assert all(100 <= r.hidden_input_tokens <= 900 for r in a)
+    assert len({r.hidden_input_tokens for r in a}) > 10
+    assert all(r.prompt_tokens == r.input_tokens + r.hidden_input_tokens for r in a)
+    assert {r.hidden_input_tokens for r in hidden.requests_of("B")} == {0}
+    assert build(data).requests == hidden.requests  # seeded
+
+
+def test_hidden_input_tokens_are_checked_as_token_counts() -> None:
+    def errors(hidden: Any) -> list[tuple[str, str]]:
+        return errors_of(base(A=team({"kind": "rate", "per_s": 1}, hidden_input_tokens=hidden)))
+
+    path = "teams.A.hidden_input_tokens"
+    assert errors({"kind": "fixed", "value": 0}) == [(f"{path}.value", "must be > 0")]
+    assert errors({"kind": "uniform", "low": 9, "high": 3}) == [(path, "low must be <= high")]
+    kinds = "kind must be one of: fixed, uniform, lognormal"
+    assert errors(4000) == [(path, kinds)]
+    assert errors({"kind": "fixed", "value": 1, "extra": 2}) == [(f"{path}.extra", "unknown field")]
+
+
+def test_gaming_hides_most_of_the_cheaters_cost_from_the_estimate() -> None:
+    """config/scenarios/gaming.yaml as its comment says: two orgs of equal weight backlogged
+    on 4 slots from t=0 with the same chats; the honest org's estimate is its actual cost,
+    the cheater's requests really cost about 5 times theirs."""
+    s = load_scenario(SCENARIOS / "gaming.yaml")
+    pool = s.pool
+    assert (pool.backends, pool.slots) == (1, 4)
+    assert [(t.name, t.org, t.weight) for t in s.teams] == [
+        ("honest", "honest", 1.0),
+        ("cheater", "cheater", 1.0),
+    ]
+    assert {r.time_s for r in s.requests} == {0.0}
+
+    def actual_over_estimate(name: str) -> float:
+        mine = s.requests_of(name)
+        actual = sum(pool.input_weight * r.prompt_tokens + pool.output_weight * r.output_tokens
+                     for r in mine)  # fmt: skip
+        estimate = sum(pool.input_weight * r.input_tokens + pool.output_weight * r.max_tokens
+                       for r in mine)  # fmt: skip
+        return actual / estimate
+
+    assert actual_over_estimate("honest") == 1
+    assert 4 < actual_over_estimate("cheater") < 7
