@@ -184,7 +184,8 @@ def test_what_runs_counts_against_a_budget_until_its_usage_replaces_it() -> None
         use(ledger, now, 1_056)
     assert ledger.reserved == {}
     level = ledger.refusal("A", "a-key", now)
-    assert level is not None and level.used == 19 * 1_056
+    assert level is not None
+    assert level.used == 19 * 1_056
 
 
 def test_a_batch_counts_until_a_read_after_its_write_and_never_twice() -> None:
