@@ -68,9 +68,10 @@ INPUT_FIELD = {
 MAX_TOKENS = 10_000_000
 MAX_CHOICES = 128  # n, best_of
 # the Rig's ceiling per request (its highest allowed value), and the most a well-formed
-# request asks per choice: 128 choices of it and a short input stay under the ceiling
+# request asks per choice: 128 choices of it for each of up to 3 prompts of a batch, and a
+# short input, stay under the ceiling
 CEILING = 100_000_000
-WELL_FORMED_MAX_TOKENS = 700_000
+WELL_FORMED_MAX_TOKENS = 250_000
 DEFAULT_MAX_TOKENS = 512  # what the proxy writes upstream for a request that sets none
 TOKEN_FIELDS = {
     "max_tokens": MAX_TOKENS,
