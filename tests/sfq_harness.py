@@ -76,7 +76,7 @@ class ReferenceSFQ:
         if not ready:
             return None
         flow = min(ready, key=lambda f: (self.S[f], f))
-        self.v = self.S[flow]
+        self.v = max(self.v, self.S[flow])
         item, charge = self.q[flow].popleft()
         if self.charge_at == "pop":
             self.S[flow] += charge
@@ -85,13 +85,12 @@ class ReferenceSFQ:
         return flow, item
 
     def settle(self, flow: str, cost: float, actual: float | None = None) -> None:
-        """True-up: a debt sticks, a refund stops at v (none for a meter below v)."""
+        """True-up: a debt and a refund alike; an idle flow's is lifted to v as it rejoins."""
         assert self.running.get(flow), f"settle of {flow} with nothing running"
         self.running[flow] -= 1
         if actual is not None and self.true_up:
             owed = (Fraction(actual) - Fraction(cost)) / self.w[flow]
-            meter = self.S[flow] + owed
-            self.S[flow] = meter if owed >= 0 else max(meter, min(self.S[flow], self.v))
+            self.S[flow] += owed
         self._maybe_idle()
 
     def remove(self, flow: str, item: Any) -> bool:
@@ -142,9 +141,14 @@ class Trace:
     # its largest debt ((actual − cost) / weight) of one request
     max_running: dict[str, int] = field(default_factory=dict)
     max_debt: dict[str, Fraction] = field(default_factory=dict)
+    # and what they may be owed back: its largest refund ((cost − actual) / weight) of one
+    max_refund: dict[str, Fraction] = field(default_factory=dict)
 
     def owed(self, flow: str) -> Fraction:
         return self.max_running.get(flow, 0) * self.max_debt.get(flow, Fraction(0))
+
+    def owed_back(self, flow: str) -> Fraction:
+        return self.max_running.get(flow, 0) * self.max_refund.get(flow, Fraction(0))
 
 
 def run(queue: QueueLike, ops: list[Op], weights: dict[str, float]) -> Trace:
@@ -184,6 +188,8 @@ def run(queue: QueueLike, ops: list[Op], weights: dict[str, float]) -> Trace:
                 if actual is not None:
                     debt = (Fraction(actual) - Fraction(costs[item])) / Fraction(weights[flow])
                     trace.max_debt[flow] = max(trace.max_debt.get(flow, Fraction(0)), debt)
+                    refund = -debt
+                    trace.max_refund[flow] = max(trace.max_refund.get(flow, Fraction(0)), refund)
         elif kind == "remove":
             _, flow, k = op
             if mirror[flow]:
@@ -210,8 +216,8 @@ def run(queue: QueueLike, ops: list[Op], weights: dict[str, float]) -> Trace:
 
 
 def check_band(trace: Trace) -> None:
-    """Every eligible backlogged meter lies in [v, v + its largest charge + what its requests
-    in flight may owe]; v never falls."""
+    """Every eligible backlogged meter lies in [v − what its requests in flight may be owed
+    back, v + its largest charge + what they may owe]; v never falls."""
     previous_v = Fraction(0)
     for step, (v, flows) in enumerate(trace.states):
         assert v >= previous_v, f"step {step}: v went back from {previous_v} to {v}"
@@ -219,7 +225,8 @@ def check_band(trace: Trace) -> None:
         for flow, (backlog, eligible, meter) in flows.items():
             if backlog and eligible:
                 hi = v + trace.max_charge[flow] + trace.owed(flow)
-                assert v <= meter <= hi, f"step {step}: {flow} meter {meter} outside [{v}, {hi}]"
+                lo = v - trace.owed_back(flow)
+                assert lo <= meter <= hi, f"step {step}: {flow} meter {meter} outside [{lo}, {hi}]"
 
 
 def check_pairwise(trace: Trace) -> None:
@@ -227,14 +234,14 @@ def check_pairwise(trace: Trace) -> None:
 
     For every maximal run of steps where both are, the largest swing of the difference of
     what their meters were charged (dispatches and true-ups) over any sub-interval must stay
-    within ``cmax_i + owed_i + cmax_j + owed_j`` (docs/design.md §3, The fairness guarantee).
+    within ``cmax + owed + owed back`` of each (docs/design.md §3, The fairness guarantee).
     While a flow stays backlogged and eligible its meter moves by its charges alone, so the
     difference of the meters is the difference of the charges plus a constant.
     """
     flows = sorted(trace.max_charge)
     for a_pos, a in enumerate(flows):
         for b in flows[a_pos + 1 :]:
-            bound = trace.max_charge[a] + trace.owed(a) + trace.max_charge[b] + trace.owed(b)
+            bound = sum(trace.max_charge[f] + trace.owed(f) + trace.owed_back(f) for f in (a, b))
             lo = hi = Fraction(0)
             base: Fraction | None = None
             for step, (_, state) in enumerate(trace.states):

@@ -9,11 +9,13 @@ Rules, from Goyal, Vin & Cheng (SIGCOMM 1996) as restated for LLM load balancers
 1. Arrival to an empty (or new) flow joins at ``S = max(S, v)``: no credit is banked while
    idle, and what a flow over-took just before leaving is remembered.
 2. Dispatch picks the eligible backlogged flow with the smallest meter ``S`` (ties by flow
-   id), sets ``v = S`` and charges ``S += cost / weight``: the estimate, since the work is
-   not known yet.
+   id), sets ``v = max(v, S)`` and charges ``S += cost / weight``: the estimate, since the
+   work is not known yet.
 3. When the request ends, the charge is trued up to the work the backend reports,
-   ``S += (actual − cost) / weight``: a debt always sticks, a refund never takes ``S`` below
-   ``v`` (no credit is banked). Without a report the estimate stands.
+   ``S += (actual − cost) / weight``, a debt and a refund alike. A refund may leave a
+   waiting flow's ``S`` below ``v``: it goes first until it has caught up what it was
+   overcharged (``v`` never goes back). An idle flow banks nothing: it rejoins at
+   ``max(S, v)`` (rule 1). Without a report the estimate stands.
 4. When nothing waits and nothing runs, ``v = max(v, max S)``: the next busy period starts
    level. A request in service belongs to the busy period: what it was charged (and may
    still owe) is not forgotten while it runs.
@@ -51,6 +53,7 @@ __all__ = [
     "UNSIZED",
     "FairQueue",
     "FlowView",
+    "check_actual",
     "check_cost",
     "check_size",
     "check_weight",
@@ -214,7 +217,7 @@ class FairQueue(Generic[T]):
         # nothing below can raise (bounded inputs: the charge is finite), so taking it first
         # changes nothing half-way
         item, cost = state.queue.popleft() if lanes is None else _take(state.queue, lanes)
-        self._v = state.meter
+        self._v = max(self._v, state.meter)  # a refunded flow may start below v
         state.meter += _units(cost, state.weight)
         self._max_meter = max(self._max_meter, state.meter)
         self._queued -= 1
@@ -256,23 +259,23 @@ class FairQueue(Generic[T]):
         """A request of ``flow`` dispatched with ``cost`` has ended: true its charge up to the
         ``actual`` cost the backend reported (None: unknown, the estimate stands).
 
-        ``S += (actual − cost) / weight`` at the flow's weight now: a debt always sticks, a
-        refund stops at ``v`` (a meter already below ``v`` gets none), so a flow can neither
-        bank credit nor escape what its requests really did. Raises ValueError, changing
-        nothing, for a flow with nothing running or an ``actual`` outside [0, MAX_COST].
+        ``S += (actual − cost) / weight`` at the flow's weight now, a debt and a refund alike:
+        a flow escapes nothing its requests really did, and an honest one that asked for far
+        more than it got is not held back for it. A refund can take a waiting flow's meter
+        below ``v``, so that it catches up; an idle flow's is lifted to ``v`` when it comes
+        back (``push``), so no credit is banked. Raises ValueError, changing nothing, for a
+        flow with nothing running or an ``actual`` outside [0, MAX_COST].
         """
         if not (cost.__class__ is float and 0.0 < cost <= MAX_COST):  # the fast path's check
             check_cost(cost)
-        if actual is not None and not (actual.__class__ is float and 0.0 <= actual <= MAX_COST):
-            _check_range("actual", actual, MAX_COST, allow_zero=True)
+        if actual is not None:
+            check_actual(actual)
         state = self._flows.get(flow)
         if state is None or not state.running:
             raise ValueError(f"settle() of flow {flow!r}, which has nothing running")
         if actual is not None:
             owed = round(actual * UNITS_PER_COST / state.weight) - _units(cost, state.weight)
             meter = state.meter + owed
-            if owed < 0:  # a refund: down to v at most, and none for a meter below it
-                meter = max(meter, min(state.meter, self._v))
             if meter != state.meter:
                 state.meter = meter
                 self._max_meter = max(self._max_meter, meter)
@@ -476,6 +479,13 @@ def check_size(bucket: int, max_overtaken: int) -> None:
 def check_cost(cost: float) -> None:
     """Raise ValueError unless ``cost`` is a number in (0, MAX_COST]."""
     _check_range("cost", cost, MAX_COST)
+
+
+def check_actual(actual: float) -> None:
+    """Raise ValueError unless ``actual`` (what a request really cost) is a number in
+    [0, MAX_COST]: a request may have cost nothing."""
+    if not (actual.__class__ is float and 0.0 <= actual <= MAX_COST):  # the fast path's check
+        _check_range("actual", actual, MAX_COST, allow_zero=True)
 
 
 def check_weight(weight: float) -> None:

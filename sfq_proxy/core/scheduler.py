@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fair_queue import MAX_COST, FairQueue, check_cost, check_size, check_weight
+from .fair_queue import MAX_COST, FairQueue, check_actual, check_cost, check_size, check_weight
 from .flows import flow_id, org_and_class
 from .limits import Rate
 from .placement import Backend, Placement, Reason
@@ -163,8 +163,8 @@ class Scheduler:
         backend = ticket.backend
         if backend is None:
             raise RuntimeError("finish() of a ticket that holds no slot")
-        if not ticket.priority:  # first: it checks ``actual`` before anything changes
-            self.queue.settle(ticket.flow, ticket.cost, actual)
+        if actual is not None:  # before anything changes
+            check_actual(actual)
         ticket.backend = None
         self.placement.release(backend)
         self.running -= 1
@@ -174,6 +174,8 @@ class Scheduler:
         self._org_running[ticket.org] -= 1
         self._class_running[ticket.cls] -= 1
         self._refresh(ticket)
+        if not ticket.priority:  # after its caps: a flow they release rejoins at max(S, v)
+            self.queue.settle(ticket.flow, ticket.cost, actual)  # and its refund still counts
         return self._dispatch(now)
 
     def pump(self, now: float) -> list[Ticket]:

@@ -53,7 +53,7 @@ COUNTERS = {
     "cost_trued_up": ("What the flows' charges were trued up by when their requests ended "
                       "(the cost the backend reported, or at least the estimate without a "
                       "report, minus the estimate), by direction: up (a debt) or down (a "
-                      "refund, down to the virtual time at most)", "direction"),
+                      "refund)", "direction"),
     "prompt_tokens": ("Prompt tokens the backends reported using", None),
     "completion_tokens": ("Completion tokens the backends reported (or streamed) generating", None),
     "retries": ("Requests sent again, by what failed (unreachable or the status)", "reason"),

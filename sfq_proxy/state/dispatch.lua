@@ -328,7 +328,7 @@ local function pop(flow, cost, id, b, sized, passed)
   local meter = meter_of(flow)
   local weight = weight_of(flow)
   local charge = math.max(1, round_half_even(cost * UNITS / weight))
-  set_meta('v', meter)
+  set_meta('v', math.max(meta('v'), meter))  -- a refunded flow may start below v
   if #passed == 0 then
     redis.call('LPOP', P .. 'q:' .. flow)
   else
@@ -352,7 +352,8 @@ end
 
 -- a fair-queued request of `flow`, dispatched at `cost`, ended having cost `actual` (nil:
 -- unknown, the estimate stands): its flow's charge trued up as FairQueue.settle does it, at
--- the flow's weight now. A debt sticks, a refund stops at v (none for a meter below it)
+-- the flow's weight now, a debt and a refund alike (a refunded waiting flow may sit below v
+-- and catch up; an idle one is lifted to v as it rejoins, push)
 local function settle(flow, cost, actual)
   set_meta('run', meta('run') - 1)
   local meter, weight = meter_of(flow), weight_of(flow)
@@ -360,7 +361,6 @@ local function settle(flow, cost, actual)
     local owed = round_half_even(actual * UNITS / weight)
       - math.max(1, round_half_even(cost * UNITS / weight))
     local m = meter + owed
-    if owed < 0 then m = math.max(m, math.min(meter, meta('v'))) end
     if m ~= meter then
       set_meter(flow, m)
       set_meta('maxm', math.max(meta('maxm'), m))
