@@ -1,11 +1,20 @@
-"""Gaming the cost estimate (issue 16): the share of the actual work each trick gets.
+"""Gaming the cost estimate (issues 16 and 38): the share of the actual work each trick gets.
 
     python bench/gaming.py [--proxy-src DIR] [--tricks a b c e1 e2] [--requests 12]
+    python bench/gaming.py --issue 38 --baseline DIR [--proxy-src DIR] [--seed 7] [--tricks …]
 
-SFQ is fair on what it charges, an estimate made at admission (docs/design.md §3, §4). For
-each trick, one org (the cheater) plays it and another (honest: plain text, max_tokens set)
-does not, both of weight 1, through `sfq-proxy serve` in front of a simulated vLLM that
-does what a real one does with the trick:
+``--issue 38`` prints one table of issue 38's tricks (tests/served_cost.py: a backend that
+reports usage as a function of the body, 4 slots), each played against honest chats by the
+proxy of ``--baseline`` (before the change: charged on the estimate alone) and of
+``--proxy-src`` (this tree: trued up to the usage reported), in memory and as two replicas
+on one Redis (a redis-server of its own). A row is the cheater's share of the reported cost
+while both were backlogged (fair: 50 %), or, for the budget tricks e and f, the tokens the
+backend served the budgeted key ÷ its day's budget of 20,000.
+
+Issue 16 (the default). SFQ is fair on what it charges, an estimate made at admission
+(docs/design.md §3, §4). For each trick, one org (the cheater) plays it and another
+(honest: plain text, max_tokens set) does not, both of weight 1, through `sfq-proxy serve`
+in front of a simulated vLLM that does what a real one does with the trick:
 
   a   no max_tokens: the server generates up to the context, the proxy charged its default
   b   n=4: four sequences for one request
@@ -36,6 +45,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import random
 import re
 import subprocess
 import sys
@@ -48,6 +58,7 @@ from typing import Any
 
 import aiohttp
 import openai
+import redis as redis_client
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,7 +68,9 @@ sys.path[:] = [str(ROOT), str(ROOT / "tests")] + [
     p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"
 ]
 
+import served_cost  # noqa: E402
 from images import png_part  # noqa: E402
+from redis_server import queued_in_redis, running_redis  # noqa: E402
 
 from sfq_proxy.sim.server import SimBackend, SimConfig  # noqa: E402
 
@@ -227,10 +240,12 @@ def tail(log: Path) -> str:
     return log.read_text(errors="replace")[-3000:]
 
 
-async def wait_ready(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+async def wait_ready(
+    url: str, process: subprocess.Popen[bytes], log: Path, key: str = KEYS["honest"]
+) -> None:
     """Until the proxy answers an authenticated ``GET /v1/models`` with 200."""
     deadline = time.monotonic() + READY_TIMEOUT_S
-    headers = {"Authorization": f"Bearer {KEYS['honest']}"}
+    headers = {"Authorization": f"Bearer {key}"}
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
             if process.poll() is not None:
@@ -414,11 +429,221 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--proxy-src", default=str(ROOT),
                         help="source tree whose sfq_proxy serves (default: this one)")  # fmt: skip
-    parser.add_argument("--tricks", nargs="+", choices=list(TRICKS), default=list(TRICKS))
+    parser.add_argument("--issue", type=int, choices=(16, 38), default=16)
+    parser.add_argument("--tricks", nargs="+",
+                        help="the rows (all by default): issue 16's a b c e1 e2; issue 38's "
+                             "names, 'drawn' and 'hidden'")  # fmt: skip
     parser.add_argument("--requests", type=int, default=12,
                         help="the cheater's backlog in tricks a-c (all in proportion)")  # fmt: skip
+    parser.add_argument("--baseline", help="issue 38: the checkout from before the change")
+    parser.add_argument("--seed", type=int, default=7, help="issue 38: the drawn row's case")
+    parser.add_argument("--modes", nargs="+", choices=("memory", "redis"),
+                        default=["memory", "redis"], help="issue 38")  # fmt: skip
     args = parser.parse_args()
+    if args.issue == 38:
+        if args.baseline is None:
+            parser.error("--issue 38 needs --baseline DIR, a checkout from before the change")
+        asyncio.run(
+            served_table(args, Path(args.baseline).resolve(), Path(args.proxy_src).resolve())
+        )
+        return
+    args.tricks = args.tricks or list(TRICKS)
     asyncio.run(main_async(args, Path(args.proxy_src).resolve()))
+
+
+# --- issue 38: charged what was served ---------------------------------------------------------
+
+BUDGET = served_cost.BUDGET
+
+
+@dataclass(frozen=True)
+class Row:
+    """A line of the issue-38 table: a trick of tests/served_cost.py, or the drawn one, or
+    a budget hole (``budget``: org A's day budget, and its in-flight cap)."""
+
+    name: str
+    what: str
+    usage: served_cost.Usage = served_cost.vllm_like
+    trick: served_cost.Trick | None = None
+    cheats: tuple[served_cost.Ask, ...] = ()
+    budget: dict[str, Any] | None = None
+
+
+class Seeded:
+    """served_cost's Chooser over a seeded random.Random."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def integer(self, low: int, high: int) -> int:
+        return self.rng.randint(low, high)
+
+    def number(self, low: float, high: float) -> float:
+        return self.rng.uniform(low, high)
+
+
+def drawn(seed: int) -> Row:
+    """The generic test's case from ``seed``: a usage function and one to three shapes, drawn
+    again until both backlogs hold a run's worth of work (as the test assumes)."""
+    choose = Seeded(seed)
+    while True:
+        usage = served_cost.drawn_usage(choose)
+        cheats = tuple(served_cost.drawn_shape(choose) for _ in range(choose.integer(1, 3)))
+        backlogs = [
+            served_cost.backlog(served_cost.cycle(cheats), usage, WORK, served_cost.MOST),
+            served_cost.backlog(served_cost.honest_chats(), usage, WORK, served_cost.MOST),
+        ]
+        if all(served_cost.work(usage, asks) >= WORK for asks in backlogs):
+            return Row("drawn", f"drawn usage and shapes, seed {seed}", usage, cheats=cheats)
+
+
+WORK = served_cost.WORK
+
+
+def rows(seed: int) -> list[Row]:
+    tricks = [Row(t.name, t.what, trick=t) for t in served_cost.TRICKS.values()]
+    return [
+        drawn(seed),
+        Row("hidden", "16,000 chars in `documents`", served_cost.PLAIN_USAGE,
+            cheats=(served_cost.HIDDEN,)),
+        *tricks,
+        Row("e", 'stream, include_usage "false"', cheats=(served_cost.USAGE_OFF,), budget={}),
+        Row("f", "100 at once, max_in_flight 1", cheats=(served_cost.AT_ONCE,),
+            budget={"max_in_flight": 1}),
+    ]  # fmt: skip
+
+
+def served_config(port: int, url: str, redis: str | None, budget: dict[str, Any] | None) -> str:
+    """Fields every version accepts; A's key has a day's BUDGET in the budget rows."""
+    spent = {"budgets": [{"period": "day", "tokens": BUDGET}]} if budget is not None else {}
+    keys = {"A": spent, "B": {}, "C": {}}
+    config: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "keys": [
+            {"key": f"sk-bench-{org}", "org": org, "classes": ["batch"], **more}
+            for org, more in keys.items()
+        ],
+        "classes": {"batch": {"weight": 1}},
+        "orgs": {"A": {"weight": 1, **(budget or {})}, "B": {"weight": 1}, "C": {"weight": 1}},
+        "pools": {
+            "sim": {
+                "models": [served_cost.MODEL],
+                "backends": [{"url": url, "slots": served_cost.SLOTS}],
+                "cost": {"input_weight": 1, "output_weight": 1},
+            }
+        },
+    }
+    if redis is not None:
+        config["state"] = {"redis": redis, "lease_ttl_s": 30}
+    return yaml.safe_dump(config, sort_keys=False)
+
+
+@contextlib.asynccontextmanager
+async def replicas(  # type: ignore[no-untyped-def]
+    src: Path, url: str, redis: str | None, budget: dict[str, Any] | None, work: Path
+):
+    """``src``'s proxy in front of ``url``: one in memory, or two replicas on ``redis``;
+    yields their URLs."""
+    started: list[subprocess.Popen[bytes]] = []
+    urls = []
+    try:
+        for i in range(1 if redis is None else 2):
+            port = free_port()
+            log = work / f"proxy-{i}.log"
+            (work / f"proxy-{i}").mkdir(exist_ok=True)
+            config = served_config(port, url, redis, budget)
+            started.append(start_proxy(src, config, work / f"proxy-{i}", log))
+            urls.append(f"http://127.0.0.1:{port}")
+            await wait_ready(urls[-1], started[-1], log, key="sk-bench-B")
+        yield urls
+    finally:
+        for process in started:
+            process.terminate()
+        for process in started:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+async def measure(row: Row, src: Path, redis: str | None, work: Path) -> str:
+    """One cell: the cheater's share in %, or the budgeted key's tokens ÷ its budget."""
+    double = served_cost.UsageDouble(row.usage)
+    async with double.running() as url, replicas(src, url, redis, row.budget, work) as urls:
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector) as session:
+
+            async def waiting() -> int:
+                if redis is not None:
+                    return await queued_in_redis(redis)
+                return await queued(session, urls[0]) or 0
+
+            keys = {org: f"sk-bench-{org}" for org in "ABC"}
+            proxies = served_cost.Proxies(urls, keys, waiting, session)
+            if row.budget is not None:
+                return await spend(row, double, proxies)
+            if row.trick is not None:
+                contest = await served_cost.play(row.trick, double, proxies)
+            else:
+                backlogs = {
+                    "A": served_cost.backlog(served_cost.cycle(row.cheats), row.usage, WORK,
+                                             served_cost.MOST),
+                    "B": served_cost.backlog(served_cost.honest_chats(), row.usage, WORK,
+                                             served_cost.MOST),
+                }  # fmt: skip
+                contest = await served_cost.contend(double, proxies, backlogs)
+            return f"{contest.share('A'):.1%}"
+
+
+async def spend(row: Row, double: served_cost.UsageDouble, proxies: served_cost.Proxies) -> str:
+    """e: the trick's streams one at a time until one is refused (40 at most); f: 100 at
+    once. The tokens the backend served A ÷ A's budget."""
+    (ask,) = row.cheats
+    urls = proxies.urls
+    if row.name == "e":
+        statuses: list[int] = []
+        while len(statuses) < 40 and set(statuses) <= {200}:
+            url = urls[len(statuses) % len(urls)]
+            statuses.append(await proxies.send(url, "A", f"A-{len(statuses)}", ask))
+    else:
+        statuses = await asyncio.gather(
+            *(proxies.send(urls[i % len(urls)], "A", f"A-{i}", ask) for i in range(100))
+        )
+    never = "+" if set(statuses) == {200} else " "  # never refused: at least that
+    return f"{double.reported('A') / BUDGET:.2f}×{never}budget"
+
+
+async def served_table(args: argparse.Namespace, baseline: Path, src: Path) -> None:
+    print("$ " + " ".join([Path(sys.executable).name, *sys.argv]))
+    trees = {"before": baseline, "after": src}
+    for name, where in trees.items():
+        print(f"{name}: {imported_from(where)}")
+    print(f"{served_cost.SLOTS} slots, equal weights; the cheater's share of the reported cost "
+          "while both were backlogged (fair: 50 %)")  # fmt: skip
+    columns = [(t, m) for t in trees for m in args.modes]
+    head = "".join(f"{t + ' ' + m:>16}" for t, m in columns)
+    print(f"{'trick':<45}{head}", flush=True)
+    notes = ("e, f: the tokens served to the budgeted key ÷ its day budget (20,000); "
+             "'+': never refused (40 streams, 100 requests sent)")  # fmt: skip
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        redis = stack.enter_context(running_redis()).url if "redis" in args.modes else None
+        for row in rows(args.seed):
+            if args.tricks and row.name not in args.tricks:
+                continue
+            cells = []
+            for tree, mode in columns:
+                shared = redis if mode == "redis" else None
+                if shared is not None:
+                    with redis_client.Redis.from_url(shared) as client:
+                        client.flushall()
+                try:
+                    cell = await measure(row, trees[tree], shared, Path(tmp))
+                except Exception as err:  # a version that cannot play it: say so, go on
+                    cell = f"{type(err).__name__}"[:15]
+                cells.append(f"{cell:>16}")
+            print(f"{row.name + '  ' + row.what:<45}{''.join(cells)}", flush=True)
+    print(notes)
 
 
 if __name__ == "__main__":

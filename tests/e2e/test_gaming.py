@@ -34,16 +34,52 @@ tests/unit/test_config.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from hypothesis import HealthCheck, assume, example, given, settings
+from hypothesis import strategies as st
 from images import png_part
 from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
+from redis_server import queued_in_redis
+from served_cost import (
+    AT_ONCE,
+    BUDGET,
+    HIDDEN,
+    LONG_STREAM,
+    MOST,
+    PLAIN_USAGE,
+    SHARE_LIMIT,
+    TRICKS,
+    USAGE_OFF,
+    WORK,
+    Ask,
+    Contest,
+    Drawn,
+    Proxies,
+    Trick,
+    Usage,
+    UsageDouble,
+    backlog,
+    cycle,
+    drawn_shape,
+    drawn_usage,
+    honest_chats,
+    play,
+    reported,
+    vllm_like,
+    work,
+)
+from served_cost import SLOTS as SERVED_SLOTS
+from served_cost import contend as contend_served
+from test_budgets import DEC_1, Wall
 
 from sfq_proxy.config import Config
 from sfq_proxy.sim.server import SimBackend
@@ -368,3 +404,280 @@ async def test_many_tiny_chats_do_not_make_long_prompts_expensive(
     for reply in replies:
         assert reply.prompt_tokens == 7 + 800
         assert abs(reply.charged - reply.actual) <= 0.1 * reply.actual, reply
+
+
+# --- issue 38: charging what was served ---------------------------------------------------------
+#
+# Since issue 38 a request's charge is trued up when it ends to the cost the backend reports.
+# So the estimate orders dispatch, but no request shape can buy more than its share of the
+# work the backend says it did: whatever the backend's usage is as a function of the body
+# (tests/served_cost.py's UsageDouble), a cheater's share of the reported cost over a long
+# backlogged run is at most SHARE_LIMIT (55 %) against an honest tenant of equal weight. The
+# run is long (each tenant's backlog about WORK tokens, some 30 requests of a context's worth)
+# so that what is in flight, dispatched on an estimate and not yet trued up, is within the
+# 5 % margin. Before the change (3d85e6e, charged on the estimate alone) the cheater took
+# 87-99 % with each of these tricks (bench/gaming.py --issue 38). The shares run without
+# timing: the backlogs are queued behind blockers before the first dispatch (``contend``).
+
+
+class _Draws:
+    """served_cost's Chooser over a hypothesis draw."""
+
+    def __init__(self, draw: st.DrawFn) -> None:
+        self._draw = draw
+
+    def integer(self, low: int, high: int) -> int:
+        return self._draw(st.integers(low, high))
+
+    def number(self, low: float, high: float) -> float:
+        return self._draw(st.floats(low, high))
+
+
+@st.composite
+def usages(draw: st.DrawFn) -> Drawn:
+    return drawn_usage(_Draws(draw))
+
+
+@st.composite
+def shapes(draw: st.DrawFn) -> Ask:
+    return drawn_shape(_Draws(draw))
+
+
+SERVED = settings(
+    max_examples=8,  # some 20 s: each example is several hundred requests
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.filter_too_much,
+    ],
+)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    """A client session that sends a whole backlog at once (aiohttp's default: 100)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as client:
+        yield client
+
+
+async def served_by(
+    lab: Lab,
+    double: UsageDouble,
+    session: aiohttp.ClientSession,
+    redis_url: str | None = None,
+    **more: Any,
+) -> Proxies:
+    """The proxy in front of ``double`` (4 slots, equal weights): one in memory, or two
+    replicas on ``redis_url``."""
+    url = f"http://127.0.0.1:{await lab.serve(double.app())}"
+    if redis_url is not None:
+        more["state"] = {"redis": redis_url, "lease_ttl_s": 30}
+    config = proxy_config([url], slots=SERVED_SLOTS, classes=CLASSES, **more)
+    replicas = [await lab.proxy(config) for _ in range(1 if redis_url is None else 2)]
+
+    async def queued() -> int:
+        if redis_url is None:
+            return len(replicas[0].queue())
+        return await queued_in_redis(redis_url)
+
+    keys = {org: KEYS[org] for org in "ABC"}
+    return Proxies([r.url for r in replicas], keys, queued, session)
+
+
+async def assert_served_fairly(
+    lab: Lab,
+    session: aiohttp.ClientSession,
+    trick: Trick,
+    usage: Usage = vllm_like,
+    redis_url: str | None = None,
+) -> Contest:
+    double = UsageDouble(usage)
+    contest = await play(trick, double, await served_by(lab, double, session, redis_url))
+    print(contest.describe())  # with -s: the margin left
+    assert set(contest.statuses["A"]) == set(contest.statuses["B"]) == {200}, contest.describe()
+    share = contest.share("A")
+    assert share <= SHARE_LIMIT, contest.describe()
+    return contest
+
+
+@SERVED
+@example(usage=PLAIN_USAGE, cheats=[HIDDEN])
+@given(usage=usages(), cheats=st.lists(shapes(), min_size=1, max_size=3))
+async def test_no_request_shape_buys_more_than_its_share_of_the_reported_work(
+    usage: Drawn, cheats: list[Ask]
+) -> None:
+    """Whatever the backend's usage is as a function of the body (drawn: tokens per byte,
+    per message, per prompt of a batch, per character of a field the proxy does not read,
+    and a share of the output asked for), and whatever shapes the cheater sends (drawn:
+    chats of 1-800 messages, text in refusal or thinking parts, hidden documents,
+    completion batches, n, max_tokens or none), its share of the work the backend reported
+    stays within 55 % against honest chats. The example is the hidden field: 16,000
+    characters of ``documents`` the proxy never counts."""
+    async with contextlib.AsyncExitStack() as stack:
+        double = UsageDouble(usage)
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        stack.push_async_callback(session.close)
+        backlogs = {
+            "A": backlog(cycle(cheats), usage, WORK, MOST),
+            "B": backlog(honest_chats(), usage, WORK, MOST),
+        }
+        # a run long in work against what is in flight, or no share means anything: a
+        # cheater whose requests do next to nothing gets next to nothing anyway
+        assume(all(work(usage, asks) >= WORK for asks in backlogs.values()))
+        proxies = await served_by(Lab(stack), double, session)
+        contest = await contend_served(double, proxies, backlogs)
+        print(contest.describe())
+        assert set(contest.statuses["B"]) == {200}, contest.describe()
+        share = contest.share("A")
+        assert share <= SHARE_LIMIT, contest.describe()
+
+
+async def test_a_batch_of_prompts_with_n_pays_for_every_sequence(
+    lab: Lab, session: aiohttp.ClientSession
+) -> None:
+    """a. /v1/completions with 50 prompts and n=4 generates 200 sequences, not 4."""
+    await assert_served_fairly(lab, session, TRICKS["a"])
+
+
+@pytest.mark.parametrize("part", ["b1", "b2"], ids=["refusal", "thinking"])
+async def test_text_in_a_refusal_or_thinking_part_is_paid_for(
+    lab: Lab, session: aiohttp.ClientSession, part: str
+) -> None:
+    """b. 8,000 characters in a ``refusal`` or ``thinking`` part, which the template renders
+    (2,000 tokens) and the estimate did not read."""
+    await assert_served_fairly(lab, session, TRICKS[part])
+
+
+async def test_empty_messages_pay_for_their_template(
+    lab: Lab, session: aiohttp.ClientSession
+) -> None:
+    """c. 800 messages with ``content: ""``: the backend reports 4 tokens for each."""
+    await assert_served_fairly(lab, session, TRICKS["c"])
+
+
+async def test_idle_junk_does_not_make_full_answers_cheap(
+    lab: Lab, session: aiohttp.ClientSession
+) -> None:
+    """d. 300 requests with max_tokens 120,000 that stop at once, sent while the pool is
+    idle, teach the org (and the pool) an output ratio near 0; then full-length requests
+    of max_tokens 2,000."""
+    await assert_served_fairly(lab, session, TRICKS["d"])
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("name", ["a", "d", "g"])
+async def test_two_replicas_on_redis_charge_what_was_served(
+    lab: Lab, session: aiohttp.ClientSession, redis_url: str, name: str
+) -> None:
+    """The same through two replicas sharing the pool in Redis (the true-up is in
+    dispatch.lua), the requests of each tenant alternating between them."""
+    await assert_served_fairly(lab, session, TRICKS[name], redis_url=redis_url)
+
+
+@pytest.mark.redis
+async def test_two_replicas_on_redis_and_a_hidden_field(
+    lab: Lab, session: aiohttp.ClientSession, redis_url: str
+) -> None:
+    """The generic test's example (a field the proxy does not read) through two replicas."""
+    await assert_served_fairly(
+        lab, session, Trick("hidden", "documents", HIDDEN), PLAIN_USAGE, redis_url=redis_url
+    )
+
+
+async def test_an_org_whose_answers_are_short_is_not_held_back(
+    lab: Lab, session: aiohttp.ClientSession
+) -> None:
+    """g. Found while writing the generic test: an honest org that asks for max_tokens 4,000
+    and is answered in one token (a classifier) is charged far more than it is served until
+    its requests end; the true-up then refunds it, but a refund stops at the virtual time
+    (a meter below it gets none), so what the other org was dispatched meanwhile is never
+    given back. Against full-length answers of max_tokens 2,000 it got a fifth of the work
+    reported."""
+    await assert_served_fairly(lab, session, TRICKS["g"])
+
+
+# --- issue 38: the budgets' holes -------------------------------------------------------------
+
+
+def budgeted_keys(**org_a: Any) -> dict[str, Any]:
+    """The config's keys (A with a day's BUDGET) and orgs (A's ``org_a``)."""
+    budgets = [{"period": "day", "tokens": BUDGET}]
+    return {
+        "keys": [
+            {"key": KEYS["A"], "org": "A", "classes": ["batch"], "budgets": budgets},
+            {"key": KEYS["B"], "org": "B", "classes": ["batch"]},
+            {"key": KEYS["C"], "org": "C", "classes": ["interactive"]},
+        ],
+        "orgs": {"A": org_a} if org_a else {},
+    }
+
+
+async def budgeted(
+    lab: Lab, session: aiohttp.ClientSession, **org_a: Any
+) -> tuple[UsageDouble, Proxies]:
+    """The proxy in front of a vLLM-like double, at 01:00 UTC (a day's budget holds)."""
+    double = UsageDouble(vllm_like)
+    url = f"http://127.0.0.1:{await lab.serve(double.app())}"
+    config = proxy_config([url], slots=SERVED_SLOTS, classes=CLASSES, **budgeted_keys(**org_a))
+    served = await lab.proxy(config, wall=Wall(DEC_1 + 3600))
+
+    async def queued() -> int:
+        return len(served.queue())
+
+    return double, Proxies([served.url], {org: KEYS[org] for org in "ABC"}, queued, session)
+
+
+async def streams_until_refused(proxies: Proxies, ask: Ask, most: int = 40) -> list[int]:
+    """``ask`` (a stream) sent by A one at a time until one is not a 200; the statuses."""
+    statuses: list[int] = []
+    while len(statuses) < most and set(statuses) <= {200}:
+        statuses.append(await proxies.send(proxies.urls[0], "A", f"A-{len(statuses)}", ask))
+    return statuses
+
+
+async def test_a_stream_cannot_turn_its_usage_off_with_a_string(
+    lab: Lab, session: aiohttp.ClientSession
+) -> None:
+    """e. ``"stream_options": {"include_usage": "false"}``: a truthy string to the proxy
+    (it did not ask for usage), false to the server (pydantic reads it so), and a stream
+    without a usage chunk was billed its token events only: 16 tokens for 4,020 served, so
+    a 20,000-token budget let all 40 streams through (8 times itself). It is a 400 now,
+    and nothing reaches the backend."""
+    double, proxies = await budgeted(lab, session)
+    statuses = await streams_until_refused(proxies, USAGE_OFF)
+    let_through = double.reported("A")
+    assert let_through <= BUDGET + reported(vllm_like, USAGE_OFF), (let_through, statuses)
+    assert statuses == [400], statuses
+
+
+async def test_a_streams_usage_is_billed_in_full_against_a_budget(
+    lab: Lab, session: aiohttp.ClientSession
+) -> None:
+    """e. The same streams without the trick (the proxy asks for the usage chunk and strips
+    it): billed their 4,020 tokens each, so the budget stops them once spent; what was let
+    through is the budget and at most the one request that started under it."""
+    double, proxies = await budgeted(lab, session)
+    statuses = await streams_until_refused(proxies, LONG_STREAM)
+    let_through = double.reported("A")
+    assert statuses[-1] == 429, statuses
+    assert BUDGET <= let_through <= BUDGET + reported(vllm_like, LONG_STREAM), (
+        let_through,
+        statuses,
+    )
+
+
+async def test_a_budget_holds_against_a_hundred_requests_at_once(
+    lab: Lab, session: aiohttp.ClientSession
+) -> None:
+    """f. A key with a 20,000-token day budget, its org capped at one request in flight,
+    sends 100 requests at once: all were admitted (the budget was unused) and then served
+    one after another, 4x the budget. Now the tokens served exceed the budget by at most
+    what was running when it was reached: one request's worth."""
+    double, proxies = await budgeted(lab, session, max_in_flight=1)
+    statuses = await asyncio.gather(
+        *(proxies.send(proxies.urls[0], "A", f"A-{i}", AT_ONCE) for i in range(100))
+    )
+    let_through = double.reported("A")
+    most = BUDGET + reported(vllm_like, AT_ONCE)
+    assert let_through <= most, (let_through, sorted(set(statuses)))
+    assert set(statuses) == {200, 429}, statuses
