@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import Config, ConfigError
-from ..core.errors import ApiError
+from ..core.errors import ApiError, cut
 from ..core.flows import credential, key_digest, may_use
 from ..core.inference_request import Kind
 from . import admin_keys, admin_page
@@ -101,7 +101,7 @@ def _unrouted(allowed: dict[str, set[str]], extra: Handler) -> Handler:
         else:
             methods = allowed.get(path) or _by_prefix(allowed, path)
         if not methods:
-            return error_response(ApiError(404, f"No such endpoint: {path}", code="not_found"))
+            return error_response(ApiError(404, f"No such endpoint: {cut(path)}", code="not_found"))
         message = f"{request.method} is not allowed here; use {', '.join(sorted(methods))}."
         response = error_response(ApiError(405, message))
         response.headers["Allow"] = ", ".join(sorted(methods))
@@ -141,7 +141,7 @@ async def _model(request: web.Request) -> web.Response:
     model = request.match_info["model"]
     pool = proxy.config.pool_for_model(model)
     if pool is None or not may_use(key, model, pool):
-        raise ApiError(404, f"The model '{model}' does not exist or is not served here.")
+        raise ApiError(404, f"The model '{cut(model)}' does not exist or is not served here.")
     return web.json_response(_model_object(model, pool))
 
 
