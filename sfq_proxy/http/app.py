@@ -150,7 +150,13 @@ def _model_object(model: str, pool: str) -> dict[str, object]:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[PROXY].metrics.registry)
+    """The metrics; with ``metrics_key_env`` set, only to a request that shows its key."""
+    proxy = request.app[PROXY]
+    digest = proxy.config.metrics_digest()
+    if digest is not None and not _shows(request, digest):
+        message = "/metrics needs its key (metrics_key_env): send 'Authorization: Bearer <key>'."
+        return error_response(ApiError(401, message))
+    body = generate_latest(proxy.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -193,7 +199,13 @@ def _admin(request: web.Request) -> Proxy:
     digest = proxy.config.admin_digest()
     if digest is None:
         raise ApiError(403, "The admin API is off: set admin_key_env in the config.")
-    token = credential(request.headers) or ""
-    if not hmac.compare_digest(key_digest(token), digest):
+    if not _shows(request, digest):
         raise ApiError(401, "Incorrect admin key.")
     return proxy
+
+
+def _shows(request: web.Request, digest: bytes) -> bool:
+    """Whether the key ``request`` carries (as a client's is read: ``credential``) is the
+    one whose SHA-256 is ``digest``; compared in constant time."""
+    token = credential(request.headers) or ""
+    return hmac.compare_digest(key_digest(token), digest)
