@@ -774,6 +774,8 @@ class Config(StrictModel):
     calibration: CalibrationSpec = CalibrationSpec()
     metrics: MetricsSpec = MetricsSpec()
     admin_key_env: NonEmptyStr | None = None
+    # the variable holding the key GET /metrics requires; None: /metrics is open
+    metrics_key_env: NonEmptyStr | None = None
     drain_timeout_s: NonNegativeSeconds = 30.0
     # None (``state: memory``, the default): each process its own scheduler; or Redis
     state: RedisState | None = None
@@ -785,6 +787,7 @@ class Config(StrictModel):
     _resolved: tuple[ResolvedKey, ...] = PrivateAttr(default=())
     _upstream_keys: dict[str, str] = PrivateAttr(default_factory=dict)
     _admin_digest: bytes | None = PrivateAttr(default=None)
+    _metrics_digest: bytes | None = PrivateAttr(default=None)
     _pool_by_model: dict[str, str] = PrivateAttr(default_factory=dict)
     _redis_url: str | None = PrivateAttr(default=None)
     _redis_password: str | None = PrivateAttr(default=None)
@@ -843,6 +846,9 @@ class Config(StrictModel):
         if self.admin_key_env is not None:
             secret = _env_secret(environ, self.admin_key_env, "admin_key_env", errors)
             self._admin_digest = hashlib.sha256(secret.encode()).digest() if secret else None
+        if self.metrics_key_env is not None:
+            secret = _env_secret(environ, self.metrics_key_env, "metrics_key_env", errors)
+            self._metrics_digest = hashlib.sha256(secret.encode()).digest() if secret else None
         if errors:
             raise ConfigError(errors)
         return self
@@ -917,6 +923,11 @@ class Config(StrictModel):
     def admin_digest(self) -> bytes | None:
         """SHA-256 of the admin key; None when ``admin_key_env`` is not set (admin API off)."""
         return self._admin_digest
+
+    def metrics_digest(self) -> bytes | None:
+        """SHA-256 of the key ``GET /metrics`` requires; None when ``metrics_key_env`` is
+        not set (``/metrics`` is open)."""
+        return self._metrics_digest
 
     def resolved_keys(self) -> list[ResolvedKey]:
         """The keys in file order, each with the SHA-256 digest of its secret."""

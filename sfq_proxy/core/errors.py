@@ -1,6 +1,12 @@
 """OpenAI-style errors: every rejection the proxy makes is one of these (docs/design.md §6).
 
 Plain data: the HTTP shell renders them (``sfq_proxy.http.error_response``).
+
+A message may quote what the client sent (its model, its class header, a path), and a
+client can send megabytes: :func:`cut` is what every quotation of a client's value goes
+through, in an error and in a log line alike, so that nothing a client sends comes back or
+reaches a log unbounded (docs/design.md §6, Errors). A message is also bounded as a whole
+(``MAX_MESSAGE_CHARS``), for a quotation that did not go through it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,19 @@ _TYPES = {
     503: ("service_unavailable", "no_healthy_backend"),
     504: ("timeout_error", "deadline_exceeded"),
 }
+
+CUT_CHARS = 256  # what is kept of a value a client sent, when it is quoted
+MAX_MESSAGE_CHARS = 4096  # an error's whole message: the proxy's own run to a few hundred
+
+
+def cut(value: str, limit: int = CUT_CHARS) -> str:
+    """``value`` as it may be quoted: whole up to ``limit`` characters, else its first
+    ``limit`` and how long it was, ``…(cut, 5242880 chars)``. A short value is returned as
+    it is (one ``len``): it runs on every access line."""
+    if len(value) <= limit:
+        return value
+    return f"{value[:limit]}…(cut, {len(value)} chars)"
+
 
 # The code of a 429 names the limit that refused it (docs/design.md §6, Errors): the org's
 # or the pool's requests (``rpm``) or tokens (``tpm``) per minute, the flow's queue
@@ -53,6 +72,8 @@ class ApiError(Exception):
         retry_after: float | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = cut(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.status = status
         self.message = message

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import NewType
 
 from ..config import Config, ResolvedKey
-from .errors import ApiError
+from .errors import ApiError, cut
 
 CLASS_HEADER = "X-Workload-Class"
 # Where a client's key may be, in this order: the first of them present is read, and only
@@ -104,11 +104,11 @@ def classify(config: Config, key: ResolvedKey, requested_class: str | None, mode
     cls = key.classes[0]
     if requested_class:
         if requested_class not in key.classes:
-            raise ApiError(403, f"This key may not use workload class '{requested_class}'.")
+            raise ApiError(403, f"This key may not use workload class '{cut(requested_class)}'.")
         cls = requested_class
     pool = config.pool_for_model(model)
     if pool is None:
-        raise ApiError(404, f"The model '{model}' does not exist or is not served here.")
+        raise ApiError(404, f"The model '{cut(model)}' does not exist or is not served here.")
     if not may_use(key, model, pool):
         raise ApiError(
             403,

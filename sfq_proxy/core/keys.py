@@ -26,7 +26,7 @@ from ..config import (
     StrictModel,
     config_error,
 )
-from .errors import ApiError
+from .errors import ApiError, cut
 
 ID_PREFIX = "k_"
 MAX_LIFETIME_S = 10 * 365 * 86_400  # expires_in_s at most: ten years
@@ -156,7 +156,8 @@ def _checked(record: KeyRecord, config: Config, records: Mapping[str, KeyRecord]
 
 
 def _invalid(errors: Iterable[tuple[str, str]]) -> ApiError:
-    message = "; ".join(f"{path}: {text}" if path else text for path, text in errors)
+    # a path may name a field the request made up: quoted through ``cut``
+    message = "; ".join(f"{cut(path)}: {text}" if path else text for path, text in errors)
     return ApiError(400, f"Invalid key: {message}", code="invalid_request")
 
 

@@ -5,6 +5,11 @@ A line says when (``ts``, the time it was emitted), who (org, the key's name, cl
 what (model, backend, status, outcome), how much (estimated cost, tokens used) and how long
 (queue wait, upstream time) — never a prompt, never a key. Like the operational log's, every
 line has ``ts``, ``level`` (always ``info``) and ``logger`` (``sfq_proxy.access``).
+
+Nothing a client sends reaches a line unbounded: the model it names is cut to 256 characters
+(``core.errors.cut``; the one text of a line a client writes freely, a 404's model name
+being any string the body holds), its ``X-Request-Id`` is kept only up to 128, and a line
+longer than ``MAX_LINE_CHARS`` all the same has every text cut.
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ from typing import IO, Any
 
 import msgspec
 
+from ..core.errors import CUT_CHARS, cut
 from . import logs
 
 REQUEST_ID_HEADER = "X-Request-Id"
 LOGGER = "sfq_proxy.access"
+# longer than a line of texts ``cut`` left whole (unless escapes lengthen them); a usual
+# line is some 400
+MAX_LINE_CHARS = 8192
 
 
 @dataclass(slots=True)
@@ -75,6 +84,11 @@ class _Sink:
     def __init__(self, stream: IO[str], fmt: logs.LogFormat) -> None:
         self._stream = stream
         self._format = _text if fmt == "text" else _json
+        # a model longer than ``cut`` leaves makes a line longer than this: the shortest
+        # line there can be (every field null, or left out), less its model's "null", and
+        # CUT_CHARS more (a quoted model of CUT_CHARS + 1 characters is that long, at least)
+        empty = {name: getattr(AccessRecord(""), attr) for name, attr in _FIELDS}
+        self._long = len(self._format(_TS_SHAPE, empty)) - len("null") + CUT_CHARS
         self._lines: list[str] = []
         self._milli = -1  # the millisecond self._ts says
         self._second = -1  # the second self._date says
@@ -92,7 +106,22 @@ class _Sink:
                 self._second = second
                 self._date = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
             self._ts = f"{self._date}.{rest:03d}Z"
-        self._lines.append(self._format(self._ts, fields))
+        line = self._format(self._ts, fields)
+        if len(line) > self._long:  # it may hold a long text: one comparison for the others
+            line = self._cut(fields, line)
+        self._lines.append(line)
+
+    def _cut(self, fields: dict[str, Any], line: str) -> str:
+        """``line`` of ``fields`` with its model cut, and every text if it is still longer
+        than ``MAX_LINE_CHARS``."""
+        model = fields["model"]
+        if model is not None and len(model) > CUT_CHARS:  # a client's, for a 404
+            fields["model"] = cut(model)
+            line = self._format(self._ts, fields)
+        if len(line) > MAX_LINE_CHARS:  # a text nobody thought a client could make long
+            fields = {k: cut(v) if isinstance(v, str) else v for k, v in fields.items()}
+            line = self._format(self._ts, fields)
+        return line
 
     def flush(self) -> None:
         if self._lines:
@@ -106,6 +135,7 @@ _encode = msgspec.json.Encoder().encode  # ~15× the stdlib's speed, and as comp
 # the stdlib's, for a line msgspec would not write as ASCII: stdout may not take UTF-8, and
 # a lone surrogate (which no field should hold) is escaped rather than refused
 _ascii = json.JSONEncoder(check_circular=False, separators=(",", ":")).encode
+_TS_SHAPE = "2025-01-01T00:00:00.000Z"  # every ts is as long
 _JSON_HEAD = f'","level":"info","logger":"{LOGGER}",'
 _TEXT_HEAD = f" INFO {LOGGER}: "
 

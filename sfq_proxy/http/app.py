@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import Config, ConfigError
-from ..core.errors import ApiError
+from ..core.errors import ApiError, cut
 from ..core.flows import credential, key_digest, may_use
 from ..core.inference_request import Kind
 from . import admin_keys, admin_page
@@ -101,7 +101,7 @@ def _unrouted(allowed: dict[str, set[str]], extra: Handler) -> Handler:
         else:
             methods = allowed.get(path) or _by_prefix(allowed, path)
         if not methods:
-            return error_response(ApiError(404, f"No such endpoint: {path}", code="not_found"))
+            return error_response(ApiError(404, f"No such endpoint: {cut(path)}", code="not_found"))
         message = f"{request.method} is not allowed here; use {', '.join(sorted(methods))}."
         response = error_response(ApiError(405, message))
         response.headers["Allow"] = ", ".join(sorted(methods))
@@ -141,7 +141,7 @@ async def _model(request: web.Request) -> web.Response:
     model = request.match_info["model"]
     pool = proxy.config.pool_for_model(model)
     if pool is None or not may_use(key, model, pool):
-        raise ApiError(404, f"The model '{model}' does not exist or is not served here.")
+        raise ApiError(404, f"The model '{cut(model)}' does not exist or is not served here.")
     return web.json_response(_model_object(model, pool))
 
 
@@ -150,7 +150,13 @@ def _model_object(model: str, pool: str) -> dict[str, object]:
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[PROXY].metrics.registry)
+    """The metrics; with ``metrics_key_env`` set, only to a request that shows its key."""
+    proxy = request.app[PROXY]
+    digest = proxy.config.metrics_digest()
+    if digest is not None and not _shows(request, digest):
+        message = "/metrics needs its key (metrics_key_env): send 'Authorization: Bearer <key>'."
+        return error_response(ApiError(401, message))
+    body = generate_latest(proxy.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -193,7 +199,13 @@ def _admin(request: web.Request) -> Proxy:
     digest = proxy.config.admin_digest()
     if digest is None:
         raise ApiError(403, "The admin API is off: set admin_key_env in the config.")
-    token = credential(request.headers) or ""
-    if not hmac.compare_digest(key_digest(token), digest):
+    if not _shows(request, digest):
         raise ApiError(401, "Incorrect admin key.")
     return proxy
+
+
+def _shows(request: web.Request, digest: bytes) -> bool:
+    """Whether the key ``request`` carries (as a client's is read: ``credential``) is the
+    one whose SHA-256 is ``digest``; compared in constant time."""
+    token = credential(request.headers) or ""
+    return hmac.compare_digest(key_digest(token), digest)

@@ -17,6 +17,12 @@ is written: the values of ``Authorization``/``api-key``-like headers, bearer tok
 ``sk-``-style keys, and every upstream key the proxy was configured with. A JSON line has
 each of its texts redacted before it is encoded, so that JSON escaping can neither hide a
 secret from the patterns nor be cut in two by a replacement.
+
+**Bounds.** A line quotes what a client sent only through ``core.errors.cut``, and aiohttp's
+own lines quote what it could not parse (a request line or a header, up to 8 KiB) as it
+was: so each line of a message or a traceback is cut to ``LINE_CHARS`` characters, once
+redacted (a cut first could leave half a secret the redaction no longer knows). The
+proxy's own lines, code lines of a traceback included, are far shorter.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import sys
 import time
 from typing import IO, Literal
 
+from ..core.errors import cut
+
 REDACTED = "[redacted]"
 _PATTERNS = [
     # a credential header as written in a request, a repr or a dict: the whole value goes
@@ -37,6 +45,7 @@ _PATTERNS = [
     (re.compile(r"\bsk-[A-Za-z0-9_\-]{4,}"), f"sk-{REDACTED}"),
 ]  # fmt: skip
 _secrets: set[str] = set()
+LINE_CHARS = 512  # of each line of a message or traceback
 
 LogFormat = Literal["json", "text"]
 FORMATS: tuple[LogFormat, ...] = ("json", "text")
@@ -64,6 +73,13 @@ def redact(text: str) -> str:
     for secret in _secrets:
         text = text.replace(secret, REDACTED)
     return text
+
+
+def bounded(text: str) -> str:
+    """``text`` with each of its lines cut to ``LINE_CHARS`` characters."""
+    if len(text) <= LINE_CHARS:
+        return text
+    return "\n".join(cut(line, LINE_CHARS) for line in text.split("\n"))
 
 
 def timestamp(seconds: float) -> str:
@@ -111,15 +127,15 @@ class RedactingFormatter(logging.Formatter):
         ts = timestamp(record.created)
         if not self.json:
             line = f"{ts} {record.levelname} {record.name}: {message}"
-            return redact(f"{line}\n{trace}" if trace else line)
+            return bounded(redact(f"{line}\n{trace}" if trace else line))
         fields = {
             "ts": ts,
             "level": record.levelname.lower(),
             "logger": record.name,
-            "msg": redact(message),
+            "msg": bounded(redact(message)),
         }
         if trace:
-            fields["exc"] = redact(trace)
+            fields["exc"] = bounded(redact(trace))
         return json.dumps(fields)  # ASCII: a stray surrogate of a bad header stays writable
 
 

@@ -12,6 +12,7 @@ from proxy_lab import (
     MODEL,
     AccessLines,
     Lab,
+    Served,
     eventually,
     proxy_config,
     sample,
@@ -168,6 +169,39 @@ async def test_admin_state_reflects_a_known_state_and_needs_the_admin_key(lab: L
     assert [d["flow"] for d in state["recent_dispatches"]] == ["C/interactive"]
     await blocker.close()
     await waiting
+
+
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+async def test_metrics_can_require_a_key_and_are_open_without_one(lab: Lab, method: str) -> None:
+    """With ``metrics_key_env``, /metrics answers only the key it names (a client's key, the
+    admin key or none get an OpenAI-style 401); without it, anyone, whatever they send."""
+    sim = await lab.backend()
+    environ = {"METRICS": "sk-metrics-scraper", "ADMIN": "sk-admin"}
+    guarded = await lab.proxy(
+        proxy_config([sim.url], metrics_key_env="METRICS", admin_key_env="ADMIN", environ=environ)
+    )
+    open_ = await lab.proxy(proxy_config([sim.url]))
+    http = await lab.http()
+
+    async def ask(served: Served, key: str | None) -> tuple[int, bytes]:
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        async with http.request(method, f"{served.url}/metrics", headers=headers) as r:
+            return r.status, await r.read()
+
+    for key in (None, KEYS["A"], "sk-admin", "sk-metrics-scrape", "sk-metrics-scraper2"):
+        status, body = await ask(guarded, key)
+        assert status == 401
+        if method == "GET":
+            error = json.loads(body)["error"]
+            assert (error["type"], error["code"]) == ("authentication_error", "invalid_api_key")
+            assert "metrics_key_env" in error["message"]
+    status, body = await ask(guarded, "sk-metrics-scraper")
+    assert status == 200
+    assert method == "HEAD" or b"sfq_build_info" in body
+    for key in (None, KEYS["A"], "sk-anything"):
+        status, body = await ask(open_, key)
+        assert status == 200
+        assert method == "HEAD" or b"sfq_build_info" in body
 
 
 async def test_access_log_line_per_request_with_ids_and_no_secrets(

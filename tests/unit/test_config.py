@@ -160,6 +160,7 @@ def test_defaults() -> None:
     assert config.calibration.state_file is None
     assert config.metrics.max_labelled_orgs == 200
     assert config.admin_key_env is None
+    assert (config.metrics_key_env, config.metrics_digest()) == (None, None)
 
 
 def test_classes_section_replaces_defaults() -> None:
@@ -622,6 +623,17 @@ def test_error_path_and_message(mutate: Mutation, expected: str) -> None:
 def test_empty_key_env_value() -> None:
     assert error_lines(base(), environ={"ANALYTICS_KEY": " \n"}) == [
         "keys[1].key_env: environment variable ANALYTICS_KEY is empty"
+    ]
+
+
+def test_the_metrics_key_comes_from_the_environment_as_the_admin_key_does() -> None:
+    data = {**base(), "metrics_key_env": "SFQ_METRICS_KEY"}
+    config = parse(data, environ={**ENV, "SFQ_METRICS_KEY": " sk-scraper\n"})
+    assert config.metrics_digest() == hashlib.sha256(b"sk-scraper").digest()
+    assert "sk-scraper" not in repr(config)
+    assert error_lines(data) == ["metrics_key_env: environment variable SFQ_METRICS_KEY is not set"]
+    assert error_lines(data, environ={**ENV, "SFQ_METRICS_KEY": ""}) == [
+        "metrics_key_env: environment variable SFQ_METRICS_KEY is empty"
     ]
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sfq_proxy.core.errors import ApiError
+from sfq_proxy.core.errors import CUT_CHARS, MAX_MESSAGE_CHARS, ApiError, cut
 
 
 @pytest.mark.parametrize(
@@ -59,3 +59,20 @@ def test_an_errors_own_headers_go_with_it_and_retry_after_stays() -> None:
 def test_an_unknown_route_is_not_found_and_an_unknown_model_model_not_found() -> None:
     assert ApiError(404, "x", code="not_found").body()["error"]["code"] == "not_found"
     assert ApiError(404, "x").code == "model_not_found"
+
+
+def test_cut_keeps_a_short_value_and_says_how_long_a_long_one_was() -> None:
+    assert cut("gpt-4o") == "gpt-4o"
+    assert cut("m" * CUT_CHARS) == "m" * CUT_CHARS
+    assert cut("m" * (CUT_CHARS + 1)) == f"{'m' * CUT_CHARS}…(cut, {CUT_CHARS + 1} chars)"
+    assert cut("abcdef", 2) == "ab…(cut, 6 chars)"
+
+
+def test_an_error_message_is_bounded_whatever_it_quotes() -> None:
+    """For a quotation that did not go through ``cut``: the message as a whole is."""
+    quoting = f"The model '{'m' * 5_000_000}' is not served at /v1/rerank here."
+    message = ApiError(404, quoting).body()["error"]["message"]
+    assert message.startswith("The model 'mmm")
+    assert message.endswith(f"…(cut, {len(quoting)} chars)")
+    assert len(message) <= MAX_MESSAGE_CHARS + 30
+    assert ApiError(400, "x" * MAX_MESSAGE_CHARS).message == "x" * MAX_MESSAGE_CHARS

@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from sfq_proxy.core.errors import CUT_CHARS
 from sfq_proxy.http import access_log, logs
 
 TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
@@ -187,3 +188,69 @@ def test_access_timestamps_follow_the_clock_per_millisecond(
         "2023-11-14T22:13:20.001Z",
         "2023-11-14T22:13:21.500Z",
     ]
+
+
+# --- nothing a client sends is logged unbounded ----------------------------------------------
+
+
+def test_each_line_of_a_message_and_of_its_traceback_is_cut() -> None:
+    """What aiohttp could not parse, quoted in its message and its traceback: each line
+    keeps LINE_CHARS characters and says how long it was; short lines are as they were."""
+    quoted = "x" * 20_000
+    made = record("bad request:\n%s\nfrom %s", quoted, "127.0.0.1", exc=True)
+    made.exc_text = f"Traceback (most recent call last):\nValueError: {quoted}"
+    for fmt in logs.FORMATS:
+        line = logs.RedactingFormatter(fmt).format(made)
+        texts = [json.loads(line)[name] for name in ("msg", "exc")] if fmt == "json" else [line]
+        for text in texts:
+            assert len(text) < 4 * logs.LINE_CHARS
+            for part in text.splitlines():
+                assert len(part) <= logs.LINE_CHARS + len("…(cut, 20100 chars)")
+        assert "x" * logs.LINE_CHARS + "…(cut, 20000 chars)" in texts[0]
+        assert "from 127.0.0.1" in texts[0]
+
+
+def test_a_secret_is_redacted_before_its_line_is_cut(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cut first, an upstream key astride the cut would leave its first half, which
+    redaction no longer knows."""
+    monkeypatch.setattr(logs, "_secrets", set())
+    upstream = "upstream-key-0123456789"
+    logs.hide(upstream)
+    head = "2023-11-14T22:13:20.042Z WARNING sfq_proxy.http.relay: "
+    made = record("%s%s and more", "y" * (logs.LINE_CHARS - len(head) - 8), upstream)
+    line = logs.RedactingFormatter("text").format(made)
+    kept, _, rest = line.partition("…(cut, ")
+    assert (kept[: len(head)], kept[-9:], len(kept)) == (head, "y[redacte", logs.LINE_CHARS)
+    assert rest == f"{len(head) + len(made.getMessage()) - len(upstream) + 10} chars)"
+    assert "upstream" not in line
+
+
+@pytest.mark.parametrize("fmt", logs.FORMATS)
+@pytest.mark.parametrize("length", [255, 256, 257, 5 * 1024 * 1024])
+def test_an_access_line_cuts_the_model_a_client_named(fmt: logs.LogFormat, length: int) -> None:
+    """Cut past CUT_CHARS exactly: the line is checked by its length alone, and a model one
+    character too long always makes a line long enough to be looked at."""
+    made = access_log.AccessRecord("r", model="m" * length, status=404)
+    [line] = access_lines(fmt, [made])
+    assert _field(fmt, line, "model") == (
+        "m" * length if length <= CUT_CHARS else f"{'m' * CUT_CHARS}…(cut, {length} chars)"
+    )
+    assert len(line) < 700
+
+
+@pytest.mark.parametrize("fmt", logs.FORMATS)
+def test_an_access_line_too_long_all_the_same_has_every_text_cut(fmt: logs.LogFormat) -> None:
+    made = access_log.AccessRecord("r", org="o" * 5000, key="k" * 5000, model="ok")
+    [line] = access_lines(fmt, [made])
+    assert len(line) < 1000
+    assert _field(fmt, line, "org") == f"{'o' * CUT_CHARS}…(cut, 5000 chars)"
+    assert _field(fmt, line, "key") == f"{'k' * CUT_CHARS}…(cut, 5000 chars)"
+    assert _field(fmt, line, "model") == "ok"
+
+
+def _field(fmt: logs.LogFormat, line: str, name: str) -> object:
+    if fmt == "json":
+        return json.loads(line)[name]
+    found = re.search(rf" {name}=(.*?) \w+=", line)
+    assert found, line
+    return found[1]
