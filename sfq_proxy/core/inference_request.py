@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeGuard
 import msgspec
 
 from . import affinity
-from .errors import ApiError
+from .errors import ApiError, cut
 from .media import MEDIA_FIELDS, TEXT_TYPES, Media, media_part
 
 
@@ -221,7 +221,7 @@ def parse_extra(
     model = _model(body)
     rule = rule_of(model)
     if rule is None:
-        raise ApiError(404, f"The model '{model}' is not served at {path} here.")
+        raise ApiError(404, f"The model '{cut(model)}' is not served at {cut(path)} here.")
     texts: list[str] = []
     token_ids = 0
     for name in rule.input_fields:

@@ -101,11 +101,11 @@ async def test_five_requests_for_a_5_mb_model_add_little_to_the_logs(
 async def test_a_5_mb_model_on_an_extra_path_is_not_echoed_whole(
     lab: Lab, served: Served, logged: Logged
 ) -> None:
-    """Its 404 is written by the body's parser (core/inference_request.py), which does not
-    cut the name itself yet: the error's own bound, 4,096 characters, holds it."""
+    """Its 404 is written by the body's parser (core/inference_request.py), which cuts the
+    name as every other quote does."""
     status, body, _ = await _ask(lab, served, "POST", "/v1/rerank", {"model": "m" * BIG})
     assert status == 404
-    assert len(body) <= 4096 + SMALL_BODY
+    assert len(body) <= SMALL_BODY
     assert "…(cut, " in _error(body)["message"]
     access, operational = logged.sizes()
     assert access <= SMALL_LOGS
