@@ -75,7 +75,17 @@ class QueueMemory(Generic[F, T]):
         own."""
         if item in self._flows.get(flow, ()):
             raise ValueError("this item is counted already")
-        charge = self.charge(size)
+        return self._add(flow, item, self.charge(size), new=True)
+
+    def grow(self, flow: F, item: T, more: int) -> list[tuple[F, T]]:
+        """``item`` holds ``more`` bytes more: a body being read, as its bytes arrive (its
+        first ones count it, with the overhead). Returns, and raises, as :meth:`enter`: a
+        body grows at the expense of larger flows only, and otherwise is refused."""
+        counted = item in self._flows.get(flow, ())
+        charge = max(0, more) if counted else self.charge(more)
+        return self._add(flow, item, charge, new=not counted)
+
+    def _add(self, flow: F, item: T, charge: int, *, new: bool) -> list[tuple[F, T]]:
         need = self.used + charge - self.limit
         victims = [] if need <= 0 else self._victims(flow, charge, need)
         if victims is None:
@@ -85,10 +95,11 @@ class QueueMemory(Generic[F, T]):
             )  # fmt: skip
         for giver, victim in victims:
             self.leave(giver, victim)
-        self._flows.setdefault(flow, {})[item] = charge
+        items = self._flows.setdefault(flow, {})
+        items[item] = items.get(item, 0) + charge
         held = self._held[flow] = self._held.get(flow, 0) + charge
         self.used += charge
-        self._count += 1
+        self._count += new
         heapq.heappush(self._heap, (-held, flow))
         self._compact()
         return victims

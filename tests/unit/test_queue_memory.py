@@ -145,3 +145,24 @@ def test_the_budget_defaults_to_512_mib_and_must_hold_one_request_of_the_largest
     assert "limits" in str(small.value)
     assert "at least 21" in str(small.value)
     assert parse_config(_config("{queue_memory_mb: 1, max_body_bytes: 262144}"))
+
+
+def test_a_body_being_read_grows_as_it_comes_and_at_the_bound_as_a_newcomer_would() -> None:
+    """``grow``: a body being read counts its bytes as they arrive (its first ones with the
+    overhead); at the bound it takes the newest of larger flows, or is refused whole."""
+    memory: QueueMemory[str, str] = QueueMemory(12 * K)
+    assert memory.grow("reading", "r1", K) == []  # counted: the overhead and its first bytes
+    assert memory.grow("reading", "r1", K) == []
+    assert (memory.used, len(memory), memory.held("reading")) == (3 * K, 1, 3 * K)
+    for i in range(4):
+        memory.enter("flood", f"f{i}", K)  # 2 K each
+    assert memory.used == 11 * K
+    # the flood (8 K) stays larger than the body's flow would be (5 K): its newest goes
+    assert memory.grow("reading", "r1", 2 * K) == [("flood", "f3")]
+    assert (memory.used, memory.held("reading"), memory.held("flood")) == (11 * K, 5 * K, 6 * K)
+    with pytest.raises(ApiError) as refused:  # it would be the largest: refused
+        memory.grow("reading", "r1", 2 * K)
+    assert (refused.value.status, refused.value.code) == (429, "queue_full")
+    assert (memory.used, memory.held("reading")) == (11 * K, 5 * K)  # nothing changed
+    assert memory.leave("reading", "r1")  # whole, or cut: it leaves as a whole
+    assert (memory.used, len(memory)) == (6 * K, 3)
