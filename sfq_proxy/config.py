@@ -134,11 +134,20 @@ class Listen(StrictModel):
 
 
 class Limits(StrictModel):
-    """Request limits enforced before a request is parsed (413 above the body size), and
-    the memory this process may spend on requests waiting in its lines (design.md §6)."""
+    """Request limits enforced before a request is parsed (413 above the body size), the
+    memory this process may spend on requests waiting in its lines (design.md §6), and
+    what a client may hold while its request is read: connections, and the time its head
+    and body take (design.md §6, Slow senders)."""
 
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0, le=1 << 30)
     queue_memory_mb: int = Field(512, ge=1, le=1 << 20)
+    # None: what the file descriptors allow (http/connections.py); per peer, half of that
+    max_connections: int | None = Field(None, gt=0, le=1 << 24)
+    max_connections_per_peer: int | None = Field(None, gt=0, le=1 << 24)
+    header_timeout_s: Seconds = 10.0
+    body_timeout_s: Seconds = 30.0
+    body_grace_s: NonNegativeSeconds = 5.0
+    min_body_kib_per_s: float = Field(32.0, ge=0, le=1 << 20, allow_inf_nan=False)  # 0: off
 
     @model_validator(mode="after")
     def _one_request_fits(self) -> Self:

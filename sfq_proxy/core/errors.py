@@ -22,6 +22,7 @@ _TYPES = {
     403: ("permission_error", "forbidden"),
     404: ("invalid_request_error", "model_not_found"),
     405: ("invalid_request_error", "method_not_allowed"),
+    408: ("invalid_request_error", "request_timeout"),
     409: ("invalid_request_error", "conflict"),
     413: ("invalid_request_error", "request_too_large"),
     415: ("invalid_request_error", "unsupported_encoding"),
@@ -56,7 +57,7 @@ _REASONS = {400: "invalid", 401: "auth", 403: "auth", 404: "invalid", 405: "inva
             409: "invalid", 413: "invalid", 415: "invalid", 503: "no_backend"}  # fmt: skip
 _REASONS_BY_CODE = {"rpm": "rate", "tpm": "rate", "queue_full": "queue_full",
                     "queue_age": "queue_age", "deadline": "deadline", "budget_exceeded": "budget",
-                    "shutting_down": "shutting_down"}  # fmt: skip
+                    "shutting_down": "shutting_down", "request_timeout": "slow_client"}  # fmt: skip
 
 
 class ApiError(Exception):

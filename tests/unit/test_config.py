@@ -145,6 +145,10 @@ def test_defaults() -> None:
     config = parse(base())
     assert (config.listen.host, config.listen.port) == ("127.0.0.1", 8080)
     assert config.limits.max_body_bytes == 10 * 1024 * 1024
+    limits = config.limits  # design.md §6, Slow senders
+    assert (limits.max_connections, limits.max_connections_per_peer) == (None, None)
+    assert (limits.header_timeout_s, limits.body_timeout_s) == (10, 30)
+    assert (limits.body_grace_s, limits.min_body_kib_per_s) == (5, 32)
     assert config.drain_timeout_s == 30
     assert config.classes == {
         "system": ClassSpec(priority=True, max_in_flight=4, max_queue_age_s=5, max_queue_len=100),
@@ -386,6 +390,21 @@ ERROR_CASES: list[tuple[str, Mutation, str]] = [
         "body limit above 1 GiB",
         _set("limits", {"max_body_bytes": 1 << 40}),
         "limits.max_body_bytes: must be <= 1073741824",
+    ),
+    (
+        "no time for a head",
+        _set("limits", {"header_timeout_s": 0}),
+        "limits.header_timeout_s: must be > 0",
+    ),
+    (
+        "no connection for a peer",
+        _set("limits", {"max_connections_per_peer": 0}),
+        "limits.max_connections_per_peer: must be > 0",
+    ),
+    (
+        "a body's pace below 0",
+        _set("limits", {"min_body_kib_per_s": -1}),
+        "limits.min_body_kib_per_s: must be >= 0",
     ),
     (
         "infinite weight",
