@@ -29,6 +29,7 @@ from aiohttp import web
 from ..config import Config, ConfigError
 from . import access_log, logs
 from .app import build_app
+from .connections import Guard, Runner
 from .drain import CUT_GRACE_S
 from .runtime import HAND_BACK_S, PROXY, TASKS_END_S, Proxy
 from .shared_state import CLOSE_S as REDIS_CLOSE_S
@@ -51,8 +52,10 @@ async def running(
 ) -> AsyncIterator[web.AppRunner]:
     """The proxy listening on ``config.listen`` until the block exits, then drained
     (``Proxy.shutting_down``) and closed."""
-    runner = web.AppRunner(
-        build_app(config, **app_options),
+    app = build_app(config, **app_options)
+    runner = Runner(  # aiohttp's, its connections capped and their heads read in time
+        app,
+        Guard(app[PROXY]),
         shutdown_timeout=CLOSE_S,  # after the drain: see the module's docstring
         handler_cancellation=True,  # a client that leaves cancels its handler: queue exit, abort
         access_log=None,
