@@ -35,6 +35,7 @@ from ..core.inference_request import InferenceRequest, Kind, parse, parse_extra
 from ..core.placement import Backend
 from ..core.scheduler import Ticket
 from ..core.throttle import MAX_PAUSE_S, retry_after
+from . import body
 from .access_log import REQUEST_ID_HEADER, AccessRecord
 from .drain import ANSWERING, absorbed, cut_error
 from .error_response import error_response
@@ -142,7 +143,7 @@ async def _admit_and_serve(
 ) -> web.StreamResponse:
     key = proxy.auth.identify(request.headers, proxy.wall())
     record.org, record.key = key.org, key.name
-    raw = await _read_body(request, proxy.config.limits.max_body_bytes)
+    raw = await _read_body(request, proxy, key.org)
     config = proxy.config
     if kind is Kind.EXTRA:
         inference = parse_extra(raw, request.path, partial(_extra_cost, config, request.path))
@@ -558,18 +559,14 @@ def _queue_age(seconds: float) -> Expiry:
     return Expiry(429, message, code="queue_age")
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.Request, proxy: Proxy, org: str) -> bytes:
     """The body as sent. A compressed one is refused: the server does not inflate bodies
-    (a small one can inflate to gigabytes), and the proxy forwards exactly what it read."""
+    (a small one can inflate to gigabytes), and the proxy forwards exactly what it read.
+    It is read in time and within the queue memory, as ``org``'s (``body.py``)."""
     if request.headers.get("Content-Encoding", "identity").lower() != "identity":
         raise ApiError(415, "Compressed request bodies are not accepted; send plain JSON.")
-    if request.content_length is not None and request.content_length > limit:
-        raise _too_large(limit)
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise _too_large(limit) from None
-
-
-def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"The body is larger than the {limit} bytes allowed.")
+    limits = proxy.config.limits
+    if request.content_length is not None and request.content_length > limits.max_body_bytes:
+        raise body.too_large(limits.max_body_bytes)
+    assert proxy.memory is not None  # made with the proxy
+    return await body.read(request, limits, proxy.memory, org)

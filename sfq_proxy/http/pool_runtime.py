@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable, Hashable, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import aiohttp
 
@@ -35,9 +35,19 @@ Clock = Callable[[], float]
 RECENT_DISPATCHES = 1000  # how many of the last dispatches /admin/state shows, oldest first
 SERVED_WINDOW_S = 300.0  # /admin/state's share of each flow: the cost served in this window
 QUEUE_DEADLINE = Expiry(504, "Deadline passed in the queue.")  # a bound with no answer of its own
+
+
+class Holder(Protocol):
+    """Where the items of a flow of the queue memory are, which evicts them: a pool, for its
+    waiting tickets; ``body.READERS``, for the bodies being read."""
+
+    def evict(self, item: Any, /) -> None: ...
+
+
 # the process's queue memory: waiting tickets by flow, the pool's name and the flow's id,
-# and the pool (where an evicted ticket waits)
-Memory = QueueMemory[tuple[str, str, "Pool"], Ticket]
+# and the pool (where an evicted ticket waits); and the bodies being read, by org
+# (``("", org, body.READERS)``)
+Memory = QueueMemory[tuple[str, str, Holder], Hashable]
 
 
 def pool_limits(
@@ -229,7 +239,9 @@ class Pool:
         ``shutting_down`` with ``Retry-After`` (its client retries, on another replica if
         there is one), and none joins a line any more. Running requests go on."""
         self.draining = True
-        waiting = [ticket for (_, _, pool), ticket in self.memory.items() if pool is self]
+        waiting = [
+            t for (_, _, pool), t in self.memory.items() if pool is self and isinstance(t, Ticket)
+        ]
         for ticket in [*waiting, *self._retrying]:
             if self.scheduler.cancel(ticket):  # in this pool's own line (not Redis's)
                 ticket.payload.set_exception(shutting_down(self.name))
