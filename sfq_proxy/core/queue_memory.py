@@ -8,7 +8,9 @@ admitted only at the expense of flows larger than its own: the newest requests o
 largest flow leave the line (each is answered 429 ``queue_full`` by the shell: none is
 dropped silently), as long as that flow stays at least as large as the newcomer's. Else
 the newcomer is refused (429 ``queue_full``). At the bound every flow may thus keep an
-equal part of it, and a flood only ever pushes out itself.
+equal part of it, and a flood only ever pushes out itself. A body still being read counts
+the same way, growing as its bytes arrive (:meth:`QueueMemory.grow`; the shell makes the
+bodies an org is sending one flow, ``http/body.py``).
 
 Why evict rather than refuse newcomers above ``bound / active flows`` without evicting: a
 rule without eviction cannot keep a bound, since the flood is already queued when a small
