@@ -47,7 +47,7 @@ from .core.fair_queue import (
     MAX_SIZE_BUCKETS,
     size_bucket,
 )
-from .core.inference_request import MAX_OUTPUT_TOKENS, Kind
+from .core.inference_request import DEFAULT_CAPS, MAX_OUTPUT_TOKENS, Kind
 from .core.queue_memory import MIB, REQUEST_OVERHEAD_BYTES
 
 __all__ = [
@@ -134,10 +134,11 @@ class Listen(StrictModel):
 
 
 class Limits(StrictModel):
-    """Request limits enforced before a request is parsed (413 above the body size), the
-    memory this process may spend on requests waiting in its lines (design.md §6), and
-    what a client may hold while its request is read: connections, and the time its head
-    and body take (design.md §6, Slow senders)."""
+    """Request limits enforced before a request is parsed (413 above the body size) and as
+    soon as its body is read (400 beyond the caps on its structure), the memory this
+    process may spend on requests waiting in its lines (design.md §6), and what a client
+    may hold while its request is read: connections, and the time its head and body take
+    (design.md §6, Slow senders)."""
 
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0, le=1 << 30)
     queue_memory_mb: int = Field(512, ge=1, le=1 << 20)
@@ -148,6 +149,9 @@ class Limits(StrictModel):
     body_timeout_s: Seconds = 30.0
     body_grace_s: NonNegativeSeconds = 5.0
     min_body_kib_per_s: float = Field(32.0, ge=0, le=1 << 20, allow_inf_nan=False)  # 0: off
+    max_messages: int = Field(DEFAULT_CAPS.max_messages, gt=0, le=1_000_000)
+    max_content_parts: int = Field(DEFAULT_CAPS.max_content_parts, gt=0, le=1_000_000)
+    max_tools: int = Field(DEFAULT_CAPS.max_tools, gt=0, le=1_000_000)
 
     @model_validator(mode="after")
     def _one_request_fits(self) -> Self:

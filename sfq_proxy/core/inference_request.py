@@ -46,10 +46,31 @@ MAX_OUTPUT_TOKENS = 10_000_000
 enough that no charge derived from it can overflow the fair queue's meters."""
 MAX_CHOICES = 128
 """The most ``n`` / ``best_of`` a request may ask for (OpenAI's own limit for ``n``)."""
+MAX_MESSAGES = 2_000
+"""The most messages (a chat's ``messages``, a Responses API request's ``input`` items) a
+request may have by default (config ``limits.max_messages``): 2,000 turns are more than any
+context in use holds, and a body of 10 MiB may hold 300,000 (docs/design.md §6)."""
+MAX_CONTENT_PARTS = 10_000
+"""The most content parts, over all of a request's messages, by default (config
+``limits.max_content_parts``): 20 times the 500 images OpenAI takes in one request."""
+MAX_TOOLS = 512
+"""The most tool definitions (``tools`` and the legacy ``functions`` together) a request
+may have by default (config ``limits.max_tools``): 4 times the 128 OpenAI takes."""
 _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens")  # the first one set is charged
 RESPONSES_OUTPUT_FIELD = "max_output_tokens"  # the Responses API's only one
-# a JSON escape of a UTF-16 surrogate: only then can a string hold a lone one
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# Where a JSON text may hold a lone surrogate, read from its bytes alone (a strict UTF-8
+# reading refuses an encoded one, so it can only come as an escape): a high half's escape
+# not followed by a low half's, a low half's not preceded by a high half's, or a pair
+# whose first backslash follows a backslash (the high half may be text: ``\\uD83D``). No
+# lone surrogate escapes these three (a property test holds it); a match may be a false
+# alarm, which the walk of the values settles. Each alternative starts with ``\u`` and a
+# ``d``, so the search skips to those (0.3 ms a MiB; 14 at worst, a body of pairs alone).
+_HIGH = rb"[89abAB][0-9a-fA-F]{2}"  # a high half's escape, after its ``\uD``
+_MAYBE_LONE_SURROGATE = re.compile(
+    rb"\\u[dD](?:" + _HIGH + rb"(?!\\u[dD][c-fC-F])"
+    rb"|[c-fC-F](?<!\\u[dD]" + _HIGH + rb"\\u[dD][c-fC-F])"
+    rb"|" + _HIGH + rb"\\u[dD][c-fC-F](?<=\\\\u[dD]" + _HIGH + rb"\\u[dD][c-fC-F]))"
+)
 
 _INPUT_FIELD = {
     Kind.CHAT: "messages",
@@ -129,6 +150,33 @@ def _stream_options(body: dict[str, Any]) -> dict[str, Any] | None:
     return options
 
 
+class Caps(Protocol):
+    """How much structure a request's body may have (config ``limits``): checked as soon as
+    it is read, before any of its messages is, so that what a request costs to read is
+    bounded by them and by its size (docs/design.md §6, Bounded numbers)."""
+
+    @property
+    def max_messages(self) -> int: ...
+
+    @property
+    def max_content_parts(self) -> int: ...
+
+    @property
+    def max_tools(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CapValues:
+    """``Caps`` as plain values, by default the config's defaults."""
+
+    max_messages: int = MAX_MESSAGES
+    max_content_parts: int = MAX_CONTENT_PARTS
+    max_tools: int = MAX_TOOLS
+
+
+DEFAULT_CAPS = CapValues()
+
+
 def _always(_model: str) -> bool:
     return True
 
@@ -142,14 +190,19 @@ def parse(
     raw: bytes,
     reports_stream_usage: Callable[[str], bool] = _always,
     affinity_of: Callable[[str], affinity.Settings | None] = _no_affinity,
+    caps: Caps = DEFAULT_CAPS,
 ) -> InferenceRequest:
-    """Parse and check ``raw``; a body the proxy cannot route or price is a 400. A stream
-    to a model whose server ``reports_stream_usage`` when asked is made to ask for it (a
-    Responses API stream always ends with its usage). A request for a model whose pool has
-    affinity settings (``affinity_of``) gets the digests its affinity key is made of."""
+    """Parse and check ``raw``; a body the proxy cannot route or price is a 400, and so is
+    one beyond ``caps``. A stream to a model whose server ``reports_stream_usage`` when
+    asked is made to ask for it (a Responses API stream always ends with its usage). A
+    request for a model whose pool has affinity settings (``affinity_of``) gets the
+    digests its affinity key is made of."""
     if kind is Kind.EXTRA:
         raise ValueError("an extra path's request is parsed by parse_extra")
-    body = _json_object(raw)
+    body, unchecked = _json_object(raw)
+    _within_caps(kind, body, caps)
+    if unchecked:
+        _no_lone_surrogate(raw, body)
     model = _model(body)
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
@@ -217,7 +270,9 @@ def parse_extra(
     ``fixed`` tokens plus the text of its ``input_fields`` (strings anywhere in them; the
     integers of their arrays as token ids), generates nothing the proxy can bound, and goes
     upstream as it came."""
-    body = _json_object(raw)
+    body, unchecked = _json_object(raw)
+    if unchecked:
+        _no_lone_surrogate(raw, body)
     model = _model(body)
     rule = rule_of(model)
     if rule is None:
@@ -329,23 +384,63 @@ def _dumps(body: dict[str, Any]) -> bytes:
     return text.encode()
 
 
-def _json_object(raw: bytes) -> dict[str, Any]:
-    """``raw`` as a JSON object, read as strictly as RFC 8259 says a backend may read it.
+def _json_object(raw: bytes) -> tuple[dict[str, Any], bool]:
+    """``raw`` as a JSON object, read as strictly as RFC 8259 says a backend may read it,
+    and whether it may still hold a lone surrogate (``_no_lone_surrogate`` tells).
 
     msgspec reads it first, at ~4× the stdlib's speed. What it takes, the stdlib's strict
-    reading (``_strictly``) takes too, as the same values (a property test holds it to
-    that); what it refuses, that reading decides: it takes some (a huge number, a lone
-    surrogate that is refused below) and words the 400 of the rest.
+    reading (``_strictly``) takes too, as the same values, and it holds no lone surrogate:
+    msgspec refuses one, escaped or encoded (property tests hold it to both). What it
+    refuses, that reading decides: it takes some (a huge number, a lone surrogate, which
+    the caller refuses once it has checked the caps) and words the 400 of the rest.
     """
+    unchecked = False
     try:
         body = _FAST.decode(raw)
     except (msgspec.DecodeError, RecursionError):
-        body = _strictly(raw)
+        body, unchecked = _strictly(raw), True
     if not isinstance(body, dict):
         raise ApiError(400, "The body must be a JSON object.")
-    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(body):
+    return body, unchecked
+
+
+def _no_lone_surrogate(raw: bytes, body: dict[str, Any]) -> None:
+    """A 400 when a string of ``body`` (read from ``raw`` by the stdlib) holds a lone
+    surrogate. Its values are walked only when the bytes may hold one: a search of ``raw``
+    at C speed rules it out for any other body, emoji escaped in pairs included."""
+    if _MAYBE_LONE_SURROGATE.search(raw) and _has_lone_surrogate(body):
         raise ApiError(400, "The body holds a lone UTF-16 surrogate, which is not text.")
-    return body
+
+
+def _within_caps(kind: Kind, body: dict[str, Any], caps: Caps) -> None:
+    """A 400 naming the limit when the body has more messages (input items), content parts
+    (over all of them) or tool definitions than ``caps`` allow. Their counts are read
+    before any message is: one pass over the messages, after their number is checked."""
+    field = "messages" if kind is Kind.CHAT else "input" if kind is Kind.RESPONSES else None
+    items = body.get(field) if field else None
+    if isinstance(items, list):
+        if len(items) > caps.max_messages:
+            raise _beyond(f"'{field}' has", len(items), "items", caps.max_messages, "max_messages")
+        parts = 0
+        for item in items:
+            if isinstance(item, dict):
+                content = item.get("content")
+                if isinstance(content, list):
+                    parts += len(content)
+        if parts > caps.max_content_parts:
+            raise _beyond(f"'{field}' has", parts, "content parts", caps.max_content_parts,
+                          "max_content_parts")  # fmt: skip
+    tools = body.get("tools")
+    count = len(tools) if isinstance(tools, list) else 0
+    if "functions" in body:  # the legacy name
+        functions = body["functions"]
+        count += len(functions) if isinstance(functions, list) else 0
+    if count > caps.max_tools:
+        raise _beyond("The request has", count, "tool definitions", caps.max_tools, "max_tools")
+
+
+def _beyond(subject: str, count: int, what: str, cap: int, name: str) -> ApiError:
+    return ApiError(400, f"{subject} {count} {what}; at most {cap} are accepted (limits.{name}).")
 
 
 def _strictly(raw: bytes) -> Any:

@@ -148,7 +148,8 @@ async def _admit_and_serve(
     if kind is Kind.EXTRA:
         inference = parse_extra(raw, request.path, partial(_extra_cost, config, request.path))
     else:
-        inference = parse(kind, raw, config.reports_stream_usage, config.affinity_for_model)
+        usage, affinity = config.reports_stream_usage, config.affinity_for_model
+        inference = parse(kind, raw, usage, affinity, config.limits)
     record.model = inference.model
     flow = classify(proxy.config, key, request.headers.get(CLASS_HEADER), inference.model)
     record.cls, record.pool = flow.cls, flow.pool

@@ -149,6 +149,7 @@ def test_defaults() -> None:
     assert (limits.max_connections, limits.max_connections_per_peer) == (None, None)
     assert (limits.header_timeout_s, limits.body_timeout_s) == (10, 30)
     assert (limits.body_grace_s, limits.min_body_kib_per_s) == (5, 32)
+    assert (limits.max_messages, limits.max_content_parts, limits.max_tools) == (2000, 10_000, 512)
     assert config.drain_timeout_s == 30
     assert config.classes == {
         "system": ClassSpec(priority=True, max_in_flight=4, max_queue_age_s=5, max_queue_len=100),
@@ -391,6 +392,13 @@ ERROR_CASES: list[tuple[str, Mutation, str]] = [
         _set("limits", {"max_body_bytes": 1 << 40}),
         "limits.max_body_bytes: must be <= 1073741824",
     ),
+    ("no messages", _set("limits", {"max_messages": 0}), "limits.max_messages: must be > 0"),
+    (
+        "content parts cap huge",
+        _set("limits", {"max_content_parts": 10**7}),
+        "limits.max_content_parts: must be <= 1000000",
+    ),
+    ("tools cap -1", _set("limits", {"max_tools": -1}), "limits.max_tools: must be > 0"),
     (
         "no time for a head",
         _set("limits", {"header_timeout_s": 0}),

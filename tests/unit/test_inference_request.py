@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import msgspec
@@ -11,12 +11,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sfq_proxy.core import inference_request
 from sfq_proxy.core.errors import ApiError
 from sfq_proxy.core.inference_request import (
     _FAST,
+    _MAYBE_LONE_SURROGATE,
+    DEFAULT_CAPS,
     MAX_OUTPUT_TOKENS,
+    CapValues,
     InferenceRequest,
     Kind,
+    _has_lone_surrogate,
     _strictly,
     parse,
     parse_extra,
@@ -697,3 +702,178 @@ def test_usage_is_asked_for_whatever_the_client_said(options: dict[str, Any] | N
     req = chat({"content": "x"}, stream=True, stream_options=options)
     assert json.loads(req.raw)["stream_options"]["include_usage"] is True
     assert req.strip_usage
+
+
+# -- caps on a body's structure: checked before any message is read ------------------------
+
+SMALL_CAPS = CapValues(max_messages=3, max_content_parts=4, max_tools=2)
+PART = {"type": "text", "text": "x"}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def capped(kind: Kind, raw: bytes, caps: CapValues = SMALL_CAPS) -> str:
+    """The message of ``raw``'s 400 under ``caps``."""
+    with pytest.raises(ApiError) as info:
+        parse(kind, raw, caps=caps)
+    assert (info.value.status, info.value.code) == (400, "invalid_request")
+    return info.value.message
+
+
+def test_the_default_caps() -> None:
+    caps = DEFAULT_CAPS
+    assert (caps.max_messages, caps.max_content_parts, caps.max_tools) == (2000, 10_000, 512)
+
+
+def test_more_messages_than_the_cap_is_a_400_naming_the_limit() -> None:
+    at_cap = body(messages=[{"role": "user", "content": "x"}] * 3)
+    assert parse(Kind.CHAT, at_cap, caps=SMALL_CAPS).messages == 3
+    over = body(messages=[{"role": "user", "content": "x"}] * 4)
+    message = capped(Kind.CHAT, over)
+    assert message == "'messages' has 4 items; at most 3 are accepted (limits.max_messages)."
+
+
+def test_more_responses_input_items_than_the_message_cap_is_a_400() -> None:
+    over = body(input=[{"role": "user", "content": "x"}] * 4)
+    assert "'input' has 4 items; at most 3" in capped(Kind.RESPONSES, over)
+    assert parse(Kind.RESPONSES, body(input="x" * 100), caps=SMALL_CAPS).text == "x" * 100
+
+
+@pytest.mark.parametrize("kind", [Kind.CHAT, Kind.RESPONSES])
+def test_content_parts_are_capped_over_all_the_messages(kind: Kind) -> None:
+    """Two messages of two parts each are at the cap of 4; a third part anywhere is over."""
+    field = "messages" if kind is Kind.CHAT else "input"
+    at_cap = [{"role": "user", "content": [PART, PART]}] * 2
+    assert parse(kind, body(**{field: at_cap}), caps=SMALL_CAPS).text == "xxxx"
+    over = [*at_cap, {"role": "user", "content": [PART]}]
+    message = capped(kind, body(**{field: over}))
+    assert message == (
+        f"'{field}' has 5 content parts; at most 4 are accepted (limits.max_content_parts)."
+    )
+
+
+@pytest.mark.parametrize(
+    ("fields", "count"),
+    [({"tools": [TOOL] * 3}, 3), ({"functions": [TOOL["function"]] * 3}, 3),
+     ({"tools": [TOOL] * 2, "functions": [TOOL["function"]]}, 3)],
+)  # fmt: skip
+def test_tool_definitions_are_capped_tools_and_functions_together(
+    fields: dict[str, Any], count: int
+) -> None:
+    raw = body(messages=[{"role": "user", "content": "x"}], **fields)
+    message = capped(Kind.CHAT, raw)
+    assert message == (
+        f"The request has {count} tool definitions; at most 2 are accepted (limits.max_tools)."
+    )
+    assert "limits.max_tools" in capped(Kind.RESPONSES, body(input="x", **fields))
+
+
+def test_tools_at_the_cap_parse() -> None:
+    raw = body(messages=[{"role": "user", "content": "x"}], tools=[TOOL] * 2)
+    assert parse(Kind.CHAT, raw, caps=SMALL_CAPS).text.startswith("x[")
+
+
+def test_the_caps_come_before_any_message_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body over a cap is refused for it, however wrong its messages are, and without a
+    walk of them (nor of its strings for a lone surrogate)."""
+
+    def walked(*_args: Any) -> Any:
+        raise AssertionError("a message was read")
+
+    monkeypatch.setattr(inference_request, "_message_text", walked)
+    monkeypatch.setattr(inference_request, "_content_text", walked)
+    monkeypatch.setattr(inference_request, "_has_lone_surrogate", walked)
+    bad = [{"content": 5}, "not an object", {"content": "\ud800"}, None]  # a lone surrogate
+    assert "limits.max_messages" in capped(Kind.CHAT, body(messages=bad))
+    parts = [{"content": [PART] * 3}, {"content": [7, 8]}]
+    assert "limits.max_content_parts" in capped(Kind.CHAT, body(messages=parts))
+    tools = body(messages=bad, tools=[TOOL] * 3).replace(b'"model"', b'"seed": 1e400, "model"')
+    assert "limits.max_tools" in capped(Kind.CHAT, tools, replace(SMALL_CAPS, max_messages=9))
+
+
+def test_what_is_not_a_list_is_not_counted_and_gets_its_own_400() -> None:
+    assert "'messages' must be a non-empty array" in capped(Kind.CHAT, body(messages={"a": 1}))
+    raw = body(messages=[{"content": "x"}], tools={"a": [1, 2, 3]})
+    assert parse(Kind.CHAT, raw, caps=SMALL_CAPS).messages == 1
+
+
+# -- lone surrogates: found without a walk of every string, unless the bytes may hold one ---
+
+
+def test_a_body_msgspec_reads_is_never_walked_for_a_lone_surrogate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """msgspec refuses a lone surrogate itself: 300 messages with escaped pairs in them
+    are read without a walk of their strings."""
+
+    def walked(_body: Any) -> bool:
+        raise AssertionError("walked")
+
+    monkeypatch.setattr(inference_request, "_has_lone_surrogate", walked)
+    messages = [{"role": "user", "content": "\ud83d\ude00 hi"}] * 300
+    raw = json.dumps({"model": MODEL, "messages": messages}).encode()
+    assert b"\\ud83d\\ude00" in raw
+    assert parse(Kind.CHAT, raw).text == "\U0001f600 hi" * 300
+
+
+def test_pairs_read_by_the_stdlib_are_not_walked_either(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A huge integer sends the body to the stdlib's reading; its escaped pairs alone do not
+    make the proxy walk its strings."""
+
+    def walked(_body: Any) -> bool:
+        raise AssertionError("walked")
+
+    monkeypatch.setattr(inference_request, "_has_lone_surrogate", walked)
+    pair = CHAT_TEXT.replace('"x"', '"\\ud83d\\ude00"')
+    raw = pair.replace('"stream"', '"seed": 1e400, "stream"')
+    assert parse(Kind.CHAT, raw.encode()).text == "\U0001f600"
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["\\\\ud83d\\ude00", "\\\\\\\\ud83d\\ude00", "\\ude00\\ud83d", "\\ud83d\\\\ude00",
+     "\\ud800\\ud800\\udc00", "a\\udfff", "\\ud83d"],
+)  # fmt: skip
+def test_a_lone_surrogate_among_escapes_is_found_whichever_reading(text: str) -> None:
+    """Pairs the escaped backslash splits (``\\\\ud83d`` is text, then a lone low half),
+    halves in the wrong order, a high half twice: each is a lone surrogate for the stdlib
+    reading, which the raw search sends to the walk, and for msgspec's."""
+    raw = CHAT_TEXT.replace('"x"', f'"{text}"').encode()
+    assert "surrogate" in rejected(Kind.CHAT, raw).message
+    huge = CHAT_TEXT.replace('"x"', f'"{text}"').replace('"stream"', '"seed": 1e400, "stream"')
+    assert "surrogate" in rejected(Kind.CHAT, huge.encode()).message
+
+
+# the pieces of a JSON string's text: escapes (of backslashes, of surrogates' halves and
+# others) and plain characters that can make one look like another
+_STRING_PIECES = st.sampled_from(
+    ["\\\\", "\\ud83d", "\\uD83D", "\\ude00", "\\uDE00", "\\ud800", "\\udbff", "\\udc00",
+     "\\udfff", "\\u0041", "\\n", '\\"', "ud83d", "uDBFF", "ude00", "\\\\ud83d", "\\\\uDE00", "a",
+     "\u00e9", "\U0001f600"]
+)  # fmt: skip
+
+
+@given(st.lists(_STRING_PIECES, max_size=12), st.lists(_STRING_PIECES, max_size=4))
+@settings(max_examples=3000, deadline=None)
+def test_the_raw_search_never_misses_a_lone_surrogate(value: list[str], key: list[str]) -> None:
+    """Wherever a lone surrogate is in a body the stdlib reads (a key, a value, after any
+    run of backslashes), the search of its bytes finds where it may be: skipping the walk
+    when it finds nothing never lets one through. And msgspec refuses every such body."""
+    raw = ('{"' + "".join(key) + '": "' + "".join(value) + '"}').encode()
+    body = _strictly(raw)
+    if _has_lone_surrogate(body):
+        assert _MAYBE_LONE_SURROGATE.search(raw)
+        with pytest.raises(msgspec.DecodeError):
+            _FAST.decode(raw)
+    else:
+        assert repr(_FAST.decode(raw)) == repr(body)
+
+
+@given(_bodies())
+@settings(max_examples=2000, deadline=None)
+def test_what_msgspec_reads_holds_no_lone_surrogate(raw: bytes) -> None:
+    """The fast path's premise: a body msgspec takes needs no search for one."""
+    try:
+        value = _FAST.decode(raw)
+    except (msgspec.DecodeError, RecursionError):
+        return
+    assert not _has_lone_surrogate(value)
