@@ -135,10 +135,10 @@ class Listen(StrictModel):
 
 class Limits(StrictModel):
     """Request limits enforced before a request is parsed (413 above the body size) and as
-    soon as its body is read (400 beyond the caps on its structure), the memory this
-    process may spend on requests waiting in its lines (design.md §6), and what a client
-    may hold while its request is read: connections, and the time its head and body take
-    (design.md §6, Slow senders)."""
+    soon as its body is read (400 beyond the caps on its structure), where it is parsed,
+    the memory this process may spend on requests waiting in its lines (design.md §6), and
+    what a client may hold while its request is read: connections, and the time its head
+    and body take (design.md §6, Slow senders)."""
 
     max_body_bytes: int = Field(10 * 1024 * 1024, gt=0, le=1 << 30)
     queue_memory_mb: int = Field(512, ge=1, le=1 << 20)
@@ -152,6 +152,8 @@ class Limits(StrictModel):
     max_messages: int = Field(DEFAULT_CAPS.max_messages, gt=0, le=1_000_000)
     max_content_parts: int = Field(DEFAULT_CAPS.max_content_parts, gt=0, le=1_000_000)
     max_tools: int = Field(DEFAULT_CAPS.max_tools, gt=0, le=1_000_000)
+    # the largest body parsed on the event loop; a larger one is parsed in a worker process
+    parse_in_loop_bytes: int = Field(16 * 1024, ge=0, le=1 << 30)
 
     @model_validator(mode="after")
     def _one_request_fits(self) -> Self:

@@ -40,6 +40,7 @@ from .access_log import REQUEST_ID_HEADER, AccessRecord
 from .drain import ANSWERING, absorbed, cut_error
 from .error_response import error_response
 from .metrics import Key, Metrics
+from .parse_worker import WORKER
 from .pool_runtime import QUEUE_DEADLINE, Pool
 from .relay import (
     COST_HEADER,
@@ -145,7 +146,9 @@ async def _admit_and_serve(
     record.org, record.key = key.org, key.name
     raw = await _read_body(request, proxy, key.org)
     config = proxy.config
-    if kind is Kind.EXTRA:
+    if len(raw) > config.limits.parse_in_loop_bytes:  # parsed off the loop (parse_worker.py)
+        inference = await WORKER.parse(config, key.org, kind, raw, request.path)
+    elif kind is Kind.EXTRA:
         inference = parse_extra(raw, request.path, partial(_extra_cost, config, request.path))
     else:
         usage, affinity = config.reports_stream_usage, config.affinity_for_model

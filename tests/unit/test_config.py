@@ -150,6 +150,7 @@ def test_defaults() -> None:
     assert (limits.header_timeout_s, limits.body_timeout_s) == (10, 30)
     assert (limits.body_grace_s, limits.min_body_kib_per_s) == (5, 32)
     assert (limits.max_messages, limits.max_content_parts, limits.max_tools) == (2000, 10_000, 512)
+    assert limits.parse_in_loop_bytes == 16 * 1024
     assert config.drain_timeout_s == 30
     assert config.classes == {
         "system": ClassSpec(priority=True, max_in_flight=4, max_queue_age_s=5, max_queue_len=100),
@@ -413,6 +414,11 @@ ERROR_CASES: list[tuple[str, Mutation, str]] = [
         "a body's pace below 0",
         _set("limits", {"min_body_kib_per_s": -1}),
         "limits.min_body_kib_per_s: must be >= 0",
+    ),
+    (
+        "in-loop bytes < 0",
+        _set("limits", {"parse_in_loop_bytes": -1}),
+        "limits.parse_in_loop_bytes: must be >= 0",
     ),
     (
         "infinite weight",
