@@ -340,7 +340,10 @@ def _left(
     Billed (docs/usage-and-budgets.md): when its backend was done with first (the slot
     given back with its answer), what it would have been had it stayed: the usage the
     backend reported, the work known and all of it done. Else, before any usage came, its
-    prompt as estimated and the tokens the backend sent it (none for a whole body)."""
+    estimate at least: its prompt as estimated, and as completion the larger of the output
+    it was priced at (max_tokens × its output ratio) and the tokens the backend sent it.
+    Leaving cannot shorten a bill, nor dodge a budget; its slot's true-up is the same. The
+    drain's cut is not the client's doing: its prompt as estimated and the tokens sent."""
     done = slot.done
     if done is not None:  # its answer's end was read: counted as if the client had stayed
         _count_answer(proxy, flow, record, estimate, done)
@@ -350,6 +353,9 @@ def _left(
         counted = request.get(STREAM_TOKENS)
         record.prompt_tokens = estimate.input_tokens
         record.completion_tokens = 0 if counted is None else counted.tokens
+        if by_client:
+            priced = math.ceil(estimate.output_tokens - 1e-6)
+            record.completion_tokens = max(record.completion_tokens, priced)
         slot.release(refund=False, completion_tokens=record.completion_tokens)
     cut = request.get(CLIENT_CUT) if by_client else "shutting_down"
     record.outcome, record.reason = ("failed", cut) if cut else ("cancelled_running", None)

@@ -6,6 +6,7 @@ The slot (and the backend's connection) is given back as soon as the backend is 
 whatever the client's reading speed: the rest of the answer waits in the proxy, up to
 ``limits.answer_buffer_mb``, for a client that takes a byte at least every
 ``timeouts.client_write_s``; a client that does not is cut, and still pays for the work.
+A client that leaves a JSON request before its answer pays its estimate at least.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import socket
 import time
 from typing import Any
 
+import aiohttp
+import pytest
 from aiohttp import web
 from proxy_lab import (
     KEYS,
@@ -164,7 +167,8 @@ async def test_a_client_that_reads_nothing_while_the_backend_works_is_cut(
     lab: Lab, access_log: AccessLines
 ) -> None:
     """A stream that would take the backend 6 s: its client, which reads nothing, is cut
-    after ``client_write_s``; the backend stops there, and the slot serves the next request."""
+    after ``client_write_s``; the backend stops there, and the slot serves the next request.
+    No usage came: it pays its estimate (its prompt as estimated and its max_tokens)."""
     sim = await backend(lab)
     served = await lab.proxy(served_config(sim, client_write_s=1))
     cheater = await NeverReads.send(served, stream(3 * LONG))
@@ -182,6 +186,7 @@ async def test_a_client_that_reads_nothing_while_the_backend_works_is_cut(
     assert rec.completion_tokens < 3 * LONG
     (line,) = await access_log()
     assert (line["outcome"], line["reason"]) == ("failed", "client_timeout")
+    assert line["completion_tokens"] == 3 * LONG  # its estimate: max_tokens, ratio 1
     assert line["prompt_tokens"] >= 1
 
 
@@ -202,6 +207,7 @@ async def test_an_answer_beyond_the_buffer_cuts_its_client(
     await eventually(lambda: rec.outcome == "aborted")
     (line,) = await access_log()
     assert (line["outcome"], line["reason"]) == ("failed", "client_too_slow")
+    assert line["completion_tokens"] == LONG  # its estimate, as nothing was reported
 
 
 async def big_json_backend(lab: Lab, size: int) -> str:
@@ -247,3 +253,40 @@ async def test_a_json_answer_its_client_does_not_take_is_cut_too(
     (line,) = await access_log()
     assert (line["outcome"], line["reason"]) == ("failed", "client_timeout")
     assert (line["prompt_tokens"], line["completion_tokens"]) == (7, 4 << 20)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_client_that_leaves_pays_its_estimate_at_least(
+    lab: Lab, access_log: AccessLines, stream: bool
+) -> None:
+    """The issue's row: a client hangs up 1.8 s into a 2 s answer (the backend generated
+    ~18,000 tokens). It was billed its prompt and no completion; now its estimate at least:
+    the prompt as estimated and max_tokens × the output ratio (1 here), in the access log,
+    the usage book and its budget."""
+    sim = await backend(lab)
+    served = await lab.proxy(served_config(sim, client_write_s=30))
+    http = await lab.http()
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": LONG, "stream": stream, "user": "A"}
+    headers = {"Authorization": f"Bearer {KEYS['A']}"}
+
+    async def leave_after_1_8_s() -> None:
+        async with http.post(
+            f"{served.url}/v1/chat/completions", json=body, headers=headers,
+            timeout=aiohttp.ClientTimeout(total=1.8),
+        ) as answer:  # fmt: skip
+            await answer.read()  # a stream's events as they come, or the whole body
+
+    with pytest.raises(TimeoutError):
+        await leave_after_1_8_s()
+    await eventually(lambda: not leftovers(served))
+    (rec,) = records(sim, "A")
+    await eventually(lambda: rec.outcome == "aborted")
+    assert 10_000 < rec.completion_tokens < LONG
+    (line,) = await access_log()
+    assert line["outcome"] == "cancelled_running"
+    assert line["completion_tokens"] >= rec.completion_tokens
+    assert line["completion_tokens"] == LONG
+    assert line["prompt_tokens"] >= 1
+    assert served.state.usage is not None
+    (row,) = [c for _, c in await served.state.usage.rows(0, 1 << 40)]
+    assert (row.prompt_tokens, row.completion_tokens) == (line["prompt_tokens"], LONG)
