@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import logging
 import math
 import re
 import socket
 import struct
+import sys
+import termios
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -56,6 +59,7 @@ STREAM_TOKENS = web.RequestKey("sfq_stream_tokens", TokenEvents)
 CLIENT_CUT = web.RequestKey("sfq_client_cut", str)
 _LOOKS = 4  # looks per client_write_s at a client that is behind: cut within 1.25 × of it
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets the connection
+_OUTQ = getattr(termios, "TIOCOUTQ", None)  # SIOCOUTQ on a TCP socket (Linux)
 _WATCH_FIRST = 16384  # a last write larger than this may wait for the client: watched first
 _USAGE_BYTES = 4096  # more than any usage object: the part of the tail that is parsed
 _DECODER = json.JSONDecoder()
@@ -115,6 +119,7 @@ class _ClientWatch:
 
     __slots__ = (
         "_bound",
+        "_fd",
         "_request",
         "_still",
         "_taken",
@@ -133,6 +138,7 @@ class _ClientWatch:
         self._request, self._transport, self.writer = request, transport, writer
         self._write_s, self._bound = write_s, bound
         self._timer: asyncio.TimerHandle | None = None
+        self._fd = -1  # its socket's, once it is watched
         self._taken = 0  # the bytes the client had taken at the last look
         self._still = 0  # looks in a row that found it had taken nothing more
 
@@ -144,15 +150,26 @@ class _ClientWatch:
                 self.cut("client_too_slow")
                 raise ClientCut(f"the client is more than {self._bound:.0f} bytes behind")
             if self._timer is None:
-                self.watch(self.writer.output_size - held)
+                self.watch(held)
 
-    def watch(self, taken: int = -1) -> None:
+    def watch(self, held: int | None = None) -> None:
         """Look at the client from now on, until it has taken everything or is cut;
-        ``taken``: the bytes it has taken by now (-1: unknown, the first look counts as
-        progress)."""
+        ``held``: what its connection holds now (None: unknown yet, the first look counts
+        as progress)."""
         if self._timer is None:
-            self._taken, self._still = taken, 0
+            if self._fd < 0:
+                sock = self._transport.get_extra_info("socket")
+                self._fd = -1 if sock is None else sock.fileno()
+            self._taken = -1 if held is None else self._taken_with(held)
+            self._still = 0
             self._timer = asyncio.get_running_loop().call_later(self._step(), self._look)
+
+    def _taken_with(self, held: int) -> int:
+        """The bytes the client has taken: all written, less what its connection holds and
+        what the kernel sent it but it has not acknowledged (a TCP window opens as the
+        client reads; the kernel's buffer, megabytes, would hide a slow reader's reading
+        until half of it was free, the kernel waking a writer only then)."""
+        return self.writer.output_size - held - _unacknowledged(self._fd)
 
     def _step(self) -> float:
         return self._write_s / _LOOKS
@@ -163,7 +180,7 @@ class _ClientWatch:
         held = transport.get_write_buffer_size()
         if not held or transport.is_closing():  # it caught up, or is gone
             return
-        taken = self.writer.output_size - held
+        taken = self._taken_with(held)
         if taken != self._taken:
             self._taken, self._still = taken, 0
         else:
@@ -185,6 +202,17 @@ class _ClientWatch:
             with contextlib.suppress(OSError):  # it took and the client did not, a FIN last
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
         self._transport.abort()
+
+
+def _unacknowledged(fd: int) -> int:
+    """What the kernel holds of a connection's bytes that its peer has not acknowledged
+    (Linux's SIOCOUTQ); 0 where that is not known."""
+    if fd < 0 or _OUTQ is None:
+        return 0
+    try:
+        return int.from_bytes(fcntl.ioctl(fd, _OUTQ, bytes(4)), sys.byteorder, signed=True)
+    except OSError:
+        return 0
 
 
 class _Watchdog:
