@@ -426,9 +426,9 @@ class _Slot:
     Given back, its flow's charge is trued up to what the attempt really cost
     (docs/design.md §3): the usage the backend reported; without a report (a stream cut, a
     client gone, a server that reports none), the estimate at least, and more when the
-    tokens relayed say so. So the estimate orders dispatch, and the backend's own count
-    decides what a flow paid: a field the estimator does not read buys nothing, nor does
-    leaving before the end."""
+    tokens the backend sent say so. So the estimate orders dispatch, and the backend's own
+    count decides what a flow paid: a field the estimator does not read buys nothing, nor
+    does leaving before the end."""
 
     def __init__(
         self,
