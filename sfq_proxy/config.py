@@ -154,6 +154,8 @@ class Limits(StrictModel):
     max_tools: int = Field(DEFAULT_CAPS.max_tools, gt=0, le=1_000_000)
     # the largest body parsed on the event loop; a larger one is parsed in a worker process
     parse_in_loop_bytes: int = Field(16 * 1024, ge=0, le=1 << 30)
+    # what the proxy holds of one answer for a client slower than its backend (design.md §5)
+    answer_buffer_mb: int = Field(32, ge=1, le=1 << 16)
 
     @model_validator(mode="after")
     def _one_request_fits(self) -> Self:
@@ -170,6 +172,10 @@ class Limits(StrictModel):
     @property
     def queue_memory_bytes(self) -> int:
         return self.queue_memory_mb * MIB
+
+    @property
+    def answer_buffer_bytes(self) -> int:
+        return self.answer_buffer_mb * MIB
 
 
 class BudgetSpec(StrictModel):
@@ -458,11 +464,13 @@ class HealthSpec(StrictModel):
 
 class TimeoutSpec(StrictModel):
     """Upstream timeouts: TCP/TLS connect, time to the response headers, and the longest
-    silence after them (between a stream's chunks, or while a body arrives)."""
+    silence after them (between a stream's chunks, or while a body arrives); and the
+    client's: the longest it may take no byte of an answer it is being sent."""
 
     connect_s: Seconds = 5.0
     first_byte_s: Seconds = 300.0
     idle_s: Seconds = 60.0
+    client_write_s: Seconds = 30.0
 
 
 class BackendSpec(StrictModel):

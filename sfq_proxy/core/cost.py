@@ -8,6 +8,7 @@ charge is trued up to ``actual``, the same formula on the usage the backend repo
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -39,6 +40,9 @@ class Estimate:
     chars: int = 0
     # the messages it was derived from with them (0 likewise): calibration learns from both
     messages: int = 0
+    # the output it was priced at: max_tokens × the org's output ratio then. What a client
+    # that leaves before any usage came is billed at least (docs/usage-and-budgets.md)
+    output_tokens: float = dataclasses.field(default=0.0, compare=False)
 
 
 class CostModel:
@@ -172,7 +176,7 @@ class CostModel:
         chars = len(request.text or "") if counted_by_chars else 0
         messages = request.messages if counted_by_chars else 0
         # floor of one token's worth: an empty prompt still occupies a slot, and SFQ needs > 0
-        return Estimate(tokens, max_tokens, max(cost, 1.0), chars, messages)
+        return Estimate(tokens, max_tokens, max(cost, 1.0), chars, messages, expected_output)
 
     def actual(self, prompt_tokens: int | None, completion_tokens: int | None) -> float | None:
         """The same formula on the tokens the backend reported: what the request really cost,

@@ -37,12 +37,13 @@ from ..core.scheduler import Ticket
 from ..core.throttle import MAX_PAUSE_S, retry_after
 from . import body
 from .access_log import REQUEST_ID_HEADER, AccessRecord
-from .drain import ANSWERING, absorbed, cut_error
+from .drain import ANSWERING, absorbed, cut_error, is_cut
 from .error_response import error_response
 from .metrics import Key, Metrics
 from .parse_worker import WORKER
 from .pool_runtime import QUEUE_DEADLINE, Pool
 from .relay import (
+    CLIENT_CUT,
     COST_HEADER,
     OUT_OF_TIME,
     QUEUE_WAIT_HEADER,
@@ -50,6 +51,7 @@ from .relay import (
     Relayed,
     UpstreamFailed,
     backend_failed,
+    deliver,
     error_event,
     fault_code,
     forward,
@@ -255,6 +257,7 @@ async def _serve(
                 on_headers=partial(metrics.first_byte, flow.pool, backend.name),
                 expires_at=bounds.life[0], expiry=bounds.life[1], on_upstream_end=slot.settle,
                 upstream_headers=headers.trace,
+                answer_buffer=proxy.config.limits.answer_buffer_bytes,
             )  # fmt: skip
             generated = not _refused(relayed)
             slot.settle(relayed)
@@ -266,11 +269,11 @@ async def _serve(
         except ApiError:  # dispatched: no headers in time, or the request's bound passed
             record.outcome = "failed"
             raise
-        except asyncio.CancelledError:
-            slot.release(refund=False, completion_tokens=_bill_hang_up(record, request, estimate))
+        except asyncio.CancelledError as cancelled:  # the client left, or was cut
+            _left(proxy, flow, record, request, estimate, slot, by_client=not is_cut(cancelled))
             raise
         except ConnectionResetError:  # the client hung up as we wrote: a cancellation too
-            slot.release(refund=False, completion_tokens=_bill_hang_up(record, request, estimate))
+            _left(proxy, flow, record, request, estimate, slot)
             raise asyncio.CancelledError from None
         finally:
             slot.release(refund=not generated)
@@ -292,6 +295,13 @@ async def _serve(
         _refund(proxy, flow, ticket.tokens, headers.intake)
     if relayed is None:
         raise ApiError(502, f"No backend of pool '{flow.pool}' gave an answer.")
+    try:  # a whole answer is sent now, its client watched as a stream's is
+        await deliver(request, relayed, pool.spec.timeouts.client_write_s)
+    except (asyncio.CancelledError, ConnectionResetError) as gone:
+        _left(proxy, flow, record, request, estimate, slot, by_client=not is_cut(gone))
+        if isinstance(gone, asyncio.CancelledError):
+            raise
+        raise asyncio.CancelledError from None
     # counted once the answer is written, before the request is settled (``handle``)
     asyncio.get_running_loop().call_soon(_count_answer, proxy, flow, record, estimate, relayed)
     return relayed.response
@@ -317,15 +327,42 @@ def _within_budget(
         raise
 
 
-def _bill_hang_up(record: AccessRecord, request: web.Request, estimate: Estimate) -> int:
-    """The client left a dispatched request before its answer's end, so before its usage:
-    it is billed its prompt as estimated and the token events relayed to it (none for a
-    whole body), which it returns. Hanging up cannot shorten a bill, nor dodge a budget."""
-    record.outcome = "cancelled_running"
-    counted = request.get(STREAM_TOKENS)
-    record.prompt_tokens = estimate.input_tokens
-    record.completion_tokens = 0 if counted is None else counted.tokens
-    return record.completion_tokens
+def _left(
+    proxy: Proxy,
+    flow: Flow,
+    record: AccessRecord,
+    request: web.Request,
+    estimate: Estimate,
+    slot: _Slot,
+    *,
+    by_client: bool = True,
+) -> None:
+    """The client of a dispatched request left before its answer's end, or the proxy cut it
+    for not reading (``CLIENT_CUT``: failed, that its reason; else ``cancelled_running``);
+    not ``by_client``: the drain's deadline ended it (failed, ``shutting_down``).
+
+    Billed (docs/usage-and-budgets.md): when its backend was done with first (the slot
+    given back with its answer), what it would have been had it stayed: the usage the
+    backend reported, the work known and all of it done. Else, before any usage came, its
+    estimate at least: its prompt as estimated, and as completion the larger of the output
+    it was priced at (max_tokens × its output ratio) and the tokens the backend sent it.
+    Leaving cannot shorten a bill, nor dodge a budget; its slot's true-up is the same. The
+    drain's cut is not the client's doing: its prompt as estimated and the tokens sent."""
+    done = slot.done
+    if done is not None:  # its answer's end was read: counted as if the client had stayed
+        _count_answer(proxy, flow, record, estimate, done)
+        if record.outcome != "completed":  # the backend's failure came first
+            return
+    else:
+        counted = request.get(STREAM_TOKENS)
+        record.prompt_tokens = estimate.input_tokens
+        record.completion_tokens = 0 if counted is None else counted.tokens
+        if by_client:
+            priced = math.ceil(estimate.output_tokens - 1e-6)
+            record.completion_tokens = max(record.completion_tokens, priced)
+        slot.release(refund=False, completion_tokens=record.completion_tokens)
+    cut = request.get(CLIENT_CUT) if by_client else "shutting_down"
+    record.outcome, record.reason = ("failed", cut) if cut else ("cancelled_running", None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,9 +430,9 @@ class _Slot:
     Given back, its flow's charge is trued up to what the attempt really cost
     (docs/design.md §3): the usage the backend reported; without a report (a stream cut, a
     client gone, a server that reports none), the estimate at least, and more when the
-    tokens relayed say so. So the estimate orders dispatch, and the backend's own count
-    decides what a flow paid: a field the estimator does not read buys nothing, nor does
-    leaving before the end."""
+    tokens the backend sent say so. So the estimate orders dispatch, and the backend's own
+    count decides what a flow paid: a field the estimator does not read buys nothing, nor
+    does leaving before the end."""
 
     def __init__(
         self,
@@ -409,11 +446,13 @@ class _Slot:
         self._pool, self._ticket, self._backend = pool, ticket, backend
         self._estimate, self._metrics, self._key = estimate, metrics, key
         self._held = True
+        self.done: Relayed | None = None  # the answer it was given back with, if it was
 
     def settle(self, relayed: Relayed) -> None:
         if not self._held:
             return
         self._held = False
+        self.done = relayed
         try:
             read_usage(relayed)
             if backend_failed(relayed):

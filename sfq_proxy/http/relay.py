@@ -12,16 +12,22 @@ health is (the handler tells the pool, see ``backend_failed``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import json
 import logging
 import math
 import re
+import socket
+import struct
+import sys
+import termios
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import partial
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_writer import StreamWriter
 
 from ..core.errors import ApiError, Expiry
 from ..core.inference_request import InferenceRequest
@@ -47,6 +53,14 @@ OUT_OF_TIME = Expiry(504, "The request's time bound passed.", code="deadline")
 _USAGE = b'"usage"'
 # a stream's token events as counted so far (``sse.TokenEvents``), on its client's request
 STREAM_TOKENS = web.RequestKey("sfq_stream_tokens", TokenEvents)
+# why the proxy cut a client that did not take its answer (``client_timeout``: no byte for
+# ``timeouts.client_write_s``; ``client_too_slow``: more than ``limits.answer_buffer_mb``
+# behind), on its request: the handler then bills it as a client that left (handler.py)
+CLIENT_CUT = web.RequestKey("sfq_client_cut", str)
+_LOOKS = 4  # looks per client_write_s at a client that is behind: cut within 1.25 × of it
+_RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets the connection
+_OUTQ = getattr(termios, "TIOCOUTQ", None)  # SIOCOUTQ on a TCP socket (Linux)
+_WATCH_FIRST = 16384  # a last write larger than this may wait for the client: watched first
 _USAGE_BYTES = 4096  # more than any usage object: the part of the tail that is parsed
 _DECODER = json.JSONDecoder()
 # an error instead of an answer: an event whose first data line is an OpenAI error object,
@@ -82,6 +96,125 @@ class UpstreamDeadline(aiohttp.ClientPayloadError):
     ``X-Request-Timeout``) passed while its answer was being read."""
 
 
+class ClientCut(ConnectionResetError):
+    """The proxy cut a client that fell too far behind its answer (``CLIENT_CUT``)."""
+
+
+class _ClientWatch:
+    """An answer's client, which the proxy writes to without waiting for it to read.
+
+    What the client has not taken yet waits in its connection (the transport's buffer), so
+    the backend is read, and let go, at its own pace: the slot never waits for a client.
+    That costs memory, so the client is **cut** when it is more than ``bound`` bytes
+    behind (``client_too_slow``), or takes no byte for ``write_s`` seconds while some wait
+    for it (``client_timeout``). Cut, its connection is reset: it reads nothing, so nothing
+    more can reach it, and the bytes it did not take are dropped. Its handler then ends
+    as a client that left does (aiohttp cancels it): ``CLIENT_CUT`` on the request says why.
+
+    Nothing is done for a client that keeps up (the usual: the kernel takes every write):
+    one look at the buffer's size after a write. Behind, one timer looks at it
+    ``_LOOKS`` times per ``write_s`` until it is empty or the client is cut; the timer
+    outlives the handler (the end of an answer a client has not taken yet is watched too).
+    """
+
+    __slots__ = (
+        "_bound",
+        "_fd",
+        "_request",
+        "_still",
+        "_taken",
+        "_timer",
+        "_transport",
+        "_write_s",
+        "writer",
+    )  # fmt: skip
+
+    def __init__(
+        self, request: web.Request, writer: StreamWriter, write_s: float, bound: float
+    ) -> None:
+        transport = request.transport
+        if transport is None:  # it left this instant: its handler is being cancelled
+            raise ConnectionResetError("the client left")
+        self._request, self._transport, self.writer = request, transport, writer
+        self._write_s, self._bound = write_s, bound
+        self._timer: asyncio.TimerHandle | None = None
+        self._fd = -1  # its socket's, once it is watched
+        self._taken = 0  # the bytes the client had taken at the last look
+        self._still = 0  # looks in a row that found it had taken nothing more
+
+    def wrote(self) -> None:
+        """After a write: watched while its connection holds bytes it has not taken."""
+        held = self._transport.get_write_buffer_size()
+        if held:
+            if held > self._bound:
+                self.cut("client_too_slow")
+                raise ClientCut(f"the client is more than {self._bound:.0f} bytes behind")
+            if self._timer is None:
+                self.watch(held)
+
+    def watch(self, held: int | None = None) -> None:
+        """Look at the client from now on, until it has taken everything or is cut;
+        ``held``: what its connection holds now (None: unknown yet, the first look counts
+        as progress)."""
+        if self._timer is None:
+            if self._fd < 0:
+                sock = self._transport.get_extra_info("socket")
+                self._fd = -1 if sock is None else sock.fileno()
+            self._taken = -1 if held is None else self._taken_with(held)
+            self._still = 0
+            self._timer = asyncio.get_running_loop().call_later(self._step(), self._look)
+
+    def _taken_with(self, held: int) -> int:
+        """The bytes the client has taken: all written, less what its connection holds and
+        what the kernel sent it but it has not acknowledged (a TCP window opens as the
+        client reads; the kernel's buffer, megabytes, would hide a slow reader's reading
+        until half of it was free, the kernel waking a writer only then)."""
+        return self.writer.output_size - held - _unacknowledged(self._fd)
+
+    def _step(self) -> float:
+        return self._write_s / _LOOKS
+
+    def _look(self) -> None:
+        self._timer = None
+        transport = self._transport
+        held = transport.get_write_buffer_size()
+        if not held or transport.is_closing():  # it caught up, or is gone
+            return
+        taken = self._taken_with(held)
+        if taken != self._taken:
+            self._taken, self._still = taken, 0
+        else:
+            self._still += 1
+            if self._still >= _LOOKS:
+                self.cut("client_timeout")
+                return
+        self._timer = asyncio.get_running_loop().call_later(self._step(), self._look)
+
+    def cut(self, why: str) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._request[CLIENT_CUT] = why
+        log.debug("a client was cut (%s): %d bytes of its answer not taken", why,
+                  self._transport.get_write_buffer_size())  # fmt: skip
+        sock = self._transport.get_extra_info("socket")
+        if sock is not None:  # reset, not closed: else the kernel would go on holding what
+            with contextlib.suppress(OSError):  # it took and the client did not, a FIN last
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+        self._transport.abort()
+
+
+def _unacknowledged(fd: int) -> int:
+    """What the kernel holds of a connection's bytes that its peer has not acknowledged
+    (Linux's SIOCOUTQ); 0 where that is not known."""
+    if fd < 0 or _OUTQ is None:
+        return 0
+    try:
+        return int.from_bytes(fcntl.ioctl(fd, _OUTQ, bytes(4)), sys.byteorder, signed=True)
+    except OSError:
+        return 0
+
+
 class _Watchdog:
     """Ends a read from ``reader`` once the backend has been silent for ``idle_s``
     (``UpstreamStalled``), or at ``until`` (on the loop's clock), the end of the request's
@@ -98,13 +231,11 @@ class _Watchdog:
         reader: aiohttp.StreamReader,
         idle_s: float,
         until: float = math.inf,
-        on_deadline: Callable[[], None] | None = None,
     ) -> None:
         self._loop = asyncio.get_running_loop()
         self._reader = reader
         self._idle_s = idle_s
         self._until = until
-        self._on_deadline = on_deadline  # at ``until``, even while the proxy writes
         self.progress = self._loop.time()
         self._timer = self._loop.call_at(min(self.progress + idle_s, until), self._check)
 
@@ -112,21 +243,15 @@ class _Watchdog:
         now, deadline = self._loop.time(), self.progress + self._idle_s
         if now >= self._until:
             self._reader.set_exception(UpstreamDeadline("the request's bound passed"))
-            if self._on_deadline is not None:
-                self._on_deadline()
-        elif now < deadline:  # inf while the proxy itself is busy: look again later
-            wake = min(deadline, now + self._idle_s, self._until)
+        elif now < deadline:  # it sent since: look again later
+            wake = min(deadline, self._until)
             self._timer = self._loop.call_at(wake, self._check)
         else:
             self._reader.set_exception(UpstreamStalled(f"silent for {self._idle_s:g} s"))
 
     def progressed(self) -> None:
-        """The proxy reads again: the backend's silence counts from now."""
+        """The backend sent a chunk: its silence counts from now."""
         self.progress = self._loop.time()
-
-    def busy(self) -> None:
-        """The proxy is writing to a slow client: that time is not the backend's silence."""
-        self.progress = math.inf
 
     def cancel(self) -> None:
         self._timer.cancel()
@@ -163,6 +288,7 @@ async def forward(
     expiry: Expiry = OUT_OF_TIME,
     on_upstream_end: Callable[[Relayed], None] | None = None,
     upstream_headers: Mapping[str, str] | None = None,
+    answer_buffer: float = math.inf,
 ) -> Relayed:
     """Send ``inference`` to ``backend`` and relay its answer to ``client``.
 
@@ -178,16 +304,20 @@ async def forward(
     ``on_headers`` learns the time to the response headers as soon as they arrive, even if
     the relay is cancelled later.
 
-    Streams are relayed chunk by chunk; anything else is passed through unchanged with
-    its status. The upstream connection is closed at once when the client goes away
-    (the handler is cancelled), which makes vLLM abort the generation.
+    Streams are relayed chunk by chunk as the backend sends them, never waiting for the
+    client to read: what it has not taken waits in its connection, at most
+    ``answer_buffer`` bytes, and the client is cut (``_ClientWatch``) beyond that or after
+    the pool's ``timeouts.client_write_s`` without taking a byte. Anything else is read
+    whole and returned unsent with its status (``deliver`` sends it). The upstream
+    connection is closed at once when the client goes away (the handler is cancelled),
+    which makes vLLM abort the generation.
 
     At ``expires_at`` (on the pool's clock: the end of the request's bound) the exchange
     ends: ``expiry``'s error (a 504 ``deadline``) is raised while nothing reached the
     client, and a stream ends with a ``deadline`` error event (its message).
     ``on_upstream_end`` learns of a stream as soon as its backend is done with (ended,
     broken off, stalled or out of time), before the client is sent its last bytes, so that
-    the slot is free at once.
+    the slot is free at once; the backend's connection is given back then too.
     """
     sent = pool.clock()
     remaining = math.inf if expires_at is None else max(0.0, expires_at - sent)
@@ -217,34 +347,32 @@ async def forward(
         headers.setdefault("Cache-Control", "no-cache")
         response = web.StreamResponse(status=200, headers=headers)
         client[ANSWERING] = True  # a cut of the drain no longer answers it anew (drain.py)
-        await response.prepare(client)
+        writer = await response.prepare(client)
+        assert isinstance(writer, StreamWriter)  # its write(drain=False) is aiohttp's own
+        watch = _ClientWatch(client, writer, pool.spec.timeouts.client_write_s, answer_buffer)
         relayed = Relayed(response, 0.0)
-        ended = False
 
-        def upstream_end(*, out_of_time: bool = False) -> None:
-            """The backend is done with: once, when the stream ends, or at the request's
-            bound even while the proxy is still writing to a client slow to read."""
-            nonlocal ended
-            if ended:
-                return
-            ended = True
+        def upstream_end() -> None:
+            """The backend is done with: its stream ended, broke off, stalled or ran out
+            of time."""
             relayed.upstream_s = pool.clock() - sent
-            if relayed.fault is not None or out_of_time:
+            if relayed.fault is not None:
                 upstream.close()  # stop the backend's work at once (vLLM aborts)
+            else:
+                upstream.release()  # read to its end: kept for the next request
             if on_upstream_end is not None:
                 try:
                     on_upstream_end(relayed)
                 except Exception:  # counting must not keep the stream from its end
                     log.exception("pool %s: ending a stream's upstream failed", pool.name)
 
-        out_of_time = partial(upstream_end, out_of_time=True)
-        watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s, until, out_of_time)
+        watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s, until)
 
         # its tokens where no usage comes: a server that reports none, or a client that
         # leaves before it (the handler reads them here then: they are what its org pays)
         counter = client[STREAM_TOKENS] = TokenEvents()
         await _relay_stream(
-            upstream, relayed, inference.strip_usage, pool, sent, inflater, counter,
+            upstream, relayed, inference.strip_usage, pool, sent, inflater, counter, watch,
             watchdog=watchdog, expiry=expiry, upstream_end=upstream_end,
         )  # fmt: skip
         return relayed
@@ -253,6 +381,28 @@ async def forward(
         raise
     finally:
         upstream.release()
+
+
+async def deliver(client: web.Request, relayed: Relayed, write_s: float) -> None:
+    """Send ``client`` a whole answer (``forward`` read it before anything was sent), not a
+    stream (sent already): a client that takes no byte of it for ``write_s`` seconds is cut
+    as a stream's is (``_ClientWatch``). Held whole already, it is not bounded by
+    ``answer_buffer``."""
+    response = relayed.response
+    if response.prepared or not isinstance(response, web.Response):
+        return
+    client[ANSWERING] = True  # from now on a cut of the drain can only close it
+    writer = await response.prepare(client)
+    assert isinstance(writer, StreamWriter)
+    body = response.body
+    watch = None
+    if isinstance(body, bytes) and len(body) > _WATCH_FIRST:  # its write may wait for it
+        watch = _ClientWatch(client, writer, write_s, math.inf)
+        watch.watch()
+    await response.write_eof()  # the headers and the body, in one write
+    transport = client.transport
+    if transport is not None and transport.get_write_buffer_size():  # not all taken yet
+        (watch or _ClientWatch(client, writer, write_s, math.inf)).wrote()
 
 
 async def _whole_body(
@@ -290,6 +440,7 @@ async def _relay_stream(
     sent: float,
     inflater: Inflater | None,
     counter: TokenEvents,
+    watch: _ClientWatch,
     *,
     watchdog: _Watchdog | None = None,
     expiry: Expiry = OUT_OF_TIME,
@@ -299,25 +450,30 @@ async def _relay_stream(
     compressed them), then end it; keep only its tail, where the usage is. A stream that
     breaks off, stalls (``watchdog``) or outlives its request's bound ends with an error
     event: its client is told, and every later request finds the pool whole.
-    ``upstream_end`` is called once the backend is done with, before the last write."""
+    ``upstream_end`` is called once the backend is done with, before the last write.
+
+    A write never waits for the client (``watch`` looks after it): the backend is read as
+    fast as it sends, and let go as soon as it is done; only the last write waits, for a
+    client that has yet to take what its connection holds, watched."""
     written = b""  # the last bytes the client was sent
     stripper = _UsageStripper() if strip_usage else None
     if watchdog is None:
         watchdog = _Watchdog(upstream.content, pool.spec.timeouts.idle_s)
     message = _CUT
+    write = watch.writer.write
     try:
         chunks = upstream.content.iter_any()
         async for chunk in chunks if inflater is None else decoded(chunks, inflater):
-            watchdog.busy()
             if relayed.first_chunk_s is None:
                 relayed.first_chunk_s = pool.clock() - sent
             counter.feed(chunk)
             out = chunk if stripper is None else stripper.feed(chunk)
             if out:
                 written = out
-                await relayed.response.write(out)
+                await write(out, drain=False)
+                watch.wrote()
             watchdog.progressed()
-    except ConnectionResetError:  # the client left as we wrote (aiohttp's is a ClientError)
+    except ConnectionResetError:  # the client left as we wrote, or was cut (ClientCut)
         raise
     except asyncio.CancelledError as cancelled:  # the drain's deadline ends it (drain.py)
         if not absorbed(cancelled):  # the client left
@@ -349,7 +505,18 @@ async def _relay_stream(
     if relayed.fault is not None:
         at_boundary = ends_event(rest or written)  # whatever its line endings
         rest += (b"" if at_boundary else b"\n\n") + _error_event(relayed.fault, message)
-    await relayed.response.write_eof(rest)  # one write
+    await _last_write(relayed.response, watch, rest)
+
+
+async def _last_write(response: web.StreamResponse, watch: _ClientWatch, rest: bytes) -> None:
+    """End the answer with ``rest`` in one write, and wait while its connection holds more
+    than its high-water mark (aiohttp's drain): the client watched meanwhile, and after
+    (what it has yet to take stays watched once the handler returns). The watch is on
+    already when the client was behind; only a large last write can make it so."""
+    if len(rest) > _WATCH_FIRST:
+        watch.watch()
+    await response.write_eof(rest)
+    watch.wrote()
 
 
 def backend_failed(relayed: Relayed) -> bool:

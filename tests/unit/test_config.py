@@ -162,6 +162,8 @@ def test_defaults() -> None:
     assert pool.cost.output_ratio == 1
     assert pool.health.path == "/health"
     assert (pool.timeouts.connect_s, pool.timeouts.first_byte_s) == (5, 300)
+    assert (pool.timeouts.client_write_s, config.limits.answer_buffer_mb) == (30, 32)
+    assert config.limits.answer_buffer_bytes == 32 << 20
     assert (config.retry.max_attempts, config.retry.budget_ratio) == (3, 0.1)
     assert config.calibration.state_file is None
     assert config.metrics.max_labelled_orgs == 200
@@ -419,6 +421,16 @@ ERROR_CASES: list[tuple[str, Mutation, str]] = [
         "in-loop bytes < 0",
         _set("limits", {"parse_in_loop_bytes": -1}),
         "limits.parse_in_loop_bytes: must be >= 0",
+    ),
+    (
+        "no answer buffer",
+        _set("limits", {"answer_buffer_mb": 0}),
+        "limits.answer_buffer_mb: must be >= 1",
+    ),
+    (
+        "a client write timeout of 0",
+        _set("pools.llama-8b.timeouts", {"client_write_s": 0}),
+        "pools.llama-8b.timeouts.client_write_s: must be > 0",
     ),
     (
         "infinite weight",

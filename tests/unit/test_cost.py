@@ -79,6 +79,7 @@ def test_weights_and_output_ratio() -> None:
     estimate = CostModel(spec).estimate(completion("x" * 20, max_completion_tokens=100))
     # 0.5 * 10 + 3 * 100 * 0.25
     assert estimate == Estimate(input_tokens=10, max_tokens=100, cost=80.0, chars=20, messages=1)
+    assert estimate.output_tokens == 25.0  # what a client that leaves pays at least
 
 
 def test_zero_input_weight_prices_output_only() -> None:
