@@ -341,13 +341,13 @@ def _left(
     for not reading (``CLIENT_CUT``: failed, that its reason; else ``cancelled_running``);
     not ``by_client``: the drain's deadline ended it (failed, ``shutting_down``).
 
-    Billed (docs/usage-and-budgets.md): when its backend was done with first (the slot
-    given back with its answer), what it would have been had it stayed: the usage the
-    backend reported, the work known and all of it done. Else, before any usage came, its
-    estimate at least: its prompt as estimated, and as completion the larger of the output
-    it was priced at (max_tokens × its output ratio) and the tokens the backend sent it.
-    Leaving cannot shorten a bill, nor dodge a budget; its slot's true-up is the same. The
-    drain's cut is not the client's doing: its prompt as estimated and the tokens sent."""
+    Billed (docs/usage-and-budgets.md) its estimate at least: its prompt as estimated, and
+    as completion the output it was priced at (max_tokens × its output ratio); more when
+    the backend reported more (its answer's end was read: the slot was given back with it),
+    or, before any usage came, sent more tokens. Leaving never lowers a bill, nor dodges a
+    budget. Its slot's true-up is the work: what the backend reported when it did, else the
+    same floor. The drain's cut is not the client's doing: its prompt as estimated and the
+    tokens sent."""
     done = slot.done
     if done is not None:  # its answer's end was read: counted as if the client had stayed
         _count_answer(proxy, flow, record, estimate, done)
@@ -357,9 +357,11 @@ def _left(
         counted = request.get(STREAM_TOKENS)
         record.prompt_tokens = estimate.input_tokens
         record.completion_tokens = 0 if counted is None else counted.tokens
-        if by_client:
-            priced = math.ceil(estimate.output_tokens - 1e-6)
-            record.completion_tokens = max(record.completion_tokens, priced)
+    if by_client:  # leaving never lowers a bill
+        priced = math.ceil(estimate.output_tokens - 1e-6)
+        record.prompt_tokens = max(record.prompt_tokens or 0, estimate.input_tokens)
+        record.completion_tokens = max(record.completion_tokens or 0, priced)
+    if done is None:
         slot.release(refund=False, completion_tokens=record.completion_tokens)
     cut = request.get(CLIENT_CUT) if by_client else "shutting_down"
     record.outcome, record.reason = ("failed", cut) if cut else ("cancelled_running", None)

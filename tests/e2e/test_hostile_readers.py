@@ -267,15 +267,19 @@ async def big_json_backend(lab: Lab, size: int) -> str:
     return f"http://127.0.0.1:{await lab.serve(app)}"
 
 
+@pytest.mark.parametrize(("max_tokens", "billed"), [(100, 4 << 20), (6_000_000, 6_000_000)])
 async def test_a_json_answer_its_client_does_not_take_is_cut_too(
-    lab: Lab, access_log: AccessLines
+    lab: Lab, access_log: AccessLines, max_tokens: int, billed: int
 ) -> None:
     """A whole (JSON) answer larger than the socket buffers, to a client that reads nothing:
-    the connection is cut after ``client_write_s``, the request billed what was reported."""
+    the connection is cut after ``client_write_s``, the request billed what was reported,
+    and its estimate at least (max_tokens × the output ratio, 1 here): leaving, or being
+    cut, never lowers a bill."""
     url = await big_json_backend(lab, 16 << 20)
     timeouts = {"connect_s": 1, "first_byte_s": 10, "client_write_s": 1}
-    served = await lab.proxy(proxy_config([url], pool={"timeouts": timeouts}))
-    body = {"model": MODEL, "messages": CHAT, "max_tokens": 100, "user": "A"}
+    pool = {"timeouts": timeouts, "cost": {"max_request_tokens": 8_000_000}}
+    served = await lab.proxy(proxy_config([url], pool=pool))
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": max_tokens, "user": "A"}
     cheater = await NeverReads.send(served, body)
     try:
         assert await cheater.cut(within=8)
@@ -288,7 +292,7 @@ async def test_a_json_answer_its_client_does_not_take_is_cut_too(
     await eventually(settled)
     (line,) = await access_log()
     assert (line["outcome"], line["reason"]) == ("failed", "client_timeout")
-    assert (line["prompt_tokens"], line["completion_tokens"]) == (7, 4 << 20)
+    assert (line["prompt_tokens"], line["completion_tokens"]) == (7, billed)
 
 
 @pytest.mark.parametrize("stream", [False, True])
