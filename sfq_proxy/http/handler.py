@@ -53,6 +53,7 @@ from .relay import (
     error_event,
     fault_code,
     forward,
+    last_usage,
     read_usage,
 )
 from .runtime import PROXY, Proxy
@@ -152,7 +153,7 @@ async def _admit_and_serve(
         inference = parse_extra(raw, request.path, partial(_extra_cost, config, request.path))
     else:
         usage, affinity = config.reports_stream_usage, config.affinity_for_model
-        inference = parse(kind, raw, usage, affinity, config.limits)
+        inference = parse(kind, raw, usage, affinity, config.limits, config.continuous_usage)
     record.model = inference.model
     flow = classify(proxy.config, key, request.headers.get(CLASS_HEADER), inference.model)
     record.cls, record.pool = flow.cls, flow.pool
@@ -267,10 +268,10 @@ async def _serve(
             record.outcome = "failed"
             raise
         except asyncio.CancelledError:
-            slot.release(refund=False, completion_tokens=_bill_hang_up(record, request, estimate))
+            slot.release(refund=False, billed=_bill_hang_up(record, request, estimate))
             raise
         except ConnectionResetError:  # the client hung up as we wrote: a cancellation too
-            slot.release(refund=False, completion_tokens=_bill_hang_up(record, request, estimate))
+            slot.release(refund=False, billed=_bill_hang_up(record, request, estimate))
             raise asyncio.CancelledError from None
         finally:
             slot.release(refund=not generated)
@@ -317,15 +318,24 @@ def _within_budget(
         raise
 
 
-def _bill_hang_up(record: AccessRecord, request: web.Request, estimate: Estimate) -> int:
+def _bill_hang_up(
+    record: AccessRecord, request: web.Request, estimate: Estimate
+) -> tuple[int, int]:
     """The client left a dispatched request before its answer's end, so before its usage:
     it is billed its prompt as estimated and the token events relayed to it (none for a
-    whole body), which it returns. Hanging up cannot shorten a bill, nor dodge a budget."""
+    whole body), which it returns. Hanging up cannot shorten a bill, nor dodge a budget.
+    A stream whose chunks carry the usage so far (a pool's ``cost.continuous_usage``) is
+    billed the engine's counts in the last of them instead: its prompt as it really was."""
     record.outcome = "cancelled_running"
     counted = request.get(STREAM_TOKENS)
     record.prompt_tokens = estimate.input_tokens
     record.completion_tokens = 0 if counted is None else counted.tokens
-    return record.completion_tokens
+    so_far = None if counted is None else last_usage(counted.tail())
+    if so_far is not None:
+        prompt, completion = so_far
+        record.prompt_tokens = record.prompt_tokens if prompt is None else prompt
+        record.completion_tokens = record.completion_tokens if completion is None else completion
+    return record.prompt_tokens, record.completion_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,14 +434,17 @@ class _Slot:
             served = self._served(relayed.prompt_tokens, relayed.completion_tokens)
             self._pool.release(self._ticket, refund=_refused(relayed), actual=served)
 
-    def release(self, *, refund: bool, completion_tokens: int | None = None) -> None:
-        """Given back without an answer's usage: ``completion_tokens`` relayed, if any."""
+    def release(self, *, refund: bool, billed: tuple[int, int] | None = None) -> None:
+        """Given back without an answer's usage: ``billed``, the (prompt, completion)
+        tokens of a client that left (``_bill_hang_up``), if it did."""
         if self._held:
             self._held = False
-            served = self._served(None, completion_tokens)
+            served = self._served(None, None if billed is None else billed[1], billed)
             self._pool.release(self._ticket, refund=refund, actual=served)
 
-    def _served(self, prompt: int | None, completion: int | None) -> float | None:
+    def _served(
+        self, prompt: int | None, completion: int | None, billed: tuple[int, int] | None = None
+    ) -> float | None:
         """What the attempt cost, for its flow's true-up (None: a band request, never
         charged)."""
         if self._ticket.priority:
@@ -439,7 +452,8 @@ class _Slot:
         cost, estimate = self._pool.cost, self._estimate
         served = cost.actual(prompt, completion)
         if served is None:  # no report: never less than the estimate
-            served = max(estimate.cost, cost.actual(estimate.input_tokens, completion) or 0.0)
+            asked = estimate.input_tokens if billed is None else billed[0]
+            served = max(estimate.cost, cost.actual(asked, completion) or 0.0)
         owed = served - estimate.cost  # sfq_cost_trued_up_total, by direction
         if owed:
             self._metrics.count(self._key, "cost_trued_up", "up" if owed > 0 else "down", abs(owed))
