@@ -130,8 +130,8 @@ def _ask_for_usage(
     the counts so far of a stream whose client leaves; those chunks reach the client."""
     if not body.get("stream"):
         return raw, False
-    options = _stream_options(body)
-    asked = options is not None and options.get("include_usage") is True
+    options = _stream_options(body) or {}
+    asked = options.get("include_usage") is True
     if asked and (not continuous or options.get("continuous_usage_stats") is True):
         return raw, False
     if "stream_options" not in body:  # the common case: add the member, leave the bytes be
@@ -140,7 +140,7 @@ def _ask_for_usage(
     added: dict[str, bool] = {"include_usage": True}
     if continuous:
         added["continuous_usage_stats"] = True
-    return _dumps({**body, "stream_options": {**(options or {}), **added}}), not asked
+    return _dumps({**body, "stream_options": {**options, **added}}), not asked
 
 
 _CONTINUOUS_USAGE = b'{"include_usage":true,"continuous_usage_stats":true}'
