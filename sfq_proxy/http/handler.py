@@ -334,7 +334,8 @@ def _bill_hang_up(
     if so_far is not None:
         prompt, completion = so_far
         record.prompt_tokens = record.prompt_tokens if prompt is None else prompt
-        record.completion_tokens = record.completion_tokens if completion is None else completion
+        # at least the events relayed: with n > 1, vLLM counts a chunk's own choice only
+        record.completion_tokens = max(record.completion_tokens, completion or 0)
     return record.prompt_tokens, record.completion_tokens
 
 
