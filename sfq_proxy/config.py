@@ -391,6 +391,10 @@ class CostSpec(WeightedCost):
     max_request_tokens: RequestTokens = 131_072
     over_limit: Literal["refuse", "clamp"] = "refuse"
     inject_max_tokens: Literal["max_tokens", "max_completion_tokens", False] = "max_tokens"
+    # a stream asks vLLM for its usage on every chunk (``stream_options.
+    # continuous_usage_stats``): a client that leaves is billed the engine's counts so far.
+    # Off by default: other servers may refuse the option, and the client sees those usages
+    continuous_usage: bool = False
 
 
 HealthMode = Literal["active", "passive"]
@@ -839,6 +843,7 @@ class Config(StrictModel):
         errors, self._pool_by_model = _check_models(self.pools)
         errors += _check_backends(self.pools)
         errors += _check_extra_paths(self.pools)
+        errors += _check_continuous_usage(self.pools)
         errors += _check_key_classes(self.keys, self.classes)
         errors += _check_priority_band(self.keys, self.classes, self.pools)
         errors += _check_size_buckets(self.classes)
@@ -925,6 +930,11 @@ class Config(StrictModel):
         pool = self.pool_for_model(model)
         return pool is None or self.pools[pool].stream_usage
 
+    def continuous_usage(self, model: str) -> bool:
+        """Whether a stream to ``model``'s pool asks for usage on every chunk."""
+        pool = self.pool_for_model(model)
+        return pool is not None and self.pools[pool].cost.continuous_usage
+
     def affinity_for_model(self, model: str) -> AffinitySpec | None:
         """The affinity settings of ``model``'s pool (None: off, or an unknown model)."""
         pool = self.pool_for_model(model)
@@ -1003,6 +1013,19 @@ _ONE_AT_A_TIME = (
 # Redis's Lua numbers are doubles: meters stay exact integers while one charge (c_max over the
 # smallest flow weight, in units of 2^-20) stays below 2^51 (dispatch.lua)
 _SHARED_MAX_CHARGE = 2.0**31
+
+
+def _check_continuous_usage(pools: Mapping[str, PoolSpec]) -> _Errors:
+    """Usage on every chunk is vLLM's option: another server may refuse the request."""
+    return [
+        (
+            f"pools.{name}.cost.continuous_usage",
+            f"continuous usage (stream_options.continuous_usage_stats) is vLLM's: "
+            f"not for a pool of family {pool.family!r}",
+        )
+        for name, pool in pools.items()
+        if pool.cost.continuous_usage and pool.family != "vllm"
+    ]
 
 
 def _check_extra_paths(pools: Mapping[str, PoolSpec]) -> _Errors:

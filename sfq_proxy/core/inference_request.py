@@ -121,17 +121,29 @@ class InferenceRequest:
         return self.path or self.kind.value
 
 
-def _ask_for_usage(body: dict[str, Any], raw: bytes) -> tuple[bytes, bool]:
+def _ask_for_usage(
+    body: dict[str, Any], raw: bytes, continuous: bool = False
+) -> tuple[bytes, bool]:
     """A stream's token counts come in its usage chunk, sent only on request: ask for it,
-    and remember to strip it, when the client did not (calibration needs every count)."""
+    and remember to strip it, when the client did not (calibration needs every count).
+    ``continuous``: ask for vLLM's usage on every chunk too (``continuous_usage_stats``),
+    the counts so far of a stream whose client leaves; those chunks reach the client."""
     if not body.get("stream"):
         return raw, False
-    options = _stream_options(body)
-    if options is not None and options.get("include_usage") is True:
+    options = _stream_options(body) or {}
+    asked = options.get("include_usage") is True
+    if asked and (not continuous or options.get("continuous_usage_stats") is True):
         return raw, False
     if "stream_options" not in body:  # the common case: add the member, leave the bytes be
-        return raw.rstrip()[:-1] + b',"stream_options":{"include_usage":true}}', True
-    return _dumps({**body, "stream_options": {**(options or {}), "include_usage": True}}), True
+        member = _CONTINUOUS_USAGE if continuous else b'{"include_usage":true}'
+        return raw.rstrip()[:-1] + b',"stream_options":' + member + b"}", True
+    added: dict[str, bool] = {"include_usage": True}
+    if continuous:
+        added["continuous_usage_stats"] = True
+    return _dumps({**body, "stream_options": {**options, **added}}), not asked
+
+
+_CONTINUOUS_USAGE = b'{"include_usage":true,"continuous_usage_stats":true}'
 
 
 def _stream_options(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -181,6 +193,10 @@ def _always(_model: str) -> bool:
     return True
 
 
+def _never(_model: str) -> bool:
+    return False
+
+
 def _no_affinity(_model: str) -> affinity.Settings | None:
     return None
 
@@ -191,10 +207,12 @@ def parse(
     reports_stream_usage: Callable[[str], bool] = _always,
     affinity_of: Callable[[str], affinity.Settings | None] = _no_affinity,
     caps: Caps = DEFAULT_CAPS,
+    continuous_usage: Callable[[str], bool] = _never,
 ) -> InferenceRequest:
     """Parse and check ``raw``; a body the proxy cannot route or price is a 400, and so is
     one beyond ``caps``. A stream to a model whose server ``reports_stream_usage`` when
-    asked is made to ask for it (a Responses API stream always ends with its usage). A
+    asked is made to ask for it (a Responses API stream always ends with its usage), on
+    every chunk where its pool has ``continuous_usage`` (vLLM's). A
     request for a model whose pool has affinity settings (``affinity_of``) gets the
     digests its affinity key is made of."""
     if kind is Kind.EXTRA:
@@ -232,7 +250,9 @@ def parse(
         )
         choices = max(n or 1, best_of or 1) * _prompts(kind, body[field])
     asks_usage = kind in (Kind.CHAT, Kind.COMPLETION) and reports_stream_usage(model)
-    upstream, strip_usage = _ask_for_usage(body, raw) if asks_usage else (raw, False)
+    upstream, strip_usage = (
+        _ask_for_usage(body, raw, continuous_usage(model)) if asks_usage else (raw, False)
+    )
     return InferenceRequest(
         kind=kind,
         model=model,

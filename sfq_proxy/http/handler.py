@@ -55,6 +55,7 @@ from .relay import (
     error_event,
     fault_code,
     forward,
+    last_usage,
     read_usage,
 )
 from .runtime import PROXY, Proxy
@@ -154,7 +155,7 @@ async def _admit_and_serve(
         inference = parse_extra(raw, request.path, partial(_extra_cost, config, request.path))
     else:
         usage, affinity = config.reports_stream_usage, config.affinity_for_model
-        inference = parse(kind, raw, usage, affinity, config.limits)
+        inference = parse(kind, raw, usage, affinity, config.limits, config.continuous_usage)
     record.model = inference.model
     flow = classify(proxy.config, key, request.headers.get(CLASS_HEADER), inference.model)
     record.cls, record.pool = flow.cls, flow.pool
@@ -344,10 +345,11 @@ def _left(
     Billed (docs/usage-and-budgets.md) its estimate at least: its prompt as estimated, and
     as completion the output it was priced at (max_tokens × its output ratio); more when
     the backend reported more (its answer's end was read: the slot was given back with it),
-    or, before any usage came, sent more tokens. Leaving never lowers a bill, nor dodges a
-    budget. Its slot's true-up is the work: what the backend reported when it did, else the
-    same floor. The drain's cut is not the client's doing: its prompt as estimated and the
-    tokens sent."""
+    or, before any usage came, sent more tokens (or, with a pool's ``cost.continuous_usage``,
+    said in the last chunk relayed that it had read a longer prompt). Leaving never lowers
+    a bill, nor dodges a budget. Its slot's true-up is the work: what the backend reported
+    when it did, else the same floor. The drain's cut is not the client's doing: its
+    prompt as estimated and the tokens sent."""
     done = slot.done
     if done is not None:  # its answer's end was read: counted as if the client had stayed
         _count_answer(proxy, flow, record, estimate, done)
@@ -357,12 +359,22 @@ def _left(
         counted = request.get(STREAM_TOKENS)
         record.prompt_tokens = estimate.input_tokens
         record.completion_tokens = 0 if counted is None else counted.tokens
+        # a stream whose chunks carry the usage so far (a pool's cost.continuous_usage):
+        # the engine's counts in the last of them, its prompt as it really was
+        so_far = None if counted is None else last_usage(counted.tail())
+        if so_far is not None:
+            prompt, completion = so_far
+            record.prompt_tokens = record.prompt_tokens if prompt is None else prompt
+            # at least the events relayed: with n > 1, vLLM counts a chunk's own choice only
+            record.completion_tokens = max(record.completion_tokens, completion or 0)
     if by_client:  # leaving never lowers a bill
         priced = math.ceil(estimate.output_tokens - 1e-6)
         record.prompt_tokens = max(record.prompt_tokens or 0, estimate.input_tokens)
         record.completion_tokens = max(record.completion_tokens or 0, priced)
     if done is None:
-        slot.release(refund=False, completion_tokens=record.completion_tokens)
+        slot.release(
+            refund=False, billed=(record.prompt_tokens or 0, record.completion_tokens or 0)
+        )
     cut = request.get(CLIENT_CUT) if by_client else "shutting_down"
     record.outcome, record.reason = ("failed", cut) if cut else ("cancelled_running", None)
 
@@ -465,14 +477,17 @@ class _Slot:
             served = self._served(relayed.prompt_tokens, relayed.completion_tokens)
             self._pool.release(self._ticket, refund=_refused(relayed), actual=served)
 
-    def release(self, *, refund: bool, completion_tokens: int | None = None) -> None:
-        """Given back without an answer's usage: ``completion_tokens`` relayed, if any."""
+    def release(self, *, refund: bool, billed: tuple[int, int] | None = None) -> None:
+        """Given back without an answer's usage: ``billed``, the (prompt, completion)
+        tokens of a client that left (``_left``), if it did."""
         if self._held:
             self._held = False
-            served = self._served(None, completion_tokens)
+            served = self._served(None, None if billed is None else billed[1], billed)
             self._pool.release(self._ticket, refund=refund, actual=served)
 
-    def _served(self, prompt: int | None, completion: int | None) -> float | None:
+    def _served(
+        self, prompt: int | None, completion: int | None, billed: tuple[int, int] | None = None
+    ) -> float | None:
         """What the attempt cost, for its flow's true-up (None: a band request, never
         charged)."""
         if self._ticket.priority:
@@ -480,7 +495,8 @@ class _Slot:
         cost, estimate = self._pool.cost, self._estimate
         served = cost.actual(prompt, completion)
         if served is None:  # no report: never less than the estimate
-            served = max(estimate.cost, cost.actual(estimate.input_tokens, completion) or 0.0)
+            asked = estimate.input_tokens if billed is None else billed[0]
+            served = max(estimate.cost, cost.actual(asked, completion) or 0.0)
         owed = served - estimate.cost  # sfq_cost_trued_up_total, by direction
         if owed:
             self._metrics.count(self._key, "cost_trued_up", "up" if owed > 0 else "down", abs(owed))

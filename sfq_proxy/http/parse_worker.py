@@ -52,16 +52,19 @@ _ANSWER = struct.Struct("!Q")  # the size of the outcome's pickle that follows
 @dataclass(frozen=True, slots=True)
 class Models:
     """What parsing needs of the config, by model, in a form a process can be sent: the
-    models whose servers report no usage in a stream, the affinity settings of those
-    whose pool has them, and the cost rule of the extra path asked for (if one was)."""
+    models whose servers report no usage in a stream, those whose pool asks for it on every
+    chunk (``cost.continuous_usage``), the affinity settings of those whose pool has them,
+    and the cost rule of the extra path asked for (if one was)."""
 
     silent: frozenset[str]
     affinity: Mapping[str, AffinitySpec]
     extra: Mapping[str, ExtraCostSpec]
+    continuous: frozenset[str] = frozenset()
 
     @staticmethod
     def of(config: Config, path: str | None = None) -> Models:
         silent: set[str] = set()
+        continuous: set[str] = set()
         affinity: dict[str, AffinitySpec] = {}
         extra: dict[str, ExtraCostSpec] = {}
         for pool in config.pools.values():
@@ -69,14 +72,19 @@ class Models:
             for model in pool.models:
                 if not pool.stream_usage:
                     silent.add(model)
+                if pool.cost.continuous_usage:
+                    continuous.add(model)
                 if pool.affinity is not None:
                     affinity[model] = pool.affinity
                 if rule is not None:
                     extra[model] = rule.cost
-        return Models(frozenset(silent), affinity, extra)
+        return Models(frozenset(silent), affinity, extra, frozenset(continuous))
 
     def reports_stream_usage(self, model: str) -> bool:
         return model not in self.silent
+
+    def continuous_usage(self, model: str) -> bool:
+        return model in self.continuous
 
     def affinity_of(self, model: str) -> AffinitySpec | None:
         return self.affinity.get(model)
@@ -125,7 +133,12 @@ def parse_here(job: Job, raw: bytes) -> Outcome:
         else:
             models = job.models
             request = parse(
-                job.kind, raw, models.reports_stream_usage, models.affinity_of, job.caps
+                job.kind,
+                raw,
+                models.reports_stream_usage,
+                models.affinity_of,
+                job.caps,
+                models.continuous_usage,
             )
     except ApiError as err:
         return Refusal(err.status, err.message, err.code)

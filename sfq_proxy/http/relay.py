@@ -572,7 +572,19 @@ def read_usage(relayed: Relayed) -> None:
     """Take the last ``"usage": {...}`` of the answer's tail (a body, or a stream's last
     chunks), parsing that object alone: an answer's usage is at its end, so the answer is
     never parsed whole. A stream without one is counted by its token events."""
-    data = relayed.tail
+    found = last_usage(relayed.tail)
+    if found is not None:
+        relayed.prompt_tokens, relayed.completion_tokens = found
+        return
+    tokens = 0 if relayed.events is None else relayed.events.tokens
+    if tokens > 0:
+        relayed.completion_tokens = tokens
+
+
+def last_usage(data: bytes) -> tuple[int | None, int | None] | None:
+    """The (prompt, completion) tokens of the last ``"usage": {...}`` object in ``data``;
+    None if it has none. Also what a stream relayed so far tells, where its server puts the
+    usage so far on every chunk (a pool's ``cost.continuous_usage``)."""
     end = len(data)
     while (at := data.rfind(_USAGE, 0, end)) >= 0:
         end = at
@@ -584,12 +596,8 @@ def read_usage(relayed: Relayed) -> None:
             # Chat Completions' names, else the Responses API's (its ``response.usage``)
             prompt = usage.get("prompt_tokens", usage.get("input_tokens"))
             completion = usage.get("completion_tokens", usage.get("output_tokens"))
-            relayed.prompt_tokens = _token_count(prompt)
-            relayed.completion_tokens = _token_count(completion)
-            return
-    tokens = 0 if relayed.events is None else relayed.events.tokens
-    if tokens > 0:
-        relayed.completion_tokens = tokens
+            return _token_count(prompt), _token_count(completion)
+    return None
 
 
 def _object_after_colon(after: bytes) -> dict[str, object] | None:

@@ -202,6 +202,9 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     user: str | None
+    # vLLM's ``stream_options.continuous_usage_stats`` (with ``include_usage``): usage on
+    # every chunk, the completion tokens so far
+    continuous_usage: bool = False
     min_tokens: int | None = None  # vLLM's sampling parameter; see output_mode "min_tokens"
     instructions: str | None = None  # a Responses API request's, echoed in its answer
     n: int = 1  # choices returned
@@ -241,6 +244,7 @@ def parse_generation(kind: Kind, body: object, cfg: ApiLimits) -> GenerationRequ
     # as vLLM (and OpenAI): when best_of exceeds n the answer is not streamed
     stream = stream and sequences == n
     options = body.get("stream_options") or {}
+    include_usage = stream and isinstance(options, dict) and bool(options.get("include_usage"))
     user = body.get("user")
     return GenerationRequest(
         kind=kind,
@@ -248,7 +252,8 @@ def parse_generation(kind: Kind, body: object, cfg: ApiLimits) -> GenerationRequ
         prompt_tokens=prompt_tokens,
         max_tokens=_resolve_max_tokens(body, prompt_tokens, prompt_field, cfg),
         stream=stream,
-        include_usage=stream and isinstance(options, dict) and bool(options.get("include_usage")),
+        include_usage=include_usage,
+        continuous_usage=include_usage and bool(options.get("continuous_usage_stats")),
         user=user if isinstance(user, str) else None,
         min_tokens=_min_tokens(body),
         instructions=body.get("instructions") if kind == "responses" else None,
@@ -346,8 +351,11 @@ class AnswerPlan:
     def finish_reason(self, index: int) -> str:
         return "length" if len(self.sequences[index]) == self.gen.max_tokens else "stop"
 
-    def usage(self) -> dict[str, int]:
-        prompt, completion = self.gen.prompt_tokens, sum(len(s) for s in self.returned)
+    def usage(self, completion: int | None = None) -> dict[str, int]:
+        """The answer's usage; a chunk's so far with ``completion`` (continuous usage)."""
+        prompt = self.gen.prompt_tokens
+        if completion is None:
+            completion = sum(len(s) for s in self.returned)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion,
@@ -431,7 +439,12 @@ class AnswerPlan:
         }
 
     def envelope(
-        self, choices: list[dict[str, Any]], *, chunk: bool, usage: bool = False
+        self,
+        choices: list[dict[str, Any]],
+        *,
+        chunk: bool,
+        usage: bool = False,
+        so_far: int | None = None,
     ) -> dict[str, Any]:
         if self.gen.kind == "completions":
             obj = "text_completion"
@@ -445,7 +458,7 @@ class AnswerPlan:
             "choices": choices,
         }
         if usage:
-            out["usage"] = self.usage()
+            out["usage"] = self.usage(so_far)
         return out
 
 
@@ -463,7 +476,9 @@ class SseSink:
 
     As vLLM streams a chat: first one role chunk per choice, then one chunk per token, each
     carrying the one choice it belongs to; a choice's last token carries its finish reason.
-    (Only used when every sequence is returned: best_of > n is never streamed.)
+    (Only used when every sequence is returned: best_of > n is never streamed.) With
+    continuous usage, each chunk carries the usage so far: the prompt, and the tokens sent
+    (of all choices; vLLM counts each choice's own).
     """
 
     def __init__(self, plan: AnswerPlan) -> None:
@@ -482,11 +497,18 @@ class SseSink:
         if not any(self._sent) and plan.gen.kind == "chat":
             roles = [plan.choice(i, "", None, chunk=True, role=True) for i in range(plan.gen.n)]
             for role in roles:
-                await self._send(plan.envelope([role], chunk=True))
+                await self._send(plan.envelope([role], chunk=True, **self._usage()))
         self._sent[index] += 1
         last = self._sent[index] == len(plan.sequences[index])
         finish = plan.finish_reason(index) if last else None
-        await self._send(plan.envelope([plan.choice(index, text, finish, chunk=True)], chunk=True))
+        choice = plan.choice(index, text, finish, chunk=True)
+        await self._send(plan.envelope([choice], chunk=True, **self._usage()))
+
+    def _usage(self) -> dict[str, Any]:
+        """A chunk's usage so far, if continuous usage was asked for."""
+        if not self._plan.gen.continuous_usage:
+            return {}
+        return {"usage": True, "so_far": sum(self._sent)}
 
     async def finish(self) -> web.StreamResponse:
         if self._plan.gen.include_usage:

@@ -25,6 +25,7 @@ from sfq_proxy.config import (
     parse_config,
 )
 from sfq_proxy.config_summary import summary
+from sfq_proxy.http.parse_worker import Models
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "sk-SECRET-123"
@@ -1248,4 +1249,27 @@ def test_an_extra_path_listed_twice_or_costing_more_than_a_request_may_is_refuse
         "pools.llama-8b.extra_paths[1].path: the pool lists this path twice",
         "pools.llama-8b.extra_paths[1].cost.fixed: is above the pool's cost.max_request_tokens:"
         " every request would be refused",
+    ]
+
+
+def test_continuous_usage_is_off_by_default_and_on_for_a_vllm_pools_models() -> None:
+    data = base()
+    model = "meta-llama/Llama-3.1-8B-Instruct"
+    assert parse(data).continuous_usage(model) is False
+    data["pools"]["llama-8b"]["cost"] = {"continuous_usage": True}
+    config = parse(data)
+    assert (config.continuous_usage(model), config.continuous_usage("unknown")) == (True, False)
+    models = Models.of(config)
+    assert (models.continuous_usage(model), models.reports_stream_usage(model)) == (True, True)
+
+
+@pytest.mark.parametrize("family", ["tgi", "openai", "llamacpp"])
+def test_continuous_usage_outside_vllm_is_an_error_at_its_path(family: str) -> None:
+    data = base()
+    one = [{"url": "http://a:1", "slots": 1}]
+    data["pools"]["llama-8b"].update(family=family, backends=one)
+    data["pools"]["llama-8b"]["cost"] = {"continuous_usage": True}
+    assert error_lines(data) == [
+        "pools.llama-8b.cost.continuous_usage: continuous usage "
+        f"(stream_options.continuous_usage_stats) is vLLM's: not for a pool of family '{family}'"
     ]

@@ -877,3 +877,41 @@ def test_what_msgspec_reads_holds_no_lone_surrogate(raw: bytes) -> None:
     except (msgspec.DecodeError, RecursionError):
         return
     assert not _has_lone_surrogate(value)
+
+
+def _continuous(_model: str) -> bool:
+    return True
+
+
+@pytest.mark.parametrize(
+    ("options", "strip"),
+    [
+        (None, True),
+        ({"include_usage": False}, True),
+        ({"include_usage": True}, False),
+        ({"include_usage": True, "continuous_usage_stats": False}, False),
+        ({"continuous_usage_stats": True}, True),
+    ],
+)
+def test_a_pool_with_continuous_usage_asks_for_usage_on_every_chunk(
+    options: dict | None, strip: bool
+) -> None:
+    fields = {} if options is None else {"stream_options": options}
+    raw = body(stream=True, messages=[{"role": "user", "content": "x"}], **fields)
+    req = parse(Kind.CHAT, raw, continuous_usage=_continuous)
+    sent = json.loads(req.raw)
+    assert sent["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert {**sent, "stream_options": options} == {**json.loads(raw), "stream_options": options}
+    assert req.strip_usage is strip
+
+
+def test_continuous_usage_appends_to_the_clients_bytes_and_leaves_whole_answers_be() -> None:
+    raw = b'{"model": "m", "stream": true, "prompt": "x"} \n'
+    req = parse(Kind.COMPLETION, raw, continuous_usage=_continuous)
+    assert req.raw.startswith(raw.rstrip()[:-1])  # one member added
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    assert json.loads(req.raw) == {**json.loads(raw), "stream_options": options}
+    already = body(stream=True, prompt="x", stream_options=options)
+    assert parse(Kind.COMPLETION, already, continuous_usage=_continuous).raw is already
+    whole = body(prompt="x")
+    assert parse(Kind.COMPLETION, whole, continuous_usage=_continuous).raw is whole
