@@ -273,7 +273,7 @@ class Ledger:
     once, so a write whose answer was lost is not counted twice.)"""
 
     def __init__(self, budgets: list[Budget]) -> None:
-        self.budgets = budgets
+        self.budgets = budgets  # and the subjects they limit (the setter)
         self.pending = Table()
         self.writing: list[Table] = []
         # every org's and key's spending in the day and the month of the last read
@@ -282,6 +282,21 @@ class Ledger:
         # counted as used until their usage replaces it (``reserve``), with how many they are
         self.reserved: dict[tuple[Kind, str], tuple[int, Spent]] = {}
         self._warned: set[tuple[Budget, int]] = set()
+
+    @property
+    def budgets(self) -> list[Budget]:
+        return self._budgets
+
+    @budgets.setter
+    def budgets(self, budgets: list[Budget]) -> None:
+        self._budgets = budgets
+        self._limited = frozenset((b.kind, b.name) for b in budgets)
+
+    def limits(self, org: str, key: str) -> bool:
+        """Whether a budget applies to ``org`` or ``key``: a request of neither needs no
+        reservation, nor a check (most requests: the hot path asks this first)."""
+        limited = self._limited
+        return bool(limited) and (("org", org) in limited or ("key", key) in limited)
 
     def record(self, key: RowKey, counts: Counts) -> None:
         self.pending.add(key, counts)

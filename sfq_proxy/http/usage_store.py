@@ -266,6 +266,8 @@ class UsageBook:
         if a budget is used up by now, counting what runs; else what it may spend is
         reserved until ``record``. Once per request: a retry keeps its reservation."""
         org, key = record.org or "", record.key or ""
+        if not self.ledger.limits(org, key):
+            return
         self.check(org, key)
         if id(record) in self._reserved:
             return
