@@ -218,7 +218,8 @@ def parse(
     if kind is Kind.EXTRA:
         raise ValueError("an extra path's request is parsed by parse_extra")
     body, unchecked = _json_object(raw)
-    _within_caps(kind, body, caps)
+    if len(raw) >= _MIN_ITEM_BYTES * min(caps.max_messages, caps.max_content_parts, caps.max_tools):
+        _within_caps(kind, body, caps)
     if unchecked:
         _no_lone_surrogate(raw, body)
     model = _model(body)
@@ -430,6 +431,12 @@ def _no_lone_surrogate(raw: bytes, body: dict[str, Any]) -> None:
     at C speed rules it out for any other body, emoji escaped in pairs included."""
     if _MAYBE_LONE_SURROGATE.search(raw) and _has_lone_surrogate(body):
         raise ApiError(400, "The body holds a lone UTF-16 surrogate, which is not text.")
+
+
+# the fewest bytes an item of a JSON array takes, its separator included ("1,"): a body
+# shorter than this many times a cap cannot hold more items than the cap, so a small body
+# (most requests) is not counted at all
+_MIN_ITEM_BYTES = 2
 
 
 def _within_caps(kind: Kind, body: dict[str, Any], caps: Caps) -> None:

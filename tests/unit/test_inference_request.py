@@ -915,3 +915,25 @@ def test_continuous_usage_appends_to_the_clients_bytes_and_leaves_whole_answers_
     assert parse(Kind.COMPLETION, already, continuous_usage=_continuous).raw is already
     whole = body(prompt="x")
     assert parse(Kind.COMPLETION, whole, continuous_usage=_continuous).raw is whole
+
+
+@given(
+    caps=st.builds(CapValues, st.integers(1, 40), st.integers(1, 40), st.integers(1, 40)),
+    extra=st.integers(1, 3),
+    which=st.sampled_from(["messages", "parts", "tools"]),
+)
+def test_the_most_compact_body_beyond_a_cap_is_still_refused(
+    caps: CapValues, extra: int, which: str
+) -> None:
+    """A small body is not counted at all (it cannot hold more items than a cap: each takes
+    two bytes at least); the most compact one beyond a cap is long enough to be counted."""
+    message = {"role": "user", "content": "x"}
+    if which == "messages":
+        fields: dict[str, Any] = {"messages": [message] * (caps.max_messages + extra)}
+    elif which == "parts":
+        fields = {"messages": [{"role": "user", "content": [1] * (caps.max_content_parts + extra)}]}
+    else:
+        fields = {"messages": [message], "tools": [1] * (caps.max_tools + extra)}
+    raw = json.dumps({"model": "m", **fields}, separators=(",", ":")).encode()
+    with pytest.raises(ApiError, match=r"limits\.max_"):
+        parse(Kind.CHAT, raw, caps=caps)
