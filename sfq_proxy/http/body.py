@@ -132,7 +132,10 @@ async def read(request: web.Request, limits: Limits, memory: Memory, org: str) -
         # bytes: its cancellation is raised by that wait, never after the loop
         cut, reading.cut = reading.cut, None  # raised, it would hold this frame in a cycle
         if cut is not None and task.uncancel() <= cancelling:
-            raise cut from None
+            try:
+                raise cut from None
+            finally:  # its traceback holds this frame: the frame must not hold it back
+                cut = None
         raise
     finally:
         chunks.clear()  # whatever holds this frame (an error's traceback) holds no body

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import resource
 import signal
@@ -28,6 +29,7 @@ import pytest
 from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config
 from test_queue_memory_flood import rss_mib
 
+from sfq_proxy.http import body
 from sfq_proxy.http.body import READ_AHEAD
 
 FD_LIMIT = 1024
@@ -436,3 +438,27 @@ async def test_a_body_not_framed_as_its_headers_say_is_a_json_400(lab: Lab) -> N
     status, body = await _answer(reader)
     assert (status, body["error"]["code"]) == (400, "invalid_request")
     writer.close()
+
+
+async def test_a_body_cut_for_its_pace_leaves_no_cycle_behind(lab: Lab) -> None:
+    """A cut read's error was raised from a frame that held it: error, traceback and frame
+    made a cycle that held the request and its read-ahead (~380 KiB) until the collector
+    ran (rarely, at the proxy's thresholds): the soak's RSS grew under stalled uploads.
+    Freed by reference counts now, as the read ends."""
+    sim = await lab.backend()
+    limits = {"body_timeout_s": 0.5, "body_grace_s": 0.1, "min_body_kib_per_s": 1}
+    served = await lab.proxy(proxy_config([sim.url], limits=limits))
+    gc.collect()
+    gc.disable()  # what is left in a cycle stays in sight until the assertion
+    try:
+        stalled = [await _connect(served.url) for _ in range(4)]
+        for _, writer in stalled:
+            writer.write(_post_head(KEYS["A"], 4096) + b"{")
+        for reader, writer in stalled:
+            assert (await _answer(reader))[0] == 408
+            writer.close()
+        await asyncio.sleep(0.1)
+        left = [o for o in gc.get_objects() if isinstance(o, body.Reading)]
+        assert left == []
+    finally:
+        gc.enable()
