@@ -48,9 +48,9 @@ class _PassThrough:
 # feature: (what it is, [(module, attribute path, what replaces it)])
 FEATURES: dict[str, tuple[str, list[tuple[str, str, object]]]] = {
     "access_log": ("the access line",
-                   [("sfq_proxy.http.access_log", "AccessRecord.emit", _nothing)]),
+                   [("sfq_proxy.observability.access_log", "AccessRecord.emit", _nothing)]),
     "metrics": ("every metric update", [
-        ("sfq_proxy.http.metrics", f"Metrics.{name}", _nothing)
+        ("sfq_proxy.observability.metrics", f"Metrics.{name}", _nothing)
         for name in ("seen", "count", "observe", "first_byte", "placed")
     ]),
     "calibration": ("the calibration's observe",

@@ -61,7 +61,7 @@ sys.path[:] = [str(ROOT), str(ROOT / "tests")] + [
 ]
 
 from sfq_proxy.config import parse_config  # noqa: E402
-from sfq_proxy.http.server import bound_url, running  # noqa: E402
+from sfq_proxy.runner.server import bound_url, running  # noqa: E402
 
 MODEL = "tiny"
 HITS, QUERIES = "vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"

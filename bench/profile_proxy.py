@@ -24,7 +24,7 @@ import overhead
 import uvloop
 
 from sfq_proxy.config import load_config
-from sfq_proxy.http.server import GC_THRESHOLDS, running
+from sfq_proxy.runner.server import GC_THRESHOLDS, running
 
 
 def main() -> None:

@@ -57,9 +57,9 @@ import yaml
 from aiohttp import web
 
 from sfq_proxy.config import parse_config
-from sfq_proxy.http import access_log
-from sfq_proxy.http.runtime import PROXY, Proxy
-from sfq_proxy.http.server import bound_url, running
+from sfq_proxy.http.proxy import PROXY, Proxy
+from sfq_proxy.observability import access_log
+from sfq_proxy.runner.server import bound_url, running
 
 T = TypeVar("T")
 CHAT_PATH = "/v1/chat/completions"

@@ -14,7 +14,7 @@ every submit dispatches at once (the hot path: no cap hit, no size buckets, no p
 affinity; analytics' and the priority class's requests still take the path of a capped
 flow); `backlogged` keeps 48, so requests queue and finishes dispatch them; `batched` sends
 20 submits at once, then the finishes of all that run at once, as a busy proxy's operations
-leave together (state/batcher.py: one call for the 19 that came while the first was on its
+leave together (state/redis_batcher.py: one call for the 19 that came while the first was on its
 way), and is not timed per operation.
 
 Each round and scenario is run twice, each time on a pool of its own: once by four streams
@@ -55,8 +55,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from redis.asyncio import Redis
 
 from sfq_proxy.state import redis_dispatch
-from sfq_proxy.state.library import DISPATCH, Library
 from sfq_proxy.state.redis_dispatch import Grant, RedisDispatch, SharedTicket, pool_prefix
+from sfq_proxy.state.redis_functions import DISPATCH, Library
 
 BACKENDS = [("gpu-a", 16), ("gpu-b", 16)]
 ORG_CAPS = {"analytics": 16}
@@ -70,7 +70,7 @@ FLOWS = [
     ("ops", "system", 1.0, True, 2),
 ]
 # requests in flight or queued at once; None: `batched`, BATCH submits sent at once, then
-# their finishes, as a busy proxy's operations leave together (state/batcher.py)
+# their finishes, as a busy proxy's operations leave together (state/redis_batcher.py)
 SCENARIOS: dict[str, int | None] = {"free": 24, "backlogged": 48, "batched": None}
 BATCH = 20
 STREAMS = 4  # concurrent streams sharing a scenario's window, for the CPU figures

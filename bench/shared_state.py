@@ -331,7 +331,7 @@ def _summary(conns: int, m: dict[str, dict]) -> None:
         f"     where the time goes (1w): {one['fcalls']:.2f} FCALLs per request for its 2-3 "
         f"operations (submit and finish, and for sk-bench-a, the default key, its org's "
         f"admit, which its submit carries on one Redis; under load a worker's operations leave "
-        f"together, state/batcher.py); Redis spends {redis_added:.0f} µs/req on them, the "
+        f"together, state/redis_batcher.py); Redis spends {redis_added:.0f} µs/req on them, the "
         f"proxy {proxy_added:+.0f} µs/req more than in memory (client side, framing, awaits)\n"
     )
 

@@ -19,10 +19,10 @@ from pathlib import Path
 from . import keys_cli
 from .config import Config, ConfigError, load_config
 from .config_summary import summary, warnings
-from .http import logs
-from .http.process_metrics import version
-from .http.server import run, serve
-from .http.workers import serve_workers
+from .observability import logs
+from .observability.process_metrics import version
+from .runner.server import run, serve
+from .runner.workers import serve_workers
 
 LAB_COMMANDS = ("simulate", "loadgen", "sim-backend")
 MISSING_LAB = (

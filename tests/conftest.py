@@ -16,7 +16,7 @@ from redis_server import RedisServer, need_redis_server, running_redis
 from server_process import running
 from vllm_backend import VllmServer, need_vllm
 
-from sfq_proxy.http import access_log as access_log_sink
+from sfq_proxy.observability import access_log as access_log_sink
 
 # No timing assertions, hypothesis's per-example deadline included: shared machines stall.
 settings.register_profile("sfq", deadline=None)

@@ -23,8 +23,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from sfq_proxy.config import Config, default_classes, parse_config
 from sfq_proxy.core.fair_queue import FairQueue
 from sfq_proxy.core.flows import org_and_class
-from sfq_proxy.http.runtime import PROXY, Proxy
-from sfq_proxy.http.server import bound_url, running
+from sfq_proxy.http.proxy import PROXY, Proxy
+from sfq_proxy.runner.server import bound_url, running
 from sfq_proxy.sim.server import SimBackend, SimConfig
 
 MODEL = "sim-llama"

@@ -6,7 +6,7 @@ a request larger than a full tokens-per-minute bucket (400: it could never be ad
 and taking it would lock the org or the pool out for as long as it overdraws), then the
 org's and the pool's token buckets (429 with the wait as ``Retry-After``). Tokens of a
 request that generated nothing upstream are given back (``refund``). With ``state: redis``
-the org's buckets and its Idempotency-Keys are shared instead (``http/shared_limits.py``),
+the org's buckets and its Idempotency-Keys are shared instead (``state/redis_limits.py``),
 and only the rest is checked here.
 """
 
@@ -34,7 +34,7 @@ class Admission:
         }
         self._budgets: dict[Flow, RetryBudget] = {}
         self._active: set[tuple[str, str]] = set()  # (org, Idempotency-Key) queued or running
-        # with state: redis the org's buckets and keys are shared (http/shared_limits.py):
+        # with state: redis the org's buckets and keys are shared (state/redis_limits.py):
         # here only what needs no sharing (queue cap, a request too big, retry budgets)
         self._local = config.state is None
 

@@ -23,7 +23,7 @@ Both rest on exponentially decayed sums, so that old behaviour fades with a half
 counted in observations (not in seconds: a quiet pool keeps what it learned).
 A learned value only changes future estimates; nothing already charged moves.
 
-Sans-I/O: no clock, no event loop, no files (``sfq_proxy.http.calibration_store`` keeps it).
+Sans-I/O: no clock, no event loop, no files (``sfq_proxy.state.calibration_file`` keeps it).
 
 Memory is bounded: a pool keeps at most ``max_orgs`` org ratios. When a new org arrives at
 a full pool, the org with the fewest samples is dropped (the least recently observed among
@@ -32,7 +32,7 @@ falls back to its pool's ratio, as a new one would.
 
 What several processes learned is combined exactly by :meth:`Calibration.merge`: a sum
 updated as S ← S·d + x, after n more observations counted from zero into B, is S·dⁿ + B
-(``sfq_proxy.http.shared_calibration`` shares calibration through Redis that way).
+(``sfq_proxy.state.redis_calibration`` shares calibration through Redis that way).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """One pool's dispatch decisions: strict band, then SFQ, then placement. No I/O, no clock.
 
 Like httpcore's connection pool, it only changes state and *returns* what to do (which
-tickets go to which backends); the async shell in ``http/pool_runtime.py`` carries it out,
+tickets go to which backends); the async shell in ``state/pool.py`` carries it out,
 and passes the time in. The scenario lab's simulator drives this same class in virtual time
 (``lab/simulator.py``), with any of the ordering policies of ``queues.py`` as its queue.
 

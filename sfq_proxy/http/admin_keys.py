@@ -20,8 +20,8 @@ from redis.exceptions import RedisError
 from ..config import ResolvedKey
 from ..core.errors import ApiError
 from ..core.keys import KeyRecord, budget_json, changed_record, new_record
-from .key_store import KeyStore, unavailable, usage_times
-from .runtime import Proxy
+from ..state.key_store import KeyStore, unavailable, usage_times
+from .proxy import Proxy
 
 SECRET_PREFIX = "sk-sfq-"
 MAX_BODY_BYTES = 64 * 1024

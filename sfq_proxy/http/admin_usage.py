@@ -14,9 +14,9 @@ from aiohttp import web
 
 from ..core.errors import ApiError
 from ..core.usage import COUNTERS, DAY, DIMENSIONS, Group, Step, fold, iso, period_start
+from ..state.usage_store import UsageBook
 from .handler import Handler
-from .runtime import Proxy
-from .usage_store import UsageBook
+from .proxy import Proxy
 
 MAX_SPAN_S = 400 * DAY  # the Redis buckets' default TTL: no query asks for more
 STEPS = ("hour", "day", "month")

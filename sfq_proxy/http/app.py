@@ -28,7 +28,7 @@ from . import admin_keys, admin_page
 from .admin_usage import usage_handler
 from .error_response import error_response
 from .handler import Handler, handler
-from .runtime import PROXY, Clock, Proxy
+from .proxy import PROXY, Clock, Proxy
 
 log = logging.getLogger(__name__)
 

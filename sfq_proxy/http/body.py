@@ -32,7 +32,7 @@ from ..config import Limits
 from ..core.errors import ApiError
 from ..core.queue_memory import RETRY_AFTER_S
 from ..core.senders import body_due
-from .pool_runtime import Memory
+from ..state.pool import Memory
 
 KIB = 1024
 # what aiohttp may hold of a body ahead of its read: its buffer (twice ``read_bufsize``,

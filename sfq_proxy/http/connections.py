@@ -46,9 +46,9 @@ from aiohttp.web_request import BaseRequest
 from ..config import Config
 from ..core.errors import ApiError
 from ..core.senders import Connections, connection_caps
+from ..state.redis_client import MAX_CONNECTIONS as REDIS_CONNECTIONS
 from .error_response import error_response
-from .runtime import Proxy
-from .shared_state import MAX_CONNECTIONS as REDIS_CONNECTIONS
+from .proxy import Proxy
 
 log = logging.getLogger(__name__)
 # the file descriptors a process needs besides its clients' and its backends' (each backend's

@@ -35,13 +35,15 @@ from ..core.inference_request import InferenceRequest, Kind, parse, parse_extra
 from ..core.placement import Backend
 from ..core.scheduler import Ticket
 from ..core.throttle import MAX_PAUSE_S, retry_after
+from ..observability.access_log import REQUEST_ID_HEADER, AccessRecord
+from ..observability.metrics import Key, Metrics
+from ..state.pool import QUEUE_DEADLINE, Pool
+from ..state.redis_limits import Intake
 from . import body
-from .access_log import REQUEST_ID_HEADER, AccessRecord
 from .drain import ANSWERING, absorbed, cut_error, is_cut
 from .error_response import error_response
-from .metrics import Key, Metrics
 from .parse_worker import WORKER
-from .pool_runtime import QUEUE_DEADLINE, Pool
+from .proxy import PROXY, Proxy
 from .relay import (
     CLIENT_CUT,
     COST_HEADER,
@@ -58,8 +60,6 @@ from .relay import (
     last_usage,
     read_usage,
 )
-from .runtime import PROXY, Proxy
-from .shared_limits import Intake
 from .trace_context import trace_context
 
 log = logging.getLogger(__name__)

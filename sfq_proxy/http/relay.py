@@ -32,6 +32,7 @@ from aiohttp.http_writer import StreamWriter
 from ..core.errors import ApiError, Expiry
 from ..core.inference_request import InferenceRequest
 from ..core.placement import Backend
+from ..state.pool import Pool
 from .answer import (
     ACCEPT_ENCODING,
     Inflater,
@@ -41,7 +42,6 @@ from .answer import (
     response_headers,
 )
 from .drain import ANSWERING, CUT_MESSAGE, absorbed
-from .pool_runtime import Pool
 from .sse import TokenEvents, continued_data, ends_event
 from .sse import UsageStripper as _UsageStripper
 from .upstream import Answer, Upstreams

@@ -24,8 +24,8 @@ import yaml
 from ..config import Config, parse_config
 from ..core.fair_queue import check_size
 from ..core.flows import flow_id
-from ..http.runtime import PROXY, Proxy
-from ..http.server import bound_url, running
+from ..http.proxy import PROXY, Proxy
+from ..runner.server import bound_url, running
 from ..sim.server import SimBackend, SimConfig
 from . import report
 from .loadgen import check_replayable, run_load

@@ -22,8 +22,8 @@ import aiohttp
 
 from ..config import Config, default_config
 from ..core.flows import flow_id, org_and_class
-from ..http.runtime import PROXY, Proxy
-from ..http.server import bound_url, running
+from ..http.proxy import PROXY, Proxy
+from ..runner.server import bound_url, running
 from ..sim.server import SimBackend, SimConfig
 
 ADMIN_KEY_ENV = "SFQ_DEMO_ADMIN_KEY"  # demo.yaml's admin_key_env

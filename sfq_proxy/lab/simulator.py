@@ -62,7 +62,7 @@ def cost_spec(pool: PoolModel) -> CostSpec:
 
 def cost_model(spec: CostSpec, *, calibrate: bool = True) -> CostModel:
     """The proxy's cost model for a pool's ``spec``, with calibration at the proxy's default
-    settings (as ``http/runtime.py`` builds it from an unset ``calibration`` section)."""
+    settings (as ``http/proxy.py`` builds it from an unset ``calibration`` section)."""
     calibration = None
     if calibrate:
         settings = CalibrationSpec()

@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from ..http.server import run, wait_for_signal
+from ..runner.server import run, wait_for_signal
 from .api import (
     DEFAULT_MEDIA_TOKENS,
     MESSAGE_OVERHEAD_TOKENS,

@@ -2,7 +2,7 @@
 --[[ An org's intake limits shared by every process: its token buckets (rpm, tpm) and its
 live Idempotency-Keys (docs/shared-state.md). keys[1] is "sfq:{org:<org>}:", so each org
 lives in one Redis Cluster slot; args[1] names the operation. The first part of the library
-"sfq": dispatch.lua follows it (state/library.py), and its submit decides an admission here
+"sfq": dispatch.lua follows it (state/redis_functions.py), and its submit decides an admission here
 too (`org_op`) when it carries one.
 
 The buckets follow sfq_proxy/core/limits.py's TokenBucket as core/admission.py uses it for
@@ -129,7 +129,7 @@ local function org_call() B, NOW = {}, nil end
 -- an operation (its arguments, its name first) on the org whose keys start with `prefix`; a
 -- call's operations may be on several orgs: sfq_dispatch decides here the admissions that a
 -- pool's submits carry (on one Redis, where every org's keys and the pool's are on one server:
--- state/library.py loads this file and dispatch.lua as one library), and saves at its end
+-- state/redis_functions.py loads this file and dispatch.lua as one library), and saves at its end
 local function org_op(prefix, args)
   P = prefix
   return run(args)

@@ -1,4 +1,4 @@
---[[ The second part of the library "sfq", after admission.lua (state/library.py loads them as
+--[[ The second part of the library "sfq", after admission.lua (state/redis_functions.py loads them as
 one: a submit may carry its org's admission, decided with `org_op`; Redis's clock is
 admission.lua's `now_ms` too).
 
@@ -944,7 +944,7 @@ called on its own (Redis would have run them one after the other anyway); the re
 theirs, in order. After the holder, each operation is its number of arguments, then its name
 and arguments. Its calls share what a call reads once (meta, the backends, the cache): under
 load a holder sends what came while its previous call was on the way as one call
-(state/batcher.py), and that per-call work is paid once for them all. ]]
+(state/redis_batcher.py), and that per-call work is paid once for them all. ]]
 local function run_batch(args)
   local replies, at = {}, 3
   while at <= #args do

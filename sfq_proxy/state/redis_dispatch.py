@@ -23,8 +23,8 @@ from redis.asyncio.cluster import RedisCluster
 from ..core.fair_queue import UNITS_PER_COST, FlowView
 from ..core.limits import Rate, TokenBucket
 from ..core.placement import Reason
-from .batcher import Batcher, Call
-from .library import DISPATCH, Caller
+from .redis_batcher import Batcher, Call
+from .redis_functions import DISPATCH, Caller
 
 
 class Grant(NamedTuple):

@@ -49,7 +49,7 @@ from packaging.requirements import Requirement
 from tools import need_tool
 
 from sfq_proxy.config import Config, RedisState, parse_config
-from sfq_proxy.http.server import EXIT_WITHIN_S
+from sfq_proxy.runner.server import EXIT_WITHIN_S
 from sfq_proxy.sim.server import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -385,7 +385,7 @@ def test_the_image_install_commands_give_a_working_proxy(tmp_path: Path) -> None
     assert "draining" in out
     # the backend on port 9 is down: a warning, as the image writes it, JSON
     [warning] = [json.loads(line) for line in err.splitlines()]
-    assert (warning["level"], warning["logger"]) == ("warning", "sfq_proxy.http.pool_runtime")
+    assert (warning["level"], warning["logger"]) == ("warning", "sfq_proxy.state.pool")
     assert "marked down" in warning["msg"]
 
 

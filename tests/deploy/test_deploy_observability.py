@@ -30,7 +30,7 @@ from tools import need_tool
 
 from sfq_proxy.config import default_classes
 from sfq_proxy.core.flows import CLASS_HEADER
-from sfq_proxy.http.metrics import WAIT_BUCKETS
+from sfq_proxy.observability.metrics import WAIT_BUCKETS
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"

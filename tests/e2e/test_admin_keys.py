@@ -24,7 +24,7 @@ from redis_server import need_redis_server, running_redis_cluster
 
 from sfq_proxy.config import Config, ConfigError
 from sfq_proxy.http.app import build_app
-from sfq_proxy.http.key_store import BY_ID
+from sfq_proxy.state.key_store import BY_ID
 
 ADMIN = "sk-admin-keys-test"
 ENV = {"SFQ_ADMIN_KEY": ADMIN}

@@ -29,7 +29,7 @@ from proxy_lab import (
 
 from sfq_proxy.config import load_config
 from sfq_proxy.core.throttle import duration
-from sfq_proxy.http.server import bound_url, running
+from sfq_proxy.runner.server import bound_url, running
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 TRACEPARENT = f"00-{TRACE}-00f067aa0ba902b7-01"

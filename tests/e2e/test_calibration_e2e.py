@@ -22,9 +22,9 @@ from proxy_lab import (
     proxy_config,
 )
 
-from sfq_proxy.http.runtime import PROXY
-from sfq_proxy.http.server import bound_url, running
+from sfq_proxy.http.proxy import PROXY
 from sfq_proxy.lab.scenario import Request, load_scenario
+from sfq_proxy.runner.server import bound_url, running
 from sfq_proxy.sim.api import MESSAGE_OVERHEAD_TOKENS
 
 AZURE = Path(__file__).resolve().parents[2] / "config" / "scenarios" / "azure-conv.yaml"
@@ -199,7 +199,7 @@ async def test_calibration_survives_a_restart_and_a_corrupt_file_does_not_stop_t
         assert runner.app[PROXY].pools["sim"].state()["calibration"] == learned
 
     state_file.write_text("{not json")
-    caplog.set_level(logging.WARNING, logger="sfq_proxy.http.calibration_store")
+    caplog.set_level(logging.WARNING, logger="sfq_proxy.state.calibration_file")
     async with running(config) as runner:
         again = Served(bound_url(runner), runner.app[PROXY])
         await _ask(lab, again, "A")  # serves, from the defaults

@@ -59,7 +59,7 @@ from sfq_proxy.state.redis_dispatch import (
     SharedTicket,
     pool_prefix,
 )
-from sfq_proxy.state.resp import Pipe
+from sfq_proxy.state.redis_resp import Pipe
 
 pytestmark = pytest.mark.redis
 
@@ -552,7 +552,7 @@ def test_size_buckets_with_caps_band_and_two_holders_conform(
 @PROPERTY
 @given(scenario=scenarios(caps=True, priority=True, affinity=True), wave=st.integers(2, 8))
 def test_calls_sent_together_conform(redis_url: str, scenario: Scenario, wave: int) -> None:
-    """Under load a holder's calls leave as one (``state/batcher.py``, dispatch.lua's
+    """Under load a holder's calls leave as one (``state/redis_batcher.py``, dispatch.lua's
     ``batch``): each decides as it would have on its own, in the order they were made."""
     run(redis_url, scenario, wave)
 

@@ -29,8 +29,8 @@ import yaml
 from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config, serve_process
 from redis_server import queued_in_redis, queued_is
 
-from sfq_proxy.http.runtime import PROXY
-from sfq_proxy.http.server import EXIT_WITHIN_S, running
+from sfq_proxy.http.proxy import PROXY
+from sfq_proxy.runner.server import EXIT_WITHIN_S, running
 
 CHAT = [{"role": "user", "content": "hello"}]
 DRAIN_S = 2.0

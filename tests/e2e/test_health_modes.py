@@ -18,7 +18,7 @@ from provider_double import CHAT_PATH, PROVIDER_KEY, ProviderDouble
 from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
 
 from sfq_proxy.core.scheduler import Ticket
-from sfq_proxy.http.pool_runtime import Pool
+from sfq_proxy.state.pool import Pool
 
 ENV = {"PROVIDER_KEY": PROVIDER_KEY}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from proxy_lab import KEYS, MODEL, Lab, Served, proxy_config
 
-from sfq_proxy.http import access_log as access_log_sink
-from sfq_proxy.http import logs
+from sfq_proxy.observability import access_log as access_log_sink
+from sfq_proxy.observability import logs
 
 BIG = 5 * 1024 * 1024  # a model name as large as the body allows
 LONG = 8000  # a header, path or method as long as aiohttp lets through

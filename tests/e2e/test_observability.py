@@ -19,7 +19,7 @@ from proxy_lab import (
     scrape,
 )
 
-from sfq_proxy.http.metrics import OTHER, Metrics
+from sfq_proxy.observability.metrics import OTHER, Metrics
 
 SECRET_PROMPT = "my-secret-prompt-text"
 CHAT = [{"role": "user", "content": "hi"}]  # 1 input token by chars/4

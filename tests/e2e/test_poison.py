@@ -231,8 +231,8 @@ BEFORE_THE_ANSWER = [
     ("sfq_proxy.http.handler.classify", 500),
     ("sfq_proxy.core.cost.CostModel.price", 500),
     ("sfq_proxy.core.admission.Admission.admit", 500),
-    ("sfq_proxy.http.metrics.Metrics.seen", 500),
-    ("sfq_proxy.http.pool_runtime.Pool.acquire", 500),
+    ("sfq_proxy.observability.metrics.Metrics.seen", 500),
+    ("sfq_proxy.state.pool.Pool.acquire", 500),
     ("sfq_proxy.http.relay._open", 500),
 ]
 AFTER_IT_STARTED = [("sfq_proxy.http.relay._UsageStripper.feed", "cut")]
@@ -240,7 +240,7 @@ WHILE_COUNTING = [
     ("sfq_proxy.http.handler.read_usage", "intact"),
     ("sfq_proxy.http.handler._account", "intact"),
     ("sfq_proxy.core.cost.CostModel.observe", "intact"),
-    ("sfq_proxy.http.metrics.Metrics.first_byte", 500),  # called as the headers arrive
+    ("sfq_proxy.observability.metrics.Metrics.first_byte", 500),  # called as the headers arrive
 ]
 
 

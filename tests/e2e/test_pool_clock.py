@@ -14,7 +14,7 @@ from proxy_lab import proxy_config
 
 from sfq_proxy.core.errors import ApiError, Expiry
 from sfq_proxy.core.scheduler import Ticket
-from sfq_proxy.http.pool_runtime import Pool
+from sfq_proxy.state.pool import Pool
 
 pytestmark = pytest.mark.looptime
 

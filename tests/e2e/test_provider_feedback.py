@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy_lab import KEYS, MODEL, Lab, eventually, proxy_config
 
 from sfq_proxy.core.scheduler import Ticket
-from sfq_proxy.http.pool_runtime import Pool
+from sfq_proxy.state.pool import Pool
 
 CHAT = [{"role": "user", "content": "Say something fair."}]
 SLACK = 0.01  # the double's and the proxy's clocks are the same loop's; timers may run early

@@ -19,8 +19,8 @@ from proxy_lab import (
     proxy_config,
 )
 
-from sfq_proxy.http.runtime import PROXY
-from sfq_proxy.http.server import bound_url, running
+from sfq_proxy.http.proxy import PROXY
+from sfq_proxy.runner.server import bound_url, running
 from sfq_proxy.sim.server import SimBackend
 
 CHAT = [{"role": "user", "content": "Say something fair."}]

@@ -27,8 +27,8 @@ from redis_server import (
 from test_shared_state import CHAT, PER_ORG, out_of_bound, skewed_flood
 
 from sfq_proxy.config import Config, parse_config
-from sfq_proxy.http.shared_calibration import KEY as CALIBRATION_KEY
 from sfq_proxy.sim.server import SimBackend
+from sfq_proxy.state.redis_calibration import KEY as CALIBRATION_KEY
 from sfq_proxy.state.redis_dispatch import pool_prefix
 
 pytestmark = pytest.mark.redis
@@ -94,7 +94,7 @@ def tags_on(node: RedisClusterNode) -> set[str]:
 
 def libraries(node: RedisClusterNode) -> set[str]:
     """The names of the function libraries the node holds, without the digest of their code
-    that ``state/library.py`` adds (``sfq_<digest>`` is "sfq")."""
+    that ``state/redis_functions.py`` adds (``sfq_<digest>`` is "sfq")."""
     with node.client() as client:
         return {
             dict(zip(lib[::2], lib[1::2], strict=True))["library_name"].rsplit("_", 1)[0]

@@ -1,4 +1,4 @@
-"""The pipelined connection of the hot path (``sfq_proxy/state/resp.py``) against a real
+"""The pipelined connection of the hot path (``sfq_proxy/state/redis_resp.py``) against a real
 redis-server, and against servers that stall or speak garbage.
 
 Every reply must reach its own caller, whatever the concurrency, cancellations and replies
@@ -16,8 +16,8 @@ import redis
 from redis.exceptions import ConnectionError, RedisError, ResponseError, TimeoutError
 from redis_server import running_redis
 
-from sfq_proxy.state.library import DISPATCH
-from sfq_proxy.state.resp import Pipe
+from sfq_proxy.state.redis_functions import DISPATCH
+from sfq_proxy.state.redis_resp import Pipe
 
 pytestmark = pytest.mark.redis
 

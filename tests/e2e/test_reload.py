@@ -15,8 +15,8 @@ import pytest
 from proxy_lab import KEYS, MODEL, Lab, Served, config_yaml, eventually, proxy_config
 
 from sfq_proxy.config import load_config
-from sfq_proxy.http.runtime import PROXY
-from sfq_proxy.http.server import bound_url, running
+from sfq_proxy.http.proxy import PROXY
+from sfq_proxy.runner.server import bound_url, running
 
 CHAT = [{"role": "user", "content": "hi"}]
 ADMIN = {"ADMIN_KEY": "sk-admin-reload"}

@@ -24,7 +24,7 @@ import redis.asyncio as aioredis
 from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually
 from redis_server import queued_is
 
-from sfq_proxy.http.workers import METRICS_PREFIX, STALE_AFTER_S
+from sfq_proxy.runner.workers import METRICS_PREFIX, STALE_AFTER_S
 from sfq_proxy.sim.server import SimBackend
 
 pytestmark = pytest.mark.redis

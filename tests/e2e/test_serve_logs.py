@@ -125,8 +125,8 @@ def test_on_pipes_both_logs_are_json_lines_with_ts_level_logger(config: Path) ->
         assert re.fullmatch(TS, record["ts"])
     said = [(r["level"], r["logger"], r["msg"]) for r in records]
     url = BANNER.match(out[0])[1]
-    assert ("info", "sfq_proxy.http.server", f"listening on {url}") in said
-    assert ("info", "sfq_proxy.http.runtime", "draining: in-flight requests have up to 5 s") in said
+    assert ("info", "sfq_proxy.runner.server", f"listening on {url}") in said
+    assert ("info", "sfq_proxy.http.proxy", "draining: in-flight requests have up to 5 s") in said
     assert any(level == "warning" and "marked down" in msg for level, _, msg in said), said
     text = "\n".join(out + err)
     assert KEY not in text
@@ -199,8 +199,7 @@ def test_on_a_terminal_the_default_is_text(config: Path) -> None:
         assert len(access) == 2
         assert all(re.match(f"{TS} INFO sfq_proxy.access: request_id=", a) for a in access)
         assert any(
-            re.match(f"{TS} WARNING sfq_proxy.http.pool_runtime: .*marked down", line)
-            for line in lines
+            re.match(f"{TS} WARNING sfq_proxy.state.pool: .*marked down", line) for line in lines
         ), lines
         assert not [line for line in lines if line.startswith("{")]
 

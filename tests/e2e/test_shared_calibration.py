@@ -18,15 +18,15 @@ from redis_server import RedisServer
 
 from sfq_proxy.config import Config
 from sfq_proxy.core.calibration import Calibration
-from sfq_proxy.http.calibration_store import load, save
-from sfq_proxy.http.runtime import PROXY
-from sfq_proxy.http.server import bound_url, running
-from sfq_proxy.http.shared_calibration import KEY, CalibrationSync, SharedCalibration
+from sfq_proxy.http.proxy import PROXY
+from sfq_proxy.runner.server import bound_url, running
 from sfq_proxy.sim.server import SimBackend
+from sfq_proxy.state.calibration_file import load, save
+from sfq_proxy.state.redis_calibration import KEY, CalibrationSync, SharedCalibration
 
 pytestmark = pytest.mark.redis
 CALIBRATION = {"half_life_requests": 10, "min_org_samples": 3}  # decay shows in a few requests
-SYNC_LOG = "sfq_proxy.http.shared_calibration"
+SYNC_LOG = "sfq_proxy.state.redis_calibration"
 Request = dict[str, Any]  # the keyword arguments of a chat completion
 
 

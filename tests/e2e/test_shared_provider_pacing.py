@@ -24,7 +24,7 @@ from proxy_lab import MODEL, Lab, Served, eventually, proxy_config
 from redis_server import RedisServer
 from test_shared_state_lost import pool
 
-from sfq_proxy.http.shared_pool import Mode
+from sfq_proxy.state.redis_pool import Mode
 
 pytestmark = pytest.mark.redis
 CHAT = [{"role": "user", "content": "hi"}]

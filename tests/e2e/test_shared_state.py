@@ -26,11 +26,9 @@ from redis_server import (
 
 from sfq_proxy.config import Config
 from sfq_proxy.core.flows import Flow
-from sfq_proxy.http.runtime import PROXY
-from sfq_proxy.http.server import bound_url, running
-from sfq_proxy.http.shared_limits import SharedLimits
+from sfq_proxy.http.proxy import PROXY
+from sfq_proxy.runner.server import bound_url, running
 from sfq_proxy.sim.server import SimBackend
-from sfq_proxy.state.library import ADMISSION
 from sfq_proxy.state.redis_dispatch import (
     Grants,
     NotAdmitted,
@@ -39,7 +37,9 @@ from sfq_proxy.state.redis_dispatch import (
     SharedTicket,
     pool_prefix,
 )
-from sfq_proxy.state.resp import Pipe
+from sfq_proxy.state.redis_functions import ADMISSION
+from sfq_proxy.state.redis_limits import SharedLimits
+from sfq_proxy.state.redis_resp import Pipe
 
 pytestmark = pytest.mark.redis
 CHAT = [{"role": "user", "content": "hi"}]
@@ -259,7 +259,7 @@ async def test_an_orgs_rpm_holds_across_proxies_only_when_shared(
 
 async def test_an_orgs_rpm_holds_for_requests_that_come_at_once(lab: Lab, redis_url: str) -> None:
     """rpm 6, twelve requests at once through each of two proxies: their admissions leave
-    each proxy together (``state/batcher.py``), and still exactly 6 pass."""
+    each proxy together (``state/redis_batcher.py``), and still exactly 6 pass."""
     sim = await lab.backend()
     state = {"redis": redis_url, "lease_ttl_s": CALM_TTL_S}
     config = proxy_config([sim.url], state=state, orgs={"A": {"rpm": 6}})

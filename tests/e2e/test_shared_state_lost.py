@@ -17,8 +17,8 @@ from proxy_lab import Lab, Served, eventually, proxy_config
 from redis_server import RedisServer, queued_is
 from test_shared_state import outcome
 
-from sfq_proxy.http.shared_pool import Mode, SharedPool
 from sfq_proxy.state.redis_dispatch import pool_prefix
+from sfq_proxy.state.redis_pool import Mode, SharedPool
 
 pytestmark = pytest.mark.redis
 CHAT = [{"role": "user", "content": "hi"}]

@@ -19,10 +19,10 @@ from redis_server import RedisServer
 from sfq_proxy.config import Config, ConfigError, parse_config
 from sfq_proxy.core.usage import Counts
 from sfq_proxy.http.app import build_app
-from sfq_proxy.http.runtime import PROXY
-from sfq_proxy.http.server import bound_url, running
-from sfq_proxy.http.usage_store import SqliteStore
+from sfq_proxy.http.proxy import PROXY
+from sfq_proxy.runner.server import bound_url, running
 from sfq_proxy.sim.server import SimBackend
+from sfq_proxy.state.usage_store import SqliteStore
 
 OTHER_MODEL = "sim-mistral"
 ADMIN = {"Authorization": "Bearer sk-admin-usage"}

@@ -1,4 +1,4 @@
-"""``state/batcher.py``: calls made while one is on its way leave together, in order, and
+"""``state/redis_batcher.py``: calls made while one is on its way leave together, in order, and
 whatever happens to one caller or one batch reaches exactly the calls it concerns."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sfq_proxy.state.batcher import Batcher, Call
+from sfq_proxy.state.redis_batcher import Batcher, Call
 
 
 class Server:

@@ -18,9 +18,9 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from sfq_proxy.core.calibration import FORMAT_VERSION, Calibration, InputModel, Ratio
-from sfq_proxy.http import atomic_file
-from sfq_proxy.http.calibration_store import load, save
-from sfq_proxy.http.shared_calibration import SharedCalibration
+from sfq_proxy.state import atomic_file
+from sfq_proxy.state.calibration_file import load, save
+from sfq_proxy.state.redis_calibration import SharedCalibration
 
 POOL = "llama-8b"
 HUGE_HALF_LIFE = 10**12  # decay ≈ 1 - 7e-13: a plain ratio of sums for any realistic test
@@ -718,7 +718,7 @@ def test_merge_refuses_a_calibration_of_another_half_life() -> None:
         Calibration(half_life_requests=4).merge(Calibration(half_life_requests=5))
 
 
-# -- shared through Redis: base ⊕ delta (sfq_proxy.http.shared_calibration) -----------------
+# -- shared through Redis: base ⊕ delta (sfq_proxy.state.redis_calibration) -----------------
 
 
 @hypothesis_settings(max_examples=300)  # a delta given back out of order fails 1 in 100
@@ -997,11 +997,11 @@ def test_failed_save_keeps_the_old_file_and_leaves_no_temp_files(
 def _assert_fresh_with_warning(
     caplog: pytest.LogCaptureFixture, path: Path, words: str
 ) -> Calibration:
-    with caplog.at_level(logging.WARNING, logger="sfq_proxy.http.calibration_store"):
+    with caplog.at_level(logging.WARNING, logger="sfq_proxy.state.calibration_file"):
         cal = load(path, half_life_requests=7, min_org_samples=3)
     assert cal.to_json() == {"version": FORMAT_VERSION, "pools": {}}
     assert (cal.half_life_requests, cal.min_org_samples) == (7, 3)
-    [record] = [r for r in caplog.records if r.name == "sfq_proxy.http.calibration_store"]
+    [record] = [r for r in caplog.records if r.name == "sfq_proxy.state.calibration_file"]
     assert record.levelno == logging.WARNING
     assert words in record.getMessage()
     assert str(path) in record.getMessage()
@@ -1049,7 +1049,7 @@ def test_a_version_1_file_loads_without_a_warning(
     """A file saved before the input fit: an upgrade keeps the learned output ratios."""
     path = tmp_path / "calibration.json"
     path.write_text(json.dumps(_doc_v1(output_ratio=_ratio(num=1.0, den=4.0, samples=9))))
-    with caplog.at_level(logging.WARNING, logger="sfq_proxy.http.calibration_store"):
+    with caplog.at_level(logging.WARNING, logger="sfq_proxy.state.calibration_file"):
         cal = load(path, half_life_requests=7)
     assert not caplog.records
     assert cal.output_ratio("p", "acme", 1.0) == 0.25

@@ -32,7 +32,7 @@ from sfq_proxy.core.keys import (
     resolved,
 )
 from sfq_proxy.core.usage import Budget, budgets_of
-from sfq_proxy.http.key_store import FileKeyStore
+from sfq_proxy.state.key_store import FileKeyStore
 
 NOW = 1_800_000_000.0
 SECRET = "sk-sfq-test-secret"

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from sfq_proxy.core.errors import CUT_CHARS
-from sfq_proxy.http import access_log, logs
+from sfq_proxy.observability import access_log, logs
 
 TS = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z")
 SECRET = "sk-live-0123456789"

@@ -1,4 +1,4 @@
-"""``serve --workers N``'s metrics directories (http/workers.py): a parent killed with SIGKILL
+"""``serve --workers N``'s metrics directories (runner/workers.py): a parent killed with SIGKILL
 cannot remove its own, so the next parent removes those that are stale, and only those."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from sfq_proxy.http.workers import METRICS_PREFIX, STALE_AFTER_S, remove_stale
+from sfq_proxy.runner.workers import METRICS_PREFIX, STALE_AFTER_S, remove_stale
 
 
 def _dead_pid() -> int:

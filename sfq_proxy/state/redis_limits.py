@@ -32,8 +32,8 @@ from ..config import Config, OrgSpec
 from ..core.errors import ApiError
 from ..core.flows import Flow
 from ..core.limits import BucketState, Rate, Which, rate_limited, ratelimit_headers
-from ..state.batcher import Batcher
-from ..state.library import ADMISSION, Caller, shielded
+from .redis_batcher import Batcher
+from .redis_functions import ADMISSION, Caller, shielded
 
 log = logging.getLogger(__name__)
 

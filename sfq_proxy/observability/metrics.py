@@ -29,8 +29,8 @@ from prometheus_client.registry import Collector
 from ..core.calibration import Calibration, InputModel
 from ..core.flows import org_and_class
 from ..core.usage import Level
+from ..state.pool import Pool
 from . import process_metrics, worker_metrics
-from .pool_runtime import Pool
 
 FLOW_LABELS = ["org", "class", "pool"]
 OTHER = "other"
@@ -130,7 +130,7 @@ class Metrics(Collector):
         self._series: dict[Key, _Series] = {}
         self._first_byte: dict[tuple[str, str], _Histogram] = {}
         self._placements: Counter[tuple[str, str, str]] = Counter()  # (pool, backend, reason)
-        # every budget as of now (http/usage_store.py), read at scrape time
+        # every budget as of now (state/usage_store.py), read at scrape time
         self.budget_levels: Callable[[], list[Level]] = list
         self.registry = CollectorRegistry()
         # under `serve --workers N`, every worker's counts (worker_metrics.py)

@@ -27,7 +27,7 @@ from ..core.scheduler import Scheduler, Ticket
 from ..core.throttle import Throttle
 
 if TYPE_CHECKING:
-    from .shared_limits import Intake
+    from .redis_limits import Intake
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from ..config import Config
-from . import process_metrics, worker_metrics
+from ..observability import process_metrics, worker_metrics
 from .server import announce, run, serve
 
 log = logging.getLogger(__name__)

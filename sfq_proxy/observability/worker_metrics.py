@@ -25,7 +25,7 @@ from pathlib import Path
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 
-from .atomic_file import write_atomically
+from ..state.atomic_file import write_atomically
 
 log = logging.getLogger(__name__)
 WRITE_EVERY_S = 1.0

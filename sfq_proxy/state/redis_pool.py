@@ -46,8 +46,8 @@ from ..core.fair_queue import FlowView
 from ..core.placement import Backend, share
 from ..core.queue_memory import evicted
 from ..core.scheduler import Ticket
-from ..state.library import shielded
-from ..state.redis_dispatch import (
+from .pool import Clock, Dispatch, Memory, Pool, pool_limits, shutting_down
+from .redis_dispatch import (
     Fenced,
     Grants,
     NotAdmitted,
@@ -55,8 +55,8 @@ from ..state.redis_dispatch import (
     RedisDispatch,
     SharedTicket,
 )
-from .pool_runtime import Clock, Dispatch, Memory, Pool, pool_limits, shutting_down
-from .shared_limits import Intake
+from .redis_functions import shielded
+from .redis_limits import Intake
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 1.0  # what a client is told while the shared state cannot be reached

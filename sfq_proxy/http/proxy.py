@@ -23,17 +23,18 @@ from ..core.errors import ApiError
 from ..core.flows import Authenticator
 from ..core.keys import KeyRecord, clashes, in_force
 from ..core.queue_memory import QueueMemory
+from ..observability import logs
+from ..observability.metrics import Metrics
+from ..observability.worker_metrics import WorkerGroup
+from ..state import calibration_file, key_store, redis_client
+from ..state.pool import Memory, Pool
+from ..state.redis_calibration import CalibrationSync, SharedCalibration
 from ..state.redis_dispatch import RedisDispatch
-from . import calibration_store, key_store, logs, shared_state
+from ..state.redis_limits import SharedLimits
+from ..state.redis_pool import SharedPool
+from ..state.usage_store import UsageBook, open_store
 from .drain import CUT_GRACE_S, Drain
-from .metrics import Metrics
-from .pool_runtime import Memory, Pool
-from .shared_calibration import CalibrationSync, SharedCalibration
-from .shared_limits import SharedLimits
-from .shared_pool import SharedPool
 from .upstream import KEEPALIVE_S, Upstreams
-from .usage_store import UsageBook, open_store
-from .worker_metrics import WorkerGroup
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
@@ -80,8 +81,8 @@ class Proxy:
     ) -> Proxy:
         _hide_upstream_keys(config)
         calibration = _load_calibration(config.calibration)
-        redis, holder = shared_state.connect(config), shared_state.holder_id()
-        calls = None if redis is None else shared_state.calls(config, redis)
+        redis, holder = redis_client.connect(config), redis_client.holder_id()
+        calls = None if redis is None else redis_client.calls(config, redis)
         sync = None
         if redis is not None:  # what any replica learns, every replica charges
             shared = SharedCalibration(**_calibration_settings(config.calibration))
@@ -216,7 +217,7 @@ class Proxy:
             connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         )
         shared = [p for p in self.pools.values() if isinstance(p, SharedPool)]
-        await shared_state.start(self.config, shared)  # refuses to start without Redis
+        await redis_client.start(self.config, shared)  # refuses to start without Redis
         if self.calibration_sync is not None:
             await self.calibration_sync.start()
         if self.keys is not None:  # Redis's keys read before the first request
@@ -245,7 +246,7 @@ class Proxy:
         _, stuck = await asyncio.wait(self._tasks, timeout=TASKS_END_S)
         for task in stuck:  # a library swallowed the cancellation (redis/redis-py#2028)
             log.warning("a background task did not end when cancelled, left behind: %s", task)
-        stops = [shared_state.stop(shared, loops), self.save_last_used()]
+        stops = [redis_client.stop(shared, loops), self.save_last_used()]
         if self.usage is not None:  # every request has ended: the last usage is final
             stops.append(self.usage.close())
         if self.calibration_sync is not None:  # while its Redis client is open
@@ -258,7 +259,7 @@ class Proxy:
                 "shared state: Redis did not take the last calls within %g s: this process's "
                 "leases go back when their TTL passes", HAND_BACK_S,
             )  # fmt: skip
-        await shared_state.close(shared)
+        await redis_client.close(shared)
         await self.session.close()
         self.upstreams.close()
         self.save_calibration()
@@ -291,7 +292,7 @@ class Proxy:
         path = self.config.calibration.state_file
         if path and self.calibration is not None:
             try:
-                calibration_store.save(self.calibration, Path(path))
+                calibration_file.save(self.calibration, Path(path))
             except OSError as err:  # a full disk must not take the proxy down
                 log.warning("cannot save calibration to %s: %s", path, err)
 
@@ -339,7 +340,7 @@ def _load_calibration(spec: CalibrationSpec) -> Calibration:
     """What was learned before, if a state file holds it; else start from the defaults."""
     settings = _calibration_settings(spec)
     if spec.state_file:
-        return calibration_store.load(Path(spec.state_file), **settings)
+        return calibration_file.load(Path(spec.state_file), **settings)
     return Calibration(**settings)
 
 

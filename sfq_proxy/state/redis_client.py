@@ -16,10 +16,10 @@ from redis.asyncio.sentinel import Sentinel
 from redis.exceptions import RedisError
 
 from ..config import Config, ConfigError, without_credentials
-from ..state.library import Caller
-from ..state.redis_dispatch import Fenced
-from ..state.resp import Pipe
-from .shared_pool import SharedPool
+from .redis_dispatch import Fenced
+from .redis_functions import Caller
+from .redis_pool import SharedPool
+from .redis_resp import Pipe
 
 log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 1.0

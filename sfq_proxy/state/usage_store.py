@@ -48,11 +48,34 @@ from ..core.usage import (
     period_starts,
     price_of,
 )
-from .access_log import AccessRecord
 
 log = logging.getLogger(__name__)
 Rows = list[tuple[RowKey, Counts]]
 REDIS_PREFIX = "sfq:{usage}:"  # one hash tag: one slot of a Redis Cluster, one pipeline
+
+
+class Served(Protocol):
+    """What the book reads of a request (the access log's record): this layer sits below
+    the HTTP surface, so it names the fields, not the record's type."""
+
+    @property
+    def org(self) -> str | None: ...
+    @property
+    def key(self) -> str | None: ...
+    @property
+    def pool(self) -> str | None: ...
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def backend(self) -> str | None: ...
+    @property
+    def prompt_tokens(self) -> int | None: ...
+    @property
+    def completion_tokens(self) -> int | None: ...
+    @property
+    def cost(self) -> float | None: ...
+    @property
+    def cost_actual(self) -> float | None: ...
 
 
 class Store(Protocol):
@@ -260,7 +283,7 @@ class UsageBook:
         self.config = config
         self.ledger.budgets = budgets_of(config, records)
 
-    def dispatched(self, record: AccessRecord, input_tokens: int, max_tokens: int) -> None:
+    def dispatched(self, record: Served, input_tokens: int, max_tokens: int) -> None:
         """A request of ``record``'s org and key is about to be sent upstream, with its
         estimated input and at most ``max_tokens`` of output: refused (the 429 of ``check``)
         if a budget is used up by now, counting what runs; else what it may spend is
@@ -277,7 +300,7 @@ class UsageBook:
         self._reserved[id(record)] = (org, key, spent)
         self.ledger.reserve(org, key, spent)
 
-    def record(self, record: AccessRecord) -> None:
+    def record(self, record: Served) -> None:
         """A request that reached a backend, at its end (its tokens as the backend reported)."""
         reserved = self._reserved.pop(id(record), None)
         if reserved is not None:

@@ -33,8 +33,8 @@ from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.exceptions import RedisError
 
 from ..core.calibration import Calibration
-from ..state.library import shielded
-from .calibration_store import decode
+from .calibration_file import decode
+from .redis_functions import shielded
 
 __all__ = ["KEY", "SYNC_INTERVAL_S", "CalibrationSync", "SharedCalibration"]
 

@@ -27,12 +27,12 @@ from typing import Any
 from aiohttp import web
 
 from ..config import Config, ConfigError
-from . import access_log, logs
-from .app import build_app
-from .connections import Guard, Runner
-from .drain import CUT_GRACE_S
-from .runtime import HAND_BACK_S, PROXY, TASKS_END_S, Proxy
-from .shared_state import CLOSE_S as REDIS_CLOSE_S
+from ..http.app import build_app
+from ..http.connections import Guard, Runner
+from ..http.drain import CUT_GRACE_S
+from ..http.proxy import HAND_BACK_S, PROXY, TASKS_END_S, Proxy
+from ..observability import access_log, logs
+from ..state.redis_client import CLOSE_S as REDIS_CLOSE_S
 
 log = logging.getLogger(__name__)
 CLOSE_S = 0.05  # after the drain, aiohttp closes what still writes (a client not reading)

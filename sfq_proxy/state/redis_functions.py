@@ -19,8 +19,8 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.exceptions import ClusterDownError, ResponseError, SlotNotCoveredError
 
-from .batcher import Call
-from .resp import Pipe
+from .redis_batcher import Call
+from .redis_resp import Pipe
 
 # where function calls go: a pipe to one server (the fast path), or redis-py's client
 Caller = Redis | RedisCluster | Pipe
