@@ -9,13 +9,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 from redis.exceptions import RedisError
 
-from ..config import CalibrationSpec, Config, ConfigError, ResolvedKey, load_config
+from ..config import Config, ConfigError, ResolvedKey, load_config
 from ..core.admission import Admission
 from ..core.calibration import Calibration
 from ..core.cost import CostModel
@@ -26,13 +26,12 @@ from ..core.queue_memory import QueueMemory
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..observability.worker_metrics import WorkerGroup
-from ..state import calibration_file, key_store, redis_client
+from ..state import calibration_file, key_store
+from ..state.backends import State, open_state
 from ..state.pool import Memory, Pool
-from ..state.redis_calibration import CalibrationSync, SharedCalibration
-from ..state.redis_dispatch import RedisDispatch
+from ..state.redis_calibration import CalibrationSync
 from ..state.redis_limits import SharedLimits
-from ..state.redis_pool import SharedPool
-from ..state.usage_store import UsageBook, open_store
+from ..state.usage_store import UsageBook
 from .drain import CUT_GRACE_S, Drain
 from .upstream import KEEPALIVE_S, Upstreams
 
@@ -58,6 +57,7 @@ class Proxy:
     admission: Admission
     metrics: Metrics
     clock: Clock
+    storage: State  # where the pools' lines and slots, the keys and the usage live
     wall: Clock = time.time  # Unix time: key expiry, usage periods, budgets; tests replace it
     calibration: Calibration | None = None
     limits: SharedLimits | None = None  # the org buckets and Idempotency-Keys, with Redis
@@ -80,24 +80,11 @@ class Proxy:
         wall: Clock = time.time,
     ) -> Proxy:
         _hide_upstream_keys(config)
-        calibration = _load_calibration(config.calibration)
-        redis, holder = redis_client.connect(config), redis_client.holder_id()
-        calls = None if redis is None else redis_client.calls(config, redis)
-        sync = None
-        if redis is not None:  # what any replica learns, every replica charges
-            shared = SharedCalibration(**_calibration_settings(config.calibration))
-            shared.adopt(calibration)  # until Redis has a calibration, the state file's
-            calibration, sync = shared, CalibrationSync(redis, shared)
+        storage = open_state(config)
+        calibration, sync = storage.calibration(calibration_file.loaded(config.calibration))
         memory: Memory = QueueMemory(config.limits.queue_memory_bytes)
-
-        def pool(name: str) -> Pool:
-            if redis is None:
-                return Pool(name, config, clock, calibration, memory)
-            dispatch = RedisDispatch(redis, name, holder, calls)
-            return SharedPool(name, config, clock, calibration, dispatch, memory)
-
-        pools = {name: pool(name) for name in config.pools}
-        keys = key_store.open_store(config, redis)  # a damaged file: a config error
+        pools = {name: storage.pool(name, clock, calibration, memory) for name in config.pools}
+        keys = storage.key_store()
         if keys is not None and (clash := clashes(config, keys.records.values())):
             raise clash
         proxy = cls(
@@ -109,13 +96,14 @@ class Proxy:
             clock=clock,
             wall=wall,
             calibration=calibration,
-            limits=None if calls is None else SharedLimits(calls, config, _replicas(pools)),
+            limits=storage.limits(),
             calibration_sync=sync,
             config_path=config_path,
             memory=memory,
             keys=keys,
+            storage=storage,
         )
-        proxy.usage = UsageBook(config, open_store(config, redis, wall), wall)
+        proxy.usage = UsageBook(config, storage.usage_store(wall), wall)
         proxy.metrics.budget_levels = proxy.usage.levels
         if keys is not None:
             keys.on_change = proxy.use_store_keys
@@ -216,8 +204,7 @@ class Proxy:
         self.session = aiohttp.ClientSession(
             connector=connector, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         )
-        shared = [p for p in self.pools.values() if isinstance(p, SharedPool)]
-        await redis_client.start(self.config, shared)  # refuses to start without Redis
+        await self.storage.start()  # refuses to start without its Redis
         if self.calibration_sync is not None:
             await self.calibration_sync.start()
         if self.keys is not None:  # Redis's keys read before the first request
@@ -225,10 +212,8 @@ class Proxy:
         self._tasks = [
             asyncio.create_task(p.probe_forever(self.session)) for p in self.pools.values()
         ]
-        loops = [asyncio.create_task(loop) for p in shared for loop in p.loops()]
-        if self.limits is not None and self.config.state is not None:
-            renew = self.limits.renew_forever(self.config.state.heartbeat_s)
-            self._tasks.append(asyncio.create_task(renew))
+        loops = [asyncio.create_task(loop) for loop in self.storage.loops()]
+        self._tasks += [asyncio.create_task(loop) for loop in self.storage.background()]
         if self.config.calibration.state_file:
             self._tasks.append(asyncio.create_task(self._save_calibration_forever()))
         if self.keys is not None:
@@ -246,7 +231,7 @@ class Proxy:
         _, stuck = await asyncio.wait(self._tasks, timeout=TASKS_END_S)
         for task in stuck:  # a library swallowed the cancellation (redis/redis-py#2028)
             log.warning("a background task did not end when cancelled, left behind: %s", task)
-        stops = [redis_client.stop(shared, loops), self.save_last_used()]
+        stops = [self.storage.stop(loops), self.save_last_used()]
         if self.usage is not None:  # every request has ended: the last usage is final
             stops.append(self.usage.close())
         if self.calibration_sync is not None:  # while its Redis client is open
@@ -259,7 +244,7 @@ class Proxy:
                 "shared state: Redis did not take the last calls within %g s: this process's "
                 "leases go back when their TTL passes", HAND_BACK_S,
             )  # fmt: skip
-        await redis_client.close(shared)
+        await self.storage.close()
         await self.session.close()
         self.upstreams.close()
         self.save_calibration()
@@ -309,39 +294,9 @@ class Proxy:
         }
 
 
-def _replicas(pools: dict[str, Pool]) -> Callable[[], int]:
-    """How many processes share the state: the most any pool saw at its last heartbeat."""
-    shared = [p for p in pools.values() if isinstance(p, SharedPool)]
-    return lambda: max((len(p.dispatch.holders) for p in shared), default=1)
-
-
 def _hide_upstream_keys(config: Config) -> None:
     """The upstream keys are the only secrets the proxy holds in plain text: no log shows them."""
     logs.hide(*(key for pool in config.pools if (key := config.upstream_key(pool))))
-
-
-class _CalibrationSettings(TypedDict):
-    half_life_requests: int
-    min_org_samples: int
-    min_pool_samples: int
-
-
-def _calibration_settings(spec: CalibrationSpec) -> _CalibrationSettings:
-    """Of every calibration the proxy makes: the one it loads, and with Redis the shared one,
-    its base and its deltas (whose merges need one decay)."""
-    return {
-        "half_life_requests": spec.half_life_requests,
-        "min_org_samples": spec.min_org_samples,
-        "min_pool_samples": spec.min_org_samples,
-    }
-
-
-def _load_calibration(spec: CalibrationSpec) -> Calibration:
-    """What was learned before, if a state file holds it; else start from the defaults."""
-    settings = _calibration_settings(spec)
-    if spec.state_file:
-        return calibration_file.load(Path(spec.state_file), **settings)
-    return Calibration(**settings)
 
 
 PROXY = web.AppKey("proxy", Proxy)

@@ -9,14 +9,38 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
+from ..config import CalibrationSpec
 from ..core.calibration import Calibration
 from .atomic_file import write_atomically
 
-__all__ = ["decode", "load", "save"]
+__all__ = ["Settings", "decode", "load", "loaded", "save", "settings"]
 
 log = logging.getLogger(__name__)
+
+
+class Settings(TypedDict):
+    half_life_requests: int
+    min_org_samples: int
+    min_pool_samples: int
+
+
+def settings(spec: CalibrationSpec) -> Settings:
+    """Of every calibration the proxy makes: the one it loads, and with Redis the shared one,
+    its base and its deltas (whose merges need one decay)."""
+    return {
+        "half_life_requests": spec.half_life_requests,
+        "min_org_samples": spec.min_org_samples,
+        "min_pool_samples": spec.min_org_samples,
+    }
+
+
+def loaded(spec: CalibrationSpec) -> Calibration:
+    """What was learned before, if a state file holds it; else start from the defaults."""
+    if spec.state_file:
+        return load(Path(spec.state_file), **settings(spec))
+    return Calibration(**settings(spec))
 
 
 def save(calibration: Calibration, path: Path) -> None:

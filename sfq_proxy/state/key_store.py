@@ -23,7 +23,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from ..config import Config, ConfigError
+from ..config import ConfigError
 from ..core.errors import ApiError
 from ..core.keys import LATEST, KeyRecord, record_from_json, record_to_json
 from .atomic_file import write_atomically
@@ -338,16 +338,6 @@ class RedisKeyStore(KeyStore):
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
-
-
-def open_store(config: Config, redis: Redis | RedisCluster | None) -> KeyStore | None:
-    """The store ``config`` asks for: Redis when the state is shared, else the file of
-    ``key_store_file``, else none (the key API then says how to turn it on)."""
-    if redis is not None and config.state is not None:
-        return RedisKeyStore(redis, min(config.state.lease_ttl_s, POLL_MAX_S))
-    if config.key_store_file is not None:
-        return FileKeyStore(Path(config.key_store_file))
-    return None
 
 
 def usage_times(store: KeyStore, used: Mapping[bytes, float]) -> dict[str, float]:

@@ -25,7 +25,7 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from ..config import Config, ConfigError
+from ..config import Config
 from ..core.errors import ApiError
 from ..core.keys import KeyRecord
 from ..core.usage import (
@@ -249,19 +249,6 @@ end
 for j = 2, #KEYS do redis.call('EXPIRE', KEYS[j], ARGV[2]) end
 return 1
 """
-
-
-def open_store(
-    config: Config, redis: Redis | RedisCluster | None, wall: Callable[[], float]
-) -> Store:
-    if redis is not None:
-        return RedisStore(redis, config.usage.redis_ttl_days * DAY)
-    if config.usage.file is not None:
-        try:
-            return SqliteStore(Path(config.usage.file), wall)
-        except sqlite3.Error as err:  # not a database, or not writable
-            raise ConfigError([("usage.file", f"cannot use it as a SQLite file: {err}")]) from err
-    return MemoryStore()
 
 
 class UsageBook:
