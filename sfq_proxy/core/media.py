@@ -153,7 +153,7 @@ def image_tokens(width: int, height: int, detail: str) -> int:
     then down so the shortest side is at most 768, count the 512-px tiles (each side
     rounded up) and charge 85 + 170 per tile.
 
-    OpenAI's own examples, checked in tests/unit/test_media.py:
+    OpenAI's own examples, checked in tests/core/test_media.py:
 
     - 1024 × 1024, high: no fit needed; shortest side to 768 → 768 × 768 → 2 × 2 tiles →
       85 + 170·4 = 765.

@@ -6,7 +6,7 @@ against implement the same interface here, so the scenario lab runs each of them
 the proxy's own scheduler: a global FIFO, strict priority by class, round robin by request
 count, and Deficit Round Robin. No I/O, no clock; everything is deterministic.
 
-What every implementation guarantees (``tests/unit/test_queues.py`` checks it over all five):
+What every implementation guarantees (``tests/core/test_queues.py`` checks it over all five):
 
 * each flow is a FIFO (``front`` puts a retry at its flow's head), unless ``FairQueue`` is
   given size buckets (``max_overtaken``: docs/design.md §3), which the baselines ignore;

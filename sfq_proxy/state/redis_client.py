@@ -29,7 +29,7 @@ SOCKET_TIMEOUT_S = 5.0
 MAX_CONNECTIONS = 64
 # behind Sentinel, and to each node of a cluster, a call cannot wait for a free connection
 # (redis-py's Sentinel pool and its cluster nodes fail at once when all are busy: at 64 per
-# node, a burst of 200 requests got 503 for most, tests/e2e/test_redis_cluster.py): a bound
+# node, a burst of 200 requests got 503 for most, tests/state/test_redis_cluster.py): a bound
 # well above what a process has in flight
 UNWAITED_CONNECTIONS = 1024
 # at shutdown: how long the loops may take to end on their own (the heartbeat ends at its

@@ -3,7 +3,7 @@ loaded where Redis does not have them: a new Redis, or one restarted without its
 (functions live with the data, per node: a cluster's primaries each have their own).
 
 On a cluster each call goes straight to the primary that owns its key's slot, and a
-library is loaded on the primary that said it lacks it (tests/e2e/test_redis_cluster.py)."""
+library is loaded on the primary that said it lacks it (tests/state/test_redis_cluster.py)."""
 
 from __future__ import annotations
 

@@ -563,7 +563,7 @@ def test_deployment_mounts_config_and_writable_state() -> None:
 
 def test_grace_period_outlasts_the_drain() -> None:
     """The kubelet counts the preStop hook in the grace period; after it, the process exits
-    within drain_timeout_s + EXIT_WITHIN_S of SIGTERM (tests/e2e/test_drain.py measures it):
+    within drain_timeout_s + EXIT_WITHIN_S of SIGTERM (tests/runner/test_drain.py measures it):
     the SIGKILL must come later, or it skips the end of the drain."""
     pod = resources()["Deployment"]["spec"]["template"]["spec"]
     command = container()["lifecycle"]["preStop"]["exec"]["command"]

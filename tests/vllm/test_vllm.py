@@ -311,7 +311,7 @@ async def test_usage_the_proxy_asks_for_is_stripped_as_vllm_would_not_have_sent_
     finishing event (with the system_fingerprint vLLM moves to the usage chunk when usage is
     asked for), no usage chunk. vLLM groups tokens into chunks by timing, so the events are
     compared as a stream, not one by one (the byte-exact checks are against the simulator
-    and, for every cut of a recorded vLLM stream, in tests/unit/test_usage_stripper.py)."""
+    and, for every cut of a recorded vLLM stream, in tests/http/test_usage_stripper.py)."""
     served = await proxy_for(lab, vllm_servers[:1], slots=4)
     http = await lab.http()
     body = {"model": SERVED_NAME, "messages": CHAT, "max_tokens": 12, "stream": True,

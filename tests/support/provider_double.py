@@ -26,7 +26,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 PROVIDER_KEY = "sk-provider-secret"
-MODEL = "sim-llama"  # the lab's model name (tests/proxy_lab.py)
+MODEL = "sim-llama"  # the lab's model name (tests/support/proxy_lab.py)
 WORDS = ("Fair", " queues", " for", " all", ".")
 USAGE = {"prompt_tokens": 11, "completion_tokens": 5, "total_tokens": 16}
 CHAT_PATH = "/v1/chat/completions"

@@ -1,5 +1,5 @@
 """Hugging Face TGI behind the real proxy, through the official openai SDK: its Messages API
-as its documents and router code describe it (the double, tests/tgi_double.py, cites them).
+as its documents and router code describe it (the double, tests/support/tgi_double.py, cites them).
 
 What passes as it is: answers, streams with their finishing event, usage (asked for by the
 proxy when the client did not), the ``/health`` probe, TGI's 422s. What differs from vLLM:

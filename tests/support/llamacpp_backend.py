@@ -1,8 +1,8 @@
 """Real llama.cpp servers (llama-cpp-python's OpenAI server) for the tests, from PyPI alone.
 
-    python tests/llamacpp_backend.py install          # build llama-cpp-python into its venv
-    python tests/llamacpp_backend.py model            # the tiny Llama of vllm_backend as GGUF
-    python tests/llamacpp_backend.py serve 8011 8012  # servers until Ctrl-C
+    python tests/support/llamacpp_backend.py install  # build llama-cpp-python into its venv
+    python tests/support/llamacpp_backend.py model    # the tiny Llama of vllm_backend as GGUF
+    python tests/support/llamacpp_backend.py serve 8011 8012  # servers until Ctrl-C
 
 llama-cpp-python comes as an sdist only: ``install`` compiles llama.cpp with cmake (CPU only,
 no tests, tools or multimodal library) into its own venv (``SFQ_LLAMACPP_VENV``, default

@@ -79,7 +79,7 @@ TOKEN_FIELDS = {
     "n": MAX_CHOICES,
     "best_of": MAX_CHOICES,
 }
-KEY_CLASSES = {  # as tests/proxy_lab.py's config grants them
+KEY_CLASSES = {  # as tests/support/proxy_lab.py's config grants them
     KEYS["A"]: ("batch", "interactive"),
     KEYS["B"]: ("batch",),
     KEYS["C"]: ("interactive",),
@@ -1205,7 +1205,7 @@ def expected_statuses(case: Case) -> set[int] | None:
     auth, cls = case.sends("Authorization"), case.sends("X-Workload-Class")
     timeout = case.sends("X-Request-Timeout")
     if not auth and (case.sends("api-key") or case.sends("x-api-key")):
-        return None  # the key is in another header: its own rules (tests/unit/test_flows.py)
+        return None  # the key is in another header: its own rules (tests/core/test_flows.py)
     if not auth or (len(auth) == 1 and auth[0] in KNOWN_BAD_AUTH):
         return {401}
     key = auth[0].removeprefix(b"Bearer ").decode("latin-1")

@@ -1,7 +1,7 @@
 """The fault matrix of issue 17: what an upstream can do wrong, through the real proxy and the
 ``openai`` SDK, and after each fault the pool whole (every slot free, and the next burst
 reaches the pool's full concurrency). Then a hosted provider's pool, served by the stand-in
-of ``tests/provider_double.py``.
+of ``tests/support/provider_double.py``.
 
 Rows covered elsewhere are not tested again here; where each row is tested:
 

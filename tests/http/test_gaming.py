@@ -28,7 +28,7 @@ from the actual costs, so a trick that still pays cannot widen its own tolerance
 
 The last trick of the issue, a priority band that could take every slot (``priority: true``
 without a cap, or capped at a pool's slots), is refused when the config is read: see
-tests/unit/test_config.py.
+tests/config/test_config.py.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ from served_cost import (
 )
 from served_cost import SLOTS as SERVED_SLOTS
 from served_cost import contend as contend_served
-from test_budgets import DEC_1, Wall
+from wall import DEC_1, Wall
 
 from sfq_proxy.config import Config
 from sfq_proxy.sim.server import SimBackend
@@ -411,7 +411,7 @@ async def test_many_tiny_chats_do_not_make_long_prompts_expensive(
 # Since issue 38 a request's charge is trued up when it ends to the cost the backend reports.
 # So the estimate orders dispatch, but no request shape can buy more than its share of the
 # work the backend says it did: whatever the backend's usage is as a function of the body
-# (tests/served_cost.py's UsageDouble), a cheater's share of the reported cost over a long
+# (tests/support/served_cost.py's UsageDouble), a cheater's share of the reported cost over a long
 # backlogged run is at most SHARE_LIMIT (55 %) against an honest tenant of equal weight. The
 # run is long (each tenant's backlog about WORK tokens, some 30 requests of a context's worth)
 # so that what is in flight, dispatched on an estimate and not yet trued up, is within the

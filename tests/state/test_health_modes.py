@@ -1,7 +1,7 @@
 """Health per pool (docs/design.md §5): active probes with a configurable path, method and
 upstream key, or passive only, through the real proxy in front of a provider-like double.
 
-The double is tests/provider_double.py, what a hosted provider looks like from the proxy:
+The double is tests/support/provider_double.py, what a hosted provider looks like from the proxy:
 every path needs its key (401 without), and it has no ``/health``. Cooldown timing is
 checked exactly on a pool of its own, on looptime's loop clock (as in test_pool_clock.py),
 where 30 s take no time.

@@ -16,7 +16,8 @@ import openai
 import pytest
 from proxy_lab import KEYS, MODEL, Lab, Served, eventually, sample, scrape
 from test_admin_keys import admin, chat, cli, create, keys_config, stored
-from test_budgets import DEC_1, LATE, Wall, assert_refused_for_the_day
+from test_budgets import assert_refused_for_the_day
+from wall import DEC_1, LATE, Wall
 
 from sfq_proxy.sim.server import SimBackend
 

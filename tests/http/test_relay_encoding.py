@@ -1,5 +1,5 @@
 """The decoding of a compressed upstream body and its choice of headers to pass on
-(docs/design.md §5, Relay); end to end in tests/e2e/test_relay_upstreams.py."""
+(docs/design.md §5, Relay); end to end in tests/http/test_relay_upstreams.py."""
 
 from __future__ import annotations
 

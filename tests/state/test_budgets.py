@@ -14,22 +14,13 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from proxy_lab import KEYS, MODEL, Lab, Served, config_yaml, eventually
+from wall import DEC_1, LATE, Wall
 
 from sfq_proxy.config import Config, parse_config
 from sfq_proxy.sim.server import SimBackend
 
-DEC_1 = 1_764_547_200  # 2025-12-01T00:00:00Z
-LATE = DEC_1 + 23 * 3600 + 30  # 2025-12-01T23:00:30Z: 3570 s before midnight
 CHAT = [{"role": "user", "content": "spend my budget"}]
 ALERTS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "alerts.yml"
-
-
-class Wall:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def budgeted(sim: SimBackend, **fields: Any) -> Config:

@@ -2,7 +2,7 @@
 names is the one `make` installs in `.venv`, its five-minute config passes `check-config`
 with the keys its `export` line sets, each `sfq-proxy` and `make` command it shows exists,
 and its Python snippet reads the variables that line exports. (Serving that config would
-listen on port 8080 and call 10.0.0.x: tests/e2e/test_serve.py serves real configs.)"""
+listen on port 8080 and call 10.0.0.x: tests/runner/test_serve.py serves real configs.)"""
 
 from __future__ import annotations
 

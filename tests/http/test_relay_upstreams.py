@@ -37,7 +37,7 @@ STOPPED_HEADERS = {
 
 
 def upstream_double(coding: Coding, prefix: str = "/v1") -> ProviderDouble:
-    """A provider-like double (tests/provider_double.py) that needs no key, compresses every
+    """A provider-like double (tests/support/provider_double.py) that needs no key, compresses every
     answer with ``coding`` whatever it is asked ("raw-deflate": "deflate" as some servers
     send it, without the zlib header), sends provider and hop-by-hop headers, answers its
     ``/health`` and records what reached it."""

@@ -24,7 +24,7 @@ from sfq_proxy.lab.scenario import Scenario, Served, load_scenario
 from sfq_proxy.lab.simulator import cost_of, simulate
 
 ROOT = Path(__file__).resolve().parents[2]
-SHORT = Path(__file__).resolve().parents[1] / "scenarios" / "abc-short.yaml"
+SHORT = Path(__file__).resolve().parents[1] / "support" / "scenarios" / "abc-short.yaml"
 AZURE = ROOT / "config" / "scenarios" / "azure-conv.yaml"
 
 

