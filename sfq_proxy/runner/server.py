@@ -87,13 +87,19 @@ def bound_url(runner: web.AppRunner) -> str:
     return f"http://{host}:{port}"
 
 
-async def wait_for_signal() -> None:
-    """Return on the first SIGTERM or SIGINT."""
+def stop_signal() -> asyncio.Event:
+    """Set on the first SIGTERM or SIGINT from now on (no longer their default action, which
+    ends the process at once)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
+
+
+async def wait_for_signal() -> None:
+    """Return on the first SIGTERM or SIGINT."""
+    await stop_signal().wait()
 
 
 def run(main: Callable[[], Any]) -> None:
@@ -125,6 +131,9 @@ def announce(line: str) -> None:
 async def serve(config: Config, config_path: Path | None = None, *, worker: bool = False) -> None:
     """Serve until SIGTERM/SIGINT, then drain; a ``worker`` shares its port with others."""
     access_log.configure()
+    # before the start: a worker started again joins the shared state during it, and a
+    # SIGTERM then (a rolling stop) must drain it once started, not kill it
+    stop = stop_signal()
     async with running(config, config_path=config_path, reuse_port=worker) as runner:
         # What start-up made (modules, config, app: ~50k objects) lives as long as the
         # process: out of the collector's sight, a full collection takes ~0 ms, not ~30 ms
@@ -134,5 +143,5 @@ async def serve(config: Config, config_path: Path | None = None, *, worker: bool
         announce(f"sfq-proxy listening on {bound_url(runner)}")
         proxy = runner.app[PROXY]
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload, proxy)
-        await wait_for_signal()
+        await stop.wait()
         announce("sfq-proxy draining…")
