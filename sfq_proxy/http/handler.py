@@ -40,12 +40,12 @@ from ..observability.metrics import Key, Metrics
 from ..state.pool import QUEUE_DEADLINE, Pool
 from ..state.redis_limits import Intake
 from . import body
+from .client_watch import CLIENT_CUT
 from .drain import ANSWERING, absorbed, cut_error, is_cut
 from .error_response import error_response
 from .parse_worker import WORKER
 from .proxy import PROXY, Proxy
 from .relay import (
-    CLIENT_CUT,
     COST_HEADER,
     OUT_OF_TIME,
     QUEUE_WAIT_HEADER,
