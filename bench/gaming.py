@@ -408,7 +408,7 @@ async def main_async(args: argparse.Namespace, src: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--proxy-src", default=str(ROOT),
+    parser.add_argument("--proxy-src", default=str(ROOT), type=harness.checkout,
                         help="source tree whose sfq_proxy serves (default: this one)")  # fmt: skip
     parser.add_argument("--issue", type=int, choices=(16, 38), default=16)
     parser.add_argument("--tricks", nargs="+",
@@ -416,7 +416,8 @@ def main() -> None:
                              "names, 'drawn' and 'hidden'")  # fmt: skip
     parser.add_argument("--requests", type=int, default=12,
                         help="the cheater's backlog in tricks a-c (all in proportion)")  # fmt: skip
-    parser.add_argument("--baseline", help="issue 38: the checkout from before the change")
+    parser.add_argument("--baseline", type=harness.checkout,
+                        help="issue 38: the checkout from before the change")  # fmt: skip
     parser.add_argument("--seed", type=int, default=7, help="issue 38: the drawn row's case")
     parser.add_argument("--modes", nargs="+", choices=("memory", "redis"),
                         default=["memory", "redis"], help="issue 38")  # fmt: skip

@@ -1,9 +1,10 @@
 """The benches' harness: what they start, how they load it, what they count and how they show it.
 
-Every bench here that starts processes or loads a proxy is a script on this module, which
-imports none of them (bench/README.md lists them all). Of the package it imports nothing: the proxy runs as its CLI (``python -m sfq_proxy.cli
-serve --config FILE``) in a process of its own, from this tree or from another checkout
-(``src``), so that moving a module inside ``sfq_proxy`` breaks no bench.
+The benches that start servers are scripts on this module, which imports none of them
+(bench/README.md lists them all). Of the package it imports nothing: the proxy runs as its
+CLI (``python -m sfq_proxy.cli serve --config FILE``) in a process of its own, from this
+tree or from another checkout (``src``), so that moving a module inside ``sfq_proxy``
+breaks no bench.
 
 - **Ports**: free ones (``free_ports``), never fixed: two benches, or two people's, can run
   side by side.
@@ -26,6 +27,7 @@ serve --config FILE``) in a process of its own, from this tree or from another c
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import json
@@ -428,10 +430,19 @@ def package_module(src: Path = ROOT) -> str:
     return "sfq_proxy" if (src / "sfq_proxy" / "__main__.py").exists() else "sfq_proxy.cli"
 
 
+def checkout(path: str | Path) -> Path:
+    """``path`` if it holds a ``sfq_proxy/`` to run (argparse's type of ``--baseline``):
+    without one, the package installed in the venv would run instead, unseen."""
+    src = Path(path).resolve()
+    if not (src / "sfq_proxy").is_dir():
+        raise argparse.ArgumentTypeError(f"{src} holds no sfq_proxy/ to run")
+    return src
+
+
 def cli(*args: str, src: Path = ROOT, env: dict[str, str] | None = None) -> Command:
     """``sfq-proxy ARGS`` of the package in ``src`` (this tree, or another checkout): its
     directory first on the path, as the working directory too (``-m`` puts it first)."""
-    src = src.resolve()
+    src = checkout(src)
     environ = {**os.environ, **(env or {}), "PYTHONPATH": str(src)}
     return Command([sys.executable, "-m", package_module(src), *args], environ, src)
 

@@ -147,7 +147,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bodies", type=int, default=5, help="bodies of each kind")
     parser.add_argument(
-        "--checkout", type=Path, default=harness.ROOT, help="whose sfq_proxy to run"
+        "--checkout", type=harness.checkout, default=harness.ROOT, help="whose sfq_proxy to run"
     )
     args = parser.parse_args()
     checkout = args.checkout.resolve()

@@ -65,7 +65,9 @@ def main() -> None:
     )
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--connections", type=int, default=16)
-    parser.add_argument("--baseline", type=Path, help="a checkout whose sfq-proxy runs too")
+    parser.add_argument(
+        "--baseline", type=harness.checkout, help="a checkout whose sfq-proxy runs too"
+    )
     parser.add_argument("--features", nargs="*", metavar="FEATURE",
                         help="sfq-proxy without each of these (default: all), then without "
                         f"all of them: {', '.join(harness.FEATURES)}")  # fmt: skip

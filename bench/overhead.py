@@ -71,7 +71,9 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     parser.add_argument("--no-router", action="store_true", help="leave vllm-router out")
     parser.add_argument("--upstream", action="store_true", help="add bare-upstream")
-    parser.add_argument("--baseline", type=Path, help="a checkout whose sfq-proxy runs too")
+    parser.add_argument(
+        "--baseline", type=harness.checkout, help="a checkout whose sfq-proxy runs too"
+    )
     parser.add_argument("--without", nargs="+", default=[], metavar="FEATURE",
                         help=f"also run sfq-proxy with these off: {', '.join(harness.FEATURES)}"
                         " or all")  # fmt: skip

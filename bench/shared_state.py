@@ -87,7 +87,7 @@ def main() -> None:
         "request), sk-bench-b's an in-flight cap only",
     )  # fmt: skip
     parser.add_argument(
-        "--baseline", type=Path,
+        "--baseline", type=harness.checkout,
         help="a checkout of another version (git worktree add DIR REV): its `redis, 1 worker` "
         "runs beside this code's, interleaved, with the medians of the paired differences",
     )  # fmt: skip
