@@ -57,7 +57,7 @@ CHAT = {"messages": [{"role": "system", "content": "You are a helpful assistant.
                      {"role": "user", "content": "Summarise the quarterly report in three "
                       "bullet points, focusing on revenue, costs and the outlook."}],
         "max_tokens": 200, "temperature": 0.2}  # fmt: skip
-STREAM_EVENTS = 200  # token events of nginx's and the paced stream; then usage and [DONE]
+STREAM_EVENTS = 200  # chunks of a stream (a role, tokens, a finish); then usage and [DONE]
 ROUTER = "vllm-router==0.1.17"
 ROUTER_VENV = HERE / ".venv-router"
 OFF_ENV = "SFQ_BENCH_OFF"  # features servers.py switches off in the proxy's process
@@ -302,25 +302,24 @@ def completion() -> str:
     })  # fmt: skip
 
 
-def stream() -> str:
-    """A chat completion's SSE stream: a role event, STREAM_EVENTS - 1 tokens and a finish,
-    a usage chunk and [DONE] (35 KB): nginx's stream answer."""
+def stream(model: str = "bench-stream", events: int = STREAM_EVENTS) -> str:
+    """A chat completion's SSE stream of ``events`` chunks (a role, tokens, a finish), then a
+    usage chunk and [DONE] (35 KB): nginx's stream answer, and the paced backend's."""
+    head = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0,
+            "model": model}  # fmt: skip
 
-    def event(delta: dict[str, str], finish: str | None = None) -> str:
-        chunk = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0,
-                 "model": "bench-stream",
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}  # fmt: skip
-        return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+    def event(data: dict[str, object]) -> str:
+        return f"data: {json.dumps({**head, **data}, separators=(',', ':'))}\n\n"
 
-    events = [event({"role": "assistant", "content": ""})]
-    events += [event({"content": f" tok{i}"}) for i in range(STREAM_EVENTS - 2)]
-    events.append(event({"content": " end"}, "stop"))
-    usage = {
-        "id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 0,
-        "model": "bench-stream", "choices": [],
-        "usage": {"prompt_tokens": 42, "completion_tokens": 200, "total_tokens": 242},
-    }  # fmt: skip
-    return "".join(events) + f"data: {json.dumps(usage, separators=(',', ':'))}\n\ndata: [DONE]\n\n"
+    def chunk(delta: dict[str, str], finish: str | None = None) -> str:
+        return event({"choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+
+    out = [chunk({"role": "assistant", "content": ""})]
+    out += [chunk({"content": f" tok{i}"}) for i in range(events - 2)]
+    out.append(chunk({"content": " end"}, "stop"))
+    usage = {"prompt_tokens": 42, "completion_tokens": events, "total_tokens": 42 + events}
+    out.append(event({"choices": [], "usage": usage}))
+    return "".join(out) + "data: [DONE]\n\n"
 
 
 NGINX_ANSWERS = {"json": ("completion.json", "application/json", completion),

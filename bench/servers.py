@@ -35,7 +35,6 @@ import asyncio
 import cProfile
 import importlib
 import itertools
-import json
 import os
 import runpy
 import signal
@@ -45,7 +44,7 @@ from typing import Any
 import aiohttp
 import uvloop
 from aiohttp import web
-from harness import FEATURES, OFF_ENV, PROFILE_ENV
+from harness import FEATURES, OFF_ENV, PROFILE_ENV, stream
 
 # --- paced ----------------------------------------------------------------------------------
 
@@ -57,25 +56,10 @@ HEALTH = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: keep-alive\r\n\r\
 
 
 def events(count: int) -> list[bytes]:
-    """The stream's events, each an HTTP chunk ready to write; the last is the chunked end."""
-
-    def event(data: dict[str, object]) -> bytes:
-        line = b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
-        return b"%x\r\n%s\r\n" % (len(line), line)
-
-    head = {"id": "chatcmpl-paced", "object": "chat.completion.chunk", "created": 0,
-            "model": "bench-paced"}  # fmt: skip
-
-    def chunk(delta: dict[str, str], finish: str | None = None) -> bytes:
-        return event({**head, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-
-    usage = {"prompt_tokens": 42, "completion_tokens": count, "total_tokens": 42 + count}
-    out = [chunk({"role": "assistant", "content": ""})]
-    out += [chunk({"content": f" tok{i}"}) for i in range(count - 2)]
-    out.append(chunk({"content": " end"}, "stop"))
-    out.append(event({**head, "choices": [], "usage": usage}))
-    done = b"data: [DONE]\n\n"
-    out.append(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+    """harness.stream's events, each an HTTP chunk ready to write; the last ends the body."""
+    lines = [line.encode() + b"\n\n" for line in stream("bench-paced", count).split("\n\n")]
+    out = [b"%x\r\n%s\r\n" % (len(line), line) for line in lines[:-1]]  # the last is empty
+    out[-1] += b"0\r\n\r\n"
     return out
 
 
