@@ -73,6 +73,8 @@ def main() -> None:
                         f"all of them: {', '.join(harness.FEATURES)}")  # fmt: skip
     args = parser.parse_args()
     if args.features is not None:
+        if args.baseline is not None:
+            parser.error("--features measures this tree's sfq-proxy alone: no --baseline")
         args.features = harness.features(args.features or ["all"])
     harness.need("valgrind", "callgrind_control", "nginx", packages="valgrind nginx-light")
     with tempfile.TemporaryDirectory() as tmp, Processes(Path(tmp)) as procs:

@@ -82,6 +82,8 @@ def main() -> None:
     parser.add_argument("--sort", default="tottime", help="--profile: pstats' sort key")
     parser.add_argument("--save", type=Path, help="--profile: also write the raw profile here")
     args = parser.parse_args()
+    if args.profile and args.baseline is not None:
+        parser.error("--profile profiles this tree's sfq-proxy alone: no --baseline")
     args.without = harness.features(args.without)
     harness.need("nginx", "wrk", packages="nginx-light wrk")
     router = not (args.no_router or args.profile)
