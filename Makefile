@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast test-unit fuzz vllm llamacpp tools lint lock bench bench-proxy soak clean
+.PHONY: run test test-fast test-unit fuzz vllm llamacpp tools lint lock bench bench-core soak clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -102,14 +102,18 @@ lock:
 	    --require-hashes -r requirements.lock || exit 1; \
 	done
 
+# The headline, one table: sfq-proxy against a bare pass-through and vllm-router (installed
+# into bench/.venv-router on first use), nginx behind them, wrk as the load; JSON and SSE at
+# 1, 16 and 64 connections: req/s, p50/p99, CPU µs per request and the ratios to the bare
+# one's (~4 min; `make bench BENCH_ARGS="--seconds 2 --rounds 1"` for a quick look).
+# Every bench, and its command: bench/README.md.
+BENCH_ARGS ?= --seconds 3 --rounds 3
 bench: $(STAMP)
-	$(PY) bench/sfq_core.py
-
-# the proxy against a bare pass-through (nginx as the backend, wrk as the load), and queueing
-bench-proxy: $(STAMP)
 	$(call apt_need,nginx-light wrk,nginx wrk)
-	$(PY) bench/overhead.py
-	$(PY) bench/queueing.py
+	$(PY) bench/overhead.py --modes json stream --connections 1 16 64 $(BENCH_ARGS)
+
+bench-core: $(STAMP)  # the SFQ core's push+pop pairs per second against the naive reference
+	$(PY) bench/sfq_core.py
 
 # 10× more clients than slots through the real proxy and two simulated backends, with
 # disconnects, for 3 minutes: every answer accounted for, slots never exceeded, RSS flat

@@ -16,10 +16,11 @@ It measures; it does not ship. A compiled module differs where the tests look: m
 each argument's declared type at a call, so a bad value sent to the core is a TypeError
 where the core's own check would say which value is bad (a ValueError); an interpreted
 class may not subclass a compiled one (``SharedCalibration``); a compiled class cannot be
-patched (``feature_cost.py``). Left out: ``keys.py`` (pydantic models), ``queues.py``
-(the lab's other disciplines), and of the shell ``sse.py`` and ``answer.py`` (a class
-attribute read through ``cls``; an async generator) and ``upstream.py`` (compiled, it
-refuses aiohttp's parsed response, a C object its types call a NamedTuple).
+patched (``servers.py serve``: the benches' ``--without``). Left out: ``keys.py``
+(pydantic models), ``queues.py`` (the lab's other disciplines), and of the shell ``sse.py``
+and ``answer.py`` (a class attribute read through ``cls``; an async generator) and
+``upstream.py`` (compiled, it refuses aiohttp's parsed response, a C object its types call a
+NamedTuple).
 Requires: a C compiler, and the dev extra (mypy, which brings mypyc).
 """
 

@@ -4,7 +4,7 @@
 
 The proxy asks its backends for ``Accept-Encoding: identity``: it reads usage from the
 answer's bytes, and on a LAN compression saves no time worth having. This measures the
-alternative per response, on the answers of ``bench/overhead.py`` (a chat completion, a
+alternative per response, on the answers of ``overhead.py`` (harness.py's chat completion and
 200-event SSE stream) and on a long chat completion: the backend's gzip (one call for a
 body; for a stream, one sync-flushed block per event, as a gzip middleware sends them), the
 proxy's decoding of it (``answer.Inflater``, fed as the answer arrives) and the
@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from overhead import completion, stream
+from harness import completion, stream
 
 from sfq_proxy.http.answer import Inflater
 

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import random
 import re
 import subprocess
@@ -57,16 +56,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import harness
 import openai
 import redis as redis_client
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-# the simulated server and tests/support/images.py from this tree; and not bench/ itself, whose
-# queue.py would stand in for the standard library's
-sys.path[:] = [str(ROOT), str(ROOT / "tests")] + [
-    p for p in sys.path if Path(p or ".").resolve() != ROOT / "bench"
-]
+ROOT = harness.ROOT
+# the simulated server and tests/support/images.py from this tree
+sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "support")]
 
 import served_cost  # noqa: E402
 from images import png_part  # noqa: E402
@@ -178,30 +175,12 @@ def proxy_config(port: int, sim_url: str, cost: dict[str, Any]) -> str:
     )
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def proxy_command(src: Path, config: Path) -> list[str]:
-    """How DIR's proxy is started: ``-m sfq_proxy`` if it has a ``__main__``, else its CLI."""
-    module = "sfq_proxy" if (src / "sfq_proxy" / "__main__.py").exists() else "sfq_proxy.cli"
-    return [sys.executable, "-m", module, "serve", "--config", str(config)]
-
-
-def proxy_env(src: Path) -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(src)}
-
-
 def imported_from(src: Path) -> str:
     """Where DIR's interpreter set-up really imports sfq_proxy from (a check on PYTHONPATH)."""
     code = "import sfq_proxy, os; print(os.path.dirname(sfq_proxy.__file__))"
     out = subprocess.run(
-        [sys.executable, "-c", code], env=proxy_env(src), cwd=src, capture_output=True,
-        text=True, check=True,
+        [sys.executable, "-c", code], env=harness.cli(src=src).env, cwd=src,
+        capture_output=True, text=True, check=True,
     )  # fmt: skip
     return out.stdout.strip()
 
@@ -209,7 +188,7 @@ def imported_from(src: Path) -> str:
 @contextlib.asynccontextmanager
 async def proxy(src: Path, sim_url: str, cost: dict[str, Any], work: Path):  # type: ignore[no-untyped-def]
     """DIR's proxy in front of ``sim_url`` until the block ends; yields its URL."""
-    port = free_port()
+    port = harness.free_port()
     log = work / "proxy.log"
     process = start_proxy(src, proxy_config(port, sim_url, cost), work, log)
     url = f"http://127.0.0.1:{port}"
@@ -229,9 +208,10 @@ def start_proxy(src: Path, config: str, work: Path, log: Path) -> subprocess.Pop
     """``serve`` from ``src`` with ``config``, its output (the access log) into ``log``."""
     path = work / "proxy.yaml"
     path.write_text(config)
+    command = harness.proxy_command(path, src)
     with open(log, "wb") as out:
         return subprocess.Popen(
-            proxy_command(src, path), env=proxy_env(src), cwd=src, stdout=out,
+            command.argv, env=command.env, cwd=command.cwd, stdout=out,
             stderr=subprocess.STDOUT,
         )  # fmt: skip
 
@@ -413,7 +393,8 @@ HEADER = (
 
 async def main_async(args: argparse.Namespace, src: Path) -> None:
     print("$ " + " ".join([Path(sys.executable).name, *sys.argv]))
-    print(f"proxy: {imported_from(src)}  ({' '.join(proxy_command(src, Path('FILE'))[1:])})")
+    command = harness.proxy_command(Path("FILE"), src)
+    print(f"proxy: {imported_from(src)}  ({' '.join(command.argv[1:])})")
     print(f"{SLOTS} slots, equal weights; shares of actual cost over the backlogged window")
     print(HEADER)
     with tempfile.TemporaryDirectory(prefix="sfq-gaming-") as tmp:
@@ -427,7 +408,7 @@ async def main_async(args: argparse.Namespace, src: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--proxy-src", default=str(ROOT),
+    parser.add_argument("--proxy-src", default=str(ROOT), type=harness.checkout,
                         help="source tree whose sfq_proxy serves (default: this one)")  # fmt: skip
     parser.add_argument("--issue", type=int, choices=(16, 38), default=16)
     parser.add_argument("--tricks", nargs="+",
@@ -435,7 +416,8 @@ def main() -> None:
                              "names, 'drawn' and 'hidden'")  # fmt: skip
     parser.add_argument("--requests", type=int, default=12,
                         help="the cheater's backlog in tricks a-c (all in proportion)")  # fmt: skip
-    parser.add_argument("--baseline", help="issue 38: the checkout from before the change")
+    parser.add_argument("--baseline", type=harness.checkout,
+                        help="issue 38: the checkout from before the change")  # fmt: skip
     parser.add_argument("--seed", type=int, default=7, help="issue 38: the drawn row's case")
     parser.add_argument("--modes", nargs="+", choices=("memory", "redis"),
                         default=["memory", "redis"], help="issue 38")  # fmt: skip
@@ -548,7 +530,7 @@ async def replicas(  # type: ignore[no-untyped-def]
     urls = []
     try:
         for i in range(1 if redis is None else 2):
-            port = free_port()
+            port = harness.free_port()
             log = work / f"proxy-{i}.log"
             (work / f"proxy-{i}").mkdir(exist_ok=True)
             config = served_config(port, url, redis, budget)

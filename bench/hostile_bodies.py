@@ -19,16 +19,14 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import aiohttp
+import harness
+import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
 KEY = "sk-bench-hostile"
 MODEL = "bench-model"
 SIZE = int(9.6 * 2**20)
@@ -84,21 +82,6 @@ def _cpu_ns(pid: int, tid: int) -> int:
         return int(stat.read().split()[0])
 
 
-def _descendants(pid: int) -> list[int]:
-    found, stack = [], [pid]
-    while stack:
-        parent = stack.pop()
-        for task in os.listdir(f"/proc/{parent}/task"):
-            try:
-                with open(f"/proc/{parent}/task/{task}/children") as children:
-                    kids = [int(k) for k in children.read().split()]
-            except OSError:
-                continue
-            found += kids
-            stack += kids
-    return found
-
-
 def _process_cpu_ns(pid: int) -> int:
     total = 0
     for task in os.listdir(f"/proc/{pid}/task"):
@@ -140,13 +123,13 @@ async def _measure(url: str, pid: int, bodies: int) -> None:
             loop_ns = others_ns = 0
             wall = 0.0
             for _ in range(count):
-                others = _descendants(pid)
+                others = harness.tree_pids(pid)[1:]
                 before = _cpu_ns(pid, pid), sum(_process_cpu_ns(p) for p in others)
                 start = time.perf_counter()
                 status, message = await _send(http, url, raw)
                 wall += time.perf_counter() - start
                 await asyncio.sleep(0.05)  # the worker's threads are done handing it back
-                others = _descendants(pid)
+                others = harness.tree_pids(pid)[1:]
                 loop_ns += _cpu_ns(pid, pid) - before[0]
                 others_ns += sum(_process_cpu_ns(p) for p in others) - before[1]
             stop = asyncio.Event()
@@ -163,27 +146,17 @@ async def _measure(url: str, pid: int, bodies: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--bodies", type=int, default=5, help="bodies of each kind")
-    parser.add_argument("--checkout", type=Path, default=ROOT, help="whose sfq_proxy to run")
+    parser.add_argument(
+        "--checkout", type=harness.checkout, default=harness.ROOT, help="whose sfq_proxy to run"
+    )
     args = parser.parse_args()
     checkout = args.checkout.resolve()
-    with tempfile.TemporaryDirectory() as tmp:
-        config = Path(tmp) / "config.yaml"
-        config.write_text(CONFIG)
-        env = {**os.environ, "PYTHONPATH": str(checkout)}
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "sfq_proxy.cli", "serve", "--config", str(config)],
-            cwd=checkout, env=env, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            url = next(word for word in line.split() if word.startswith("http://"))
-            print(f"sfq-proxy of {checkout} at {url} (pid {proc.pid})")
-            threading.Thread(target=proc.stdout.read, daemon=True).start()  # its access log
-            asyncio.run(_measure(url, proc.pid, args.bodies))
-        finally:
-            proc.terminate()
-            proc.wait(30)
+    with tempfile.TemporaryDirectory() as tmp, harness.Processes(Path(tmp)) as procs:
+        config = yaml.safe_load(CONFIG)  # its backend answers nothing: /healthz, not /readyz
+        proxy = harness.sfq_proxy(procs, "sfq-proxy", config, src=checkout, ready_path="/healthz")
+        proxy.ready()
+        print(f"sfq-proxy of {checkout} at {proxy.url} (pid {proxy.proc.pid})")
+        asyncio.run(_measure(proxy.url, proxy.proc.pid, args.bodies))
 
 
 if __name__ == "__main__":

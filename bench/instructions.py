@@ -1,17 +1,25 @@
 """Instructions per request under callgrind: the A/B that CPU time is too noisy for.
 
     python bench/instructions.py [--modes json stream] [--requests 400] [--connections 16]
-                                 [--baseline CHECKOUT]
+                                 [--baseline CHECKOUT] [--features [FEATURE ...]]
 
 CPU time per request on this shared 2-core machine moves ±15 % between runs of
 ``overhead.py``, more than most single changes to the hot path save. Here each process in
 the middle (the bare pass-through, the bare one on the proxy's own upstream client,
 sfq-proxy, and the sfq-proxy of ``--baseline``'s checkout) runs under valgrind's callgrind
-in front of ``overhead.py``'s nginx backends, on its config with the one pool of the mode:
-after a warm-up its counters are zeroed, ``--requests`` requests are sent
+in front of nginx's backends (harness.py), on the config of ``overhead.py`` with the one
+pool of the mode: after a warm-up its counters are zeroed, ``--requests`` requests are sent
 (``--connections`` at a time, by aiohttp in this process), and the instructions the process
 executed meanwhile are divided by them. That count does not depend on how busy the machine
 is: it moves by about 1 % between runs, so a change of a few percent is seen.
+
+``--features``: what each per-request feature costs, measured by its absence. The profile of
+a request is flat: no function stands out, and the cost is spread over the features every
+request passes through. sfq-proxy runs as it is, then once per feature (harness.FEATURES;
+all of them if none is named) with that feature replaced by nothing, then with all of them
+replaced at once (what is left: the path every request must take); "saves" is each one's
+share of the whole. A feature switched off is broken on purpose (no metrics, no access
+line, a usage event left in the stream): it measures, it never serves.
 
 It is not time: a cache miss costs more than an instruction, and the kernel's side of a
 system call is not counted. ``overhead.py``'s CPU time stays the figure targets are set
@@ -23,21 +31,31 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
 import re
-import shutil
 import subprocess
-import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
-import overhead
+import harness
+from harness import Processes, Server, Table
 
 WARM_UP = 100  # requests before the counters are zeroed: imports, first connections, caches
 START_S = 600  # a Python process under callgrind runs ~50× slower: imports take a while
+# the same dict layouts in every run; callgrind counting, writing no file
+UNDER = (
+    "env",
+    "PYTHONHASHSEED=0",
+    "valgrind",
+    "--tool=callgrind",
+    "--callgrind-out-file=/dev/null",
+)
+TABLE = Table(
+    ("mode", "<7"), ("target", "<20"), ("Minstr/req", ">11.3f"), ("×bare", ">7.2f"),
+    ("sfq÷base", ">10.3f"), ("saves", ">8.1%"), ("  what", "<"),
+)  # fmt: skip
 
 
 def main() -> None:
@@ -47,81 +65,93 @@ def main() -> None:
     )
     parser.add_argument("--requests", type=int, default=400)
     parser.add_argument("--connections", type=int, default=16)
-    parser.add_argument("--baseline", type=Path, help="a checkout whose sfq-proxy runs too")
+    parser.add_argument(
+        "--baseline", type=harness.checkout, help="a checkout whose sfq-proxy runs too"
+    )
+    parser.add_argument("--features", nargs="*", metavar="FEATURE",
+                        help="sfq-proxy without each of these (default: all), then without "
+                        f"all of them: {', '.join(harness.FEATURES)}")  # fmt: skip
     args = parser.parse_args()
-    header = f"{'mode':<7}{'target':<15}{'Minstr/req':>11}{'×bare':>7}{'sfq÷base':>10}"
-    each_mode(args.modes, header, lambda mode, work: _compare(mode, args, work))
+    if args.features is not None:
+        if args.baseline is not None:
+            parser.error("--features measures this tree's sfq-proxy alone: no --baseline")
+        args.features = harness.features(args.features or ["all"])
+    harness.need("valgrind", "callgrind_control", "nginx", packages="valgrind nginx-light")
+    with tempfile.TemporaryDirectory() as tmp, Processes(Path(tmp)) as procs:
+        backends = harness.nginx(procs, args.modes)
+        TABLE.print_header()
+        for mode in args.modes:
+            if args.features is None:
+                _compare(mode, args, backends[mode], procs)
+            else:
+                _features(mode, args, backends[mode], procs)
 
 
-def each_mode(modes: Sequence[str], header: str, rows: Callable[[str, Path], None]) -> None:
-    """Print ``header``, then ``rows(mode, work)`` for each of ``modes``, in front of
-    overhead.py's nginx backends (their files in the temporary directory ``work``)."""
-    for tool in ("valgrind", "callgrind_control", "nginx"):
-        if not shutil.which(tool):
-            sys.exit(f"{tool} is missing: apt-get install valgrind nginx-light")
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        with overhead.nginx_backends(work, modes):
-            print(header, flush=True)
-            for mode in modes:
-                rows(mode, work)
+def _config(procs: Processes, mode: str, urls: list[str], name: str) -> dict[str, Any]:
+    state = procs.work / f"calibration-{mode}-{name}.json"
+    return harness.proxy_config({mode: urls}, state_file=state)
 
 
-def _compare(mode: str, args: argparse.Namespace, work: Path) -> None:
+def _compare(mode: str, args: argparse.Namespace, urls: list[str], procs: Processes) -> None:
     """One mode's rows: each target measured alone, one after the other."""
-    backends = [f"http://127.0.0.1:{port}" for port in overhead.NGINX_PORTS[mode]]
-    passthrough = [sys.executable, str(overhead.HERE / "passthrough.py")]
-    serve = [sys.executable, "-m", "sfq_proxy.cli", "serve", "--config"]
-    config = work / f"{mode}.yaml"
-    config.write_text(overhead.proxy_config(work, modes=(mode,)))
-    targets: list[tuple[str, int, list[str], Path | None]] = [
-        ("bare", overhead.PASS_PORT, [*passthrough, str(overhead.PASS_PORT), *backends], None),
-        ("bare-upstream", overhead.UPSTREAM_PORT,
-         [*passthrough, "--upstream", str(overhead.UPSTREAM_PORT), *backends], None),
-        ("sfq-proxy", overhead.PROXY_PORT, [*serve, str(config)], None),
-    ]  # fmt: skip
+    targets: list[Callable[[], Server]] = [
+        lambda: harness.passthrough(procs, "bare", urls, under=UNDER),
+        lambda: harness.passthrough(procs, "bare-upstream", urls, upstream=True, under=UNDER),
+        lambda: harness.sfq_proxy(
+            procs, "sfq-proxy", _config(procs, mode, urls, "sfq"), under=UNDER
+        ),
+    ]
     if args.baseline is not None:
-        base = work / f"{mode}-base.yaml"
-        base.write_text(overhead.proxy_config(work, modes=(mode,), port=overhead.BASE_PORT))
-        targets.append(("sfq (base)", overhead.BASE_PORT, [*serve, str(base)], args.baseline))
+        base = _config(procs, mode, urls, "base")
+        targets.append(
+            lambda: harness.sfq_proxy(procs, "sfq (base)", base, src=args.baseline, under=UNDER)
+        )
     counts: dict[str, float] = {}
-    for name, port, command, checkout in targets:
-        count = counts[name] = _per_request(command, port, mode, args, checkout)
-        row = f"{mode:<7}{name:<15}{count / 1e6:>11.3f}{count / counts['bare']:>7.2f}"
-        if name == "sfq (base)":  # the change: sfq-proxy against the code before it
-            row += f"{counts['sfq-proxy'] / count:>10.3f}"
-        print(row, flush=True)
+    for start in targets:
+        name, count = _per_request(start(), mode, args, procs)
+        counts[name] = count
+        base_ratio = counts["sfq-proxy"] / count if name == "sfq (base)" else None
+        TABLE.print_row(mode, name, count / 1e6, count / counts["bare"], base_ratio)
+
+
+def _features(mode: str, args: argparse.Namespace, urls: list[str], procs: Processes) -> None:
+    """One mode's rows: as it is, without each feature, then without all of them."""
+    features = [f for f in args.features if mode == "stream" or f not in harness.STREAM_ONLY]
+    rows: list[tuple[str, tuple[str, ...], str]] = [("sfq-proxy", (), "")]
+    rows += [(f"sfq −{feature}", (feature,), harness.FEATURES[feature]) for feature in features]
+    if len(features) > 1:  # what is left without any of them: the path every request takes
+        rows.append(("sfq −all of these", tuple(features), ""))
+    whole = 0.0
+    for name, off, what in rows:
+        config = _config(procs, mode, urls, "sfq")
+        proxy = harness.sfq_proxy(procs, name, config, without=off, under=UNDER)
+        _, count = _per_request(proxy, mode, args, procs)
+        whole = whole or count
+        saves = (whole - count) / whole if off else None
+        TABLE.print_row(mode, name, count / 1e6, None, None, saves, f"  {what}")
 
 
 def _per_request(
-    command: Sequence[str], port: int, mode: str, args: argparse.Namespace, checkout: Path | None
-) -> float:
-    """Instructions the process under ``command`` executes per request, after a warm-up."""
-    env = {**os.environ, "PYTHONHASHSEED": "0"}  # the same dict layouts in every run
-    if checkout is not None:
-        env["PYTHONPATH"] = str(checkout.resolve())
-    valgrind = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
-    proc = subprocess.Popen(
-        [*valgrind, *command], env=env, cwd=checkout, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    server: Server, mode: str, args: argparse.Namespace, procs: Processes
+) -> tuple[str, float]:
+    """``server``'s name, and the instructions it executes per request after a warm-up; it
+    is stopped after."""
     try:
-        overhead.wait_listening(port, seconds=START_S)
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        server.ready(START_S)
+        url = server.url + "/v1/chat/completions"
         asyncio.run(_drive(url, f"bench-{mode}", WARM_UP, args.connections))
-        _control(proc.pid, "--zero")
+        _control(server.proc.pid, "--zero")
         asyncio.run(_drive(url, f"bench-{mode}", args.requests, args.connections))
-        return _instructions(proc.pid) / args.requests
+        return server.name, _instructions(server.proc.pid) / args.requests
     finally:
-        proc.terminate()
-        proc.wait()
+        procs.stop(server.name)
 
 
 async def _drive(url: str, model: str, requests: int, connections: int) -> None:
     """``requests`` chat requests, ``connections`` at a time; each answer read whole and
     checked, so that what was counted is what was asked for."""
     stream = model.endswith("stream")
-    body = json.dumps({**overhead.CHAT, "model": model, "stream": stream})
+    body = harness.chat_body(model)
     headers = {"Content-Type": "application/json", "Authorization": "Bearer sk-bench-a"}
     whole = b"data: [DONE]" if stream else b'"usage"'  # the end of the answer is there
     left = requests

@@ -25,12 +25,6 @@ Requires: apt-get install nginx-light wrk.
 
 from __future__ import annotations
 
-import sys
-
-# This file is named like the standard library's queue, which asyncio and logging import:
-# bench/ goes last on the path, so that they find theirs and we still find overhead.py.
-sys.path.append(sys.path.pop(0))
-
 import argparse
 import asyncio
 import contextlib
@@ -40,9 +34,9 @@ import os
 import re
 import resource
 import shutil
-import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -51,7 +45,7 @@ from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import aiohttp
-import overhead
+import harness
 import uvloop
 import yaml
 from aiohttp import web
@@ -70,7 +64,7 @@ WARMUP, WARMUP_CONCURRENCY = 2000, 64
 PROBE_S, IDLE_S = 0.005, 3.0
 WRK_CONNECTIONS = 128  # many clients, each mostly idle: the latency slows the rate little
 STALL_S = 15.0  # longer than a client's SYN retries when the accept backlog overflows
-COMPLETION = overhead.completion().encode()
+COMPLETION = harness.completion().encode()
 
 
 class Failed(Exception):
@@ -84,7 +78,7 @@ def raise_nofile() -> None:
 
 
 def chat_body(model: str) -> bytes:
-    return json.dumps({**overhead.CHAT, "model": model}).encode()
+    return json.dumps({**harness.CHAT, "model": model}).encode()
 
 
 def settled_rss() -> int:
@@ -188,7 +182,7 @@ async def send(url: str, model: str, n: int, concurrency: int) -> None:
     body = chat_body(model)
     headers = [
         {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
-        for key in overhead.KEYS
+        for key in harness.KEYS
     ]
     limit = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -267,7 +261,7 @@ class Driver:
 
 
 def proxy_config(queue_backend: str, lag_backends: list[str], slots: int, requests: int) -> str:
-    """The keys and orgs of bench/overhead.py, two classes that admit all ``requests`` and
+    """The keys and orgs of overhead.py (harness.KEYS), two classes that admit all ``requests`` and
     never expire them, a pool behind the gate with ``slots`` and one for the lag run."""
 
     def pool(model: str, backends: list[str], slots: int) -> dict[str, Any]:
@@ -279,8 +273,10 @@ def proxy_config(queue_backend: str, lag_backends: list[str], slots: int, reques
     return yaml.safe_dump({
         "listen": {"host": "127.0.0.1", "port": 0},
         "drain_timeout_s": 1,  # a failed run leaves requests held at the closed gate
+        # every client here is 127.0.0.1: one peer may hold every connection (else half)
+        "limits": {"max_connections_per_peer": 1 << 24},
         "keys": [{"key": key, "org": org, "classes": list(dict.fromkeys([cls, "batch"]))}
-                 for key, (org, cls) in overhead.KEYS.items()],
+                 for key, (org, cls) in harness.KEYS.items()],
         "orgs": {"team-a": {"weight": 2}, "team-b": {"weight": 1, "max_in_flight": 400}},
         "classes": {"interactive": {"weight": 6, "max_queue_len": requests},
                     "batch": {"weight": 1, "max_queue_len": requests}},
@@ -349,7 +345,7 @@ async def wrk(url: str, rate: int, seconds: int, work: Path) -> float:
     After every answer a connection waits 0 to 2·WRK_CONNECTIONS/rate s at random: the
     connections do not march in step (their requests would arrive in bursts), and the rate
     stays a little under ``rate`` by the latency. One wrk thread, one random sequence."""
-    keys = ", ".join(json.dumps(key) for key in overhead.KEYS)
+    keys = ", ".join(json.dumps(key) for key in harness.KEYS)
     script = work / "paced.lua"
     script.write_text(f"""
 local body = {json.dumps(chat_body(LAG_MODEL).decode())}
@@ -363,14 +359,15 @@ function request()
 end
 function delay() return math.random(0, {round(2 * WRK_CONNECTIONS * 1000 / rate)}) end
 """)
-    proc = await asyncio.create_subprocess_exec(
-        "wrk", f"-c{WRK_CONNECTIONS}", "-t1", f"-d{seconds}s", "-s", str(script),
-        url + CHAT_PATH, stdout=subprocess.PIPE,
-    )  # fmt: skip
-    out = (await proc.communicate())[0].decode()
-    if proc.returncode or "Non-2xx" in out or "Socket errors" in out:
-        raise Failed(f"wrk failed or saw errors:\n{out}")
-    return float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    try:
+        result = await asyncio.to_thread(
+            harness.wrk, url, script, WRK_CONNECTIONS, seconds, threads=1, path=CHAT_PATH
+        )
+    except (RuntimeError, subprocess.CalledProcessError) as err:
+        raise Failed(f"wrk failed or saw errors: {err}") from err
+    if result["sockerr"]:
+        raise Failed(f"wrk saw {result['sockerr']:.0f} socket errors")
+    return result["rps"]
 
 
 def percentiles(lags: list[float]) -> str:
@@ -428,31 +425,6 @@ async def report_lag(args: argparse.Namespace, url: str, work: Path) -> None:
     )
 
 
-def free_ports(count: int) -> tuple[int, ...]:
-    """Ports that nothing is bound to now."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return tuple(sock.getsockname()[1] for sock in sockets)
-
-
-def start_nginx(work: Path) -> subprocess.Popen[bytes]:
-    """nginx as bench/overhead.py's fast fake JSON backends, on ports of its own: a run of
-    bench/overhead.py may hold the fixed ones."""
-    overhead.NGINX_PORTS = {"json": free_ports(2)}
-    work.chmod(0o755)  # nginx's workers (not root) read the bodies from here
-    (work / "nginx.conf").write_text(overhead.nginx_conf(work))
-    return subprocess.Popen(["nginx", "-c", str(work / "nginx.conf")])
-
-
-def nginx_json_backends() -> list[str]:
-    """The URLs of nginx's JSON completions, once it listens on them."""
-    for port in overhead.NGINX_PORTS["json"]:
-        overhead.wait_listening(port)
-    return [f"http://127.0.0.1:{port}" for port in overhead.NGINX_PORTS["json"]]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=10_000, help="how many to queue")
@@ -465,19 +437,16 @@ def main() -> None:
     if args.driver:
         uvloop.run(drive())
         return
-    if not shutil.which("wrk"):
-        sys.exit("wrk is missing: apt-get install wrk")
+    harness.need("wrk", packages="wrk")
     with tempfile.TemporaryDirectory() as tmp, open(os.devnull, "w") as log:
         work = Path(tmp)
-        nginx = start_nginx(work) if shutil.which("nginx") else None
         try:
-            uvloop.run(bench(args, work, log, nginx_json_backends() if nginx else []))
+            with harness.Processes(work) as procs:
+                # nginx's JSON answers for the lag run; without it, the driver's backend
+                nginx = harness.nginx(procs, ["json"])["json"] if shutil.which("nginx") else []
+                uvloop.run(bench(args, work, log, nginx))
         except Failed as err:
             sys.exit(f"error: {err}")
-        finally:
-            if nginx is not None:
-                nginx.terminate()
-                nginx.wait()
 
 
 if __name__ == "__main__":

@@ -37,13 +37,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from collections import defaultdict, deque
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
@@ -52,6 +48,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import harness
+from harness import Processes
 from redis.asyncio import Redis
 
 from sfq_proxy.state import redis_dispatch
@@ -87,32 +85,6 @@ class Measure:
     inner_per_request: float = 0.0  # commands the functions ran (redis.call), TIME included
     per_op: dict[str, float] = field(default_factory=dict)
     calls_per_op: dict[str, int] = field(default_factory=dict)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def start_redis(port: int, workdir: str) -> subprocess.Popen[bytes]:
-    """redis-server without persistence, answering PING before this returns."""
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", workdir],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
-    for _ in range(100):
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as sock:
-                sock.sendall(b"PING\r\n")
-                if sock.recv(64).startswith(b"+PONG"):
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.05)
-    proc.kill()
-    sys.exit("redis-server did not answer")
 
 
 class Stream:
@@ -356,16 +328,12 @@ def main() -> None:
             "new": DISPATCH,
             "baseline": Library(tuple(str(f.resolve()) for f in args.baseline), "sfq_dispatch"),
         }
-    if shutil.which("redis-server") is None:
-        sys.exit("redis-server is missing: apt-get install redis-server")
-    port = free_port()
-    with tempfile.TemporaryDirectory(prefix="sfq-bench-redis-") as workdir:
-        proc = start_redis(port, workdir)
-        try:
-            report(asyncio.run(bench(port, args.requests, args.rounds, libraries)))
-        finally:
-            proc.terminate()
-            proc.wait()
+    with (
+        tempfile.TemporaryDirectory(prefix="sfq-bench-redis-") as tmp,
+        Processes(Path(tmp)) as procs,
+    ):
+        port = harness.redis(procs).port
+        report(asyncio.run(bench(port, args.requests, args.rounds, libraries)))
 
 
 if __name__ == "__main__":

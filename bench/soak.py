@@ -40,9 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import json
-import os
 import re
 import secrets
 import signal
@@ -60,10 +58,11 @@ from random import Random
 from typing import Any
 
 import aiohttp
+import harness
 import uvloop
 import yaml
+from harness import Processes
 
-SFQ_PROXY = Path(sys.executable).with_name("sfq-proxy")
 MODEL = "sim-llama"
 CHAT_PATH = "/v1/chat/completions"
 ADMIN_ENV = "SOAK_ADMIN_KEY"
@@ -634,11 +633,6 @@ class Watch:
         return min(self.rss, key=lambda s: abs(s[0] - fraction * seconds))[1]
 
 
-def rss_bytes(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) * 1024
-
-
 async def admin_state(session: aiohttp.ClientSession, url: str, admin_key: str) -> dict:
     headers = {"Authorization": f"Bearer {admin_key}"}
     async with session.get(url + "/admin/state", headers=headers) as response:
@@ -659,7 +653,7 @@ async def watch_proxy(
     while True:
         elapsed = time.monotonic() - started
         try:
-            watch.rss.append((elapsed, rss_bytes(pid)))
+            watch.rss.append((elapsed, harness.rss_bytes(pid)))
             pools = await admin_state(session, url, admin_key)
             watch.polls += 1
             watch.sample_state(pools, elapsed)
@@ -678,61 +672,6 @@ async def watch_proxy(
 
 
 # --- the processes --------------------------------------------------------------------------
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports that nothing is bound to now."""
-    with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM when this bench dies, even by SIGKILL (Linux prctl)."""
-    ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class Fleet:
-    """The run's subprocesses, output in files; all stopped when the block exits, however."""
-
-    def __init__(self, work: Path) -> None:
-        self.work = work
-        self.procs: dict[str, subprocess.Popen[bytes]] = {}
-
-    def __enter__(self) -> Fleet:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> int:
-        with open(self.out(name), "wb") as out, open(self.err(name), "wb") as err:
-            self.procs[name] = subprocess.Popen(
-                argv, stdout=out, stderr=err, env=env, preexec_fn=_die_with_parent
-            )
-        return self.procs[name].pid
-
-    def out(self, name: str) -> Path:
-        return self.work / f"{name}.out"
-
-    def err(self, name: str) -> Path:
-        return self.work / f"{name}.err"
-
-    def check_alive(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                tail = self.err(name).read_text(errors="replace")[-2000:]
-                raise Failed(f"{name} exited with status {proc.returncode}:\n{tail}")
 
 
 def proxy_config(port: int, backends: list[str], slots: int) -> str:
@@ -761,33 +700,37 @@ def proxy_config(port: int, backends: list[str], slots: int) -> str:
     )
 
 
-def start_sims(fleet: Fleet, slots: int) -> list[str]:
-    """The simulated backends; returns their URLs."""
+def start_sims(fleet: Processes, slots: int) -> list[str]:
+    """The simulated backends (`sfq-proxy sim-backend` of this tree); returns their URLs."""
     urls = []
-    for i, port in enumerate(free_ports(BACKENDS)):
-        argv = [str(SFQ_PROXY), "sim-backend", "--port", str(port), "--max-num-seqs", str(slots)]
-        fleet.start(f"sim-{i}", [*argv, "--time-scale", str(TIME_SCALE), "--seed", str(i)])
+    for i, port in enumerate(harness.free_ports(BACKENDS)):
+        args = ["sim-backend", "--port", str(port), "--max-num-seqs", str(slots)]
+        fleet.start(
+            f"sim-{i}", harness.cli(*args, "--time-scale", str(TIME_SCALE), "--seed", str(i))
+        )
         urls.append(f"http://127.0.0.1:{port}")
     return urls
 
 
-def start_proxy(fleet: Fleet, sims: list[str], slots: int, admin_key: str) -> tuple[str, int]:
+def start_proxy(fleet: Processes, sims: list[str], slots: int, admin_key: str) -> tuple[str, int]:
     """The proxy in front of ``sims``; returns its URL and pid. Started once the sims listen:
     its first health probe would find them refusing, and take them out for a cooldown."""
-    (port,) = free_ports(1)
+    port = harness.free_port()
     config = fleet.work / "proxy.yaml"
     config.write_text(proxy_config(port, sims, slots))
-    env = {**os.environ, ADMIN_ENV: admin_key}
-    pid = fleet.start("proxy", [str(SFQ_PROXY), "serve", "--config", str(config)], env)
-    return f"http://127.0.0.1:{port}", pid
+    command = harness.proxy_command(config, env={ADMIN_ENV: admin_key})
+    return f"http://127.0.0.1:{port}", fleet.start("proxy", command).pid
 
 
-async def wait_ready(session: aiohttp.ClientSession, fleet: Fleet, urls: list[str]) -> None:
+async def wait_ready(session: aiohttp.ClientSession, fleet: Processes, urls: list[str]) -> None:
     """Until every URL answers 200 (the sims' /health, the proxy's /readyz)."""
     deadline = time.monotonic() + 20
     for url in urls:
         while True:
-            fleet.check_alive()
+            try:
+                fleet.check_alive()
+            except RuntimeError as err:
+                raise Failed(str(err)) from err
             with contextlib.suppress(aiohttp.ClientError):
                 async with session.get(url) as response:
                     if response.status == 200:
@@ -1076,7 +1019,7 @@ def rss_check(checks: Checks, watch: Watch, seconds: float, hostile: bool) -> No
     )
 
 
-def stderr_lines(fleet: Fleet, name: str) -> list[str]:
+def stderr_lines(fleet: Processes, name: str) -> list[str]:
     return [line for line in fleet.err(name).read_text(errors="replace").splitlines() if line]
 
 
@@ -1086,7 +1029,7 @@ def stderr_lines(fleet: Fleet, name: str) -> list[str]:
 @dataclass
 class Run:
     args: argparse.Namespace
-    fleet: Fleet
+    fleet: Processes
     url: str = ""
     sims: list[str] = field(default_factory=list)
     pid: int = 0
@@ -1131,7 +1074,7 @@ async def soak(run: Run) -> None:
             )
         hung, crashed = await run_clients(session, run)
         pool, stats = await settle(session, run.url, run.admin_key, run.sims)
-        run.rss_settled = rss_bytes(run.pid)
+        run.rss_settled = harness.rss_bytes(run.pid)
         burst_results = await burst(session, run.url, BACKENDS * args.slots)
         after = await sim_stats(session, run.sims)
     await asyncio.sleep(0.2)  # the proxy writes its access lines at the next turn of its loop
@@ -1146,7 +1089,7 @@ async def run_clients(session: aiohttp.ClientSession, run: Run) -> tuple[int, in
     if run.hostile:  # it stops when the clients do (it builds its bombs meanwhile)
         until = f"{time.time() + args.seconds:.3f}"
         argv = [sys.executable, __file__, "--hostile-mix", run.url, "--until", until]
-        run.fleet.start("hostile", argv)
+        run.fleet.start("hostile", harness.Command(argv))
     watcher = asyncio.create_task(
         watch_proxy(session, run.url, run.admin_key, run.pid, run.watch, run.tally, started)
     )
@@ -1451,7 +1394,7 @@ def main() -> None:
             logs = args.logs
             if logs is not None and args.hostile:
                 logs = logs / ("hostile" if hostile else "honest")
-            with work_dir(logs) as work, Fleet(work) as fleet:
+            with work_dir(logs) as work, Processes(work) as fleet:
                 if runs:
                     print()
                 runs.append(Run(args, fleet, hostile=hostile))
