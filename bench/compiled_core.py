@@ -38,7 +38,9 @@ CORE = [
     "inference_request", "limits", "media", "placement", "queue_memory", "scheduler",
     "throttle", "usage",
 ]  # fmt: skip
-HTTP = ["access_log", "handler", "metrics", "pool_runtime", "relay"]
+HTTP = [
+    "observability/access_log", "http/handler", "observability/metrics", "state/pool", "http/relay",
+]  # fmt: skip
 # mypy's settings for the build: the package's own plugin, without `make lint`'s strictness
 MYPY_INI = "[mypy]\npython_version = 3.11\nplugins = pydantic.mypy\n"
 BUILD = """
@@ -72,7 +74,7 @@ def main() -> None:
     (out / "mypy.ini").write_text(MYPY_INI)
     modules = [f"sfq_proxy/core/{name}.py" for name in CORE]
     if args.with_http:
-        modules += [f"sfq_proxy/http/{name}.py" for name in HTTP]
+        modules += [f"sfq_proxy/{name}.py" for name in HTTP]
     build = subprocess.run(
         [sys.executable, "-c", BUILD, *modules], cwd=out, capture_output=True, text=True
     )

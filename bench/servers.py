@@ -17,7 +17,7 @@ usage chunk and ``[DONE]``, each written and drained on its own, ``--pause-ms`` 
 forwards POSTs to the backends in turn over pooled keep-alive connections and relays the
 answer as it arrives. No auth, no parsing, no queue, no metrics, no log. ``--processes N``
 forks N processes sharing the port (SO_REUSEPORT, as ``sfq-proxy serve --workers N``): what
-the machine gives a second process when nothing is shared (shared_state.py).
+the machine gives a second process when nothing is shared (state/redis_client.py).
 ``--upstream`` sends with sfq-proxy's own connections (``sfq_proxy/http/upstream.py``)
 instead of aiohttp's ``ClientSession``: the floor on the client the proxy uses.
 
@@ -213,8 +213,8 @@ class _PassThrough:
 
 # feature of harness.FEATURES: [(module, attribute path, what replaces it)]
 REPLACE: dict[str, list[tuple[str, str, object]]] = {
-    "access_log": [("sfq_proxy.http.access_log", "AccessRecord.emit", _nothing)],
-    "metrics": [("sfq_proxy.http.metrics", f"Metrics.{name}", _nothing)
+    "access_log": [("sfq_proxy.observability.access_log", "AccessRecord.emit", _nothing)],
+    "metrics": [("sfq_proxy.observability.metrics", f"Metrics.{name}", _nothing)
                 for name in ("seen", "count", "observe", "first_byte", "placed")],
     "calibration": [("sfq_proxy.core.cost", "CostModel.observe", _nothing)],
     "answer_counting": [("sfq_proxy.http.handler", "_count_answer", _nothing)],
