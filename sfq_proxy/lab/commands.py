@@ -38,7 +38,7 @@ from .policies import (
     trues_up,
 )
 from .scenario import Scenario, Served, Team, load_scenario
-from .simulator import POOL, cost_of, simulate
+from .simulator import POOL, EngineSample, cost_of, simulate
 
 MODEL = "lab"
 
@@ -67,19 +67,47 @@ def simulate_all(
     *,
     quantum: float | None = None,
     priority_order: Sequence[str] = DEFAULT_PRIORITY_ORDER,
+    engine_logs: dict[str, list[EngineSample]] | None = None,
 ) -> dict[str, list[Served]]:
-    """Each policy's run (``default_policies`` when not given)."""
+    """Each policy's run (``default_policies`` when not given). ``engine_logs``, when given,
+    receives each run's ``engine_log`` (the simulator's samples of the engines), by policy."""
     quantum = quantum or default_quantum(scenario)
     if policies is None:
         policies = default_policies(scenario)
-    return {
-        name: simulate(
+    runs = {}
+    for name in policies:
+        log: list[EngineSample] | None = None
+        if engine_logs is not None:
+            log = engine_logs.setdefault(name, [])
+        runs[name] = simulate(
             scenario,
             make_policy(name, quantum=quantum, priority_order=priority_order),
             true_up=trues_up(name),
+            engine_log=log,
         )
-        for name in policies
-    }
+    return runs
+
+
+def has_engine_limits(scenario: Scenario) -> bool:
+    """Whether the scenario's engine declares a scheduler of its own (``max_num_seqs``, a KV
+    cache or the priority policy), so the engines' queues are worth a table."""
+    engine = scenario.pool.engine
+    return (
+        engine.max_num_seqs is not None
+        or engine.kv_cache_tokens is not None
+        or engine.scheduling_policy != "fcfs"
+    )
+
+
+def with_slots(scenario: Scenario, slots: int) -> Scenario:
+    """``scenario`` with the proxy's ``slots`` per backend; the engines keep their batch
+    (``max_num_seqs``, the old slots if the scenario left it to them): the same backends,
+    another proxy setting."""
+    if slots < 1:
+        raise ValueError("slots must be positive")
+    pool = scenario.pool
+    engine = replace(pool.engine, max_num_seqs=pool.engine.max_num_seqs or pool.slots)
+    return replace(scenario, pool=replace(pool, slots=slots, engine=engine))
 
 
 def team_keys(scenario: Scenario) -> dict[str, str]:
@@ -138,13 +166,16 @@ async def run_real(
     engine, pool = scenario.pool.engine, scenario.pool
     sim_config = SimConfig(
         models=[MODEL],
-        max_num_seqs=pool.slots,
+        max_num_seqs=engine.max_num_seqs or pool.slots,
+        kv_cache_tokens=engine.kv_cache_tokens,
+        scheduling_policy=engine.scheduling_policy,
         prefill_tokens_per_s=engine.prefill_tokens_per_s,
         decode_tokens_per_s=engine.decode_tokens_per_s,
         batch_slowdown=engine.batch_slowdown,
         output_mode="min_tokens",  # generate the scenario's output (loadgen sends min_tokens)
         time_scale=time_scale,
-        max_model_len=1 << 24,
+        # a context of the whole cache (vLLM's limit); every request fits (load_scenario)
+        max_model_len=engine.kv_cache_tokens or 1 << 24,
     )
     async with contextlib.AsyncExitStack() as stack:
         urls = []
@@ -180,6 +211,10 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--max-overtaken", type=int, metavar="K",
         help="override max_overtaken of every class with size buckets (try several K)",
     )  # fmt: skip
+    p.add_argument(
+        "--slots", type=int, metavar="N",
+        help="override the proxy's slots per backend; the engines keep their max_num_seqs",
+    )  # fmt: skip
     p.set_defaults(func=_simulate_command)
 
     p = sub.add_parser("loadgen", help="drive a scenario against a running proxy")
@@ -211,10 +246,14 @@ def _simulate_command(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario, duration_s=args.duration)
     if args.max_overtaken is not None:
         scenario = with_max_overtaken(scenario, args.max_overtaken)
+    if args.slots is not None:
+        scenario = with_slots(scenario, args.slots)
+    logs: dict[str, list[EngineSample]] | None = {} if has_engine_limits(scenario) else None
     runs = simulate_all(
         scenario, args.policy, quantum=args.quantum, priority_order=args.priority_order.split(","),
+        engine_logs=logs,
     )  # fmt: skip
-    _report(args, scenario, runs)
+    _report(args, scenario, runs, logs)
     return 0
 
 
@@ -240,7 +279,12 @@ def _loadgen_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(args: argparse.Namespace, scenario: Scenario, runs: dict[str, list[Served]]) -> None:
+def _report(
+    args: argparse.Namespace,
+    scenario: Scenario,
+    runs: dict[str, list[Served]],
+    engine_logs: dict[str, list[EngineSample]] | None = None,
+) -> None:
     table = report.rows(runs, scenario.teams)
     print(report.format_table(table))
     print(report.LEGEND)
@@ -254,6 +298,9 @@ def _report(args: argparse.Namespace, scenario: Scenario, runs: dict[str, list[S
         c for name, run in runs.items() for c in report.bound_checks(run, scenario.teams, name)
     ]
     print(report.bound_table(checks))
+    engines = report.engine_table(runs, engine_logs or {}, scenario.teams)
+    if engines:
+        print(engines)
     if args.out:
         written = report.write_report(
             args.out, scenario.name, table, runs, scenario.teams, plots=not args.no_plots

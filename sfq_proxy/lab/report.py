@@ -71,6 +71,7 @@ from typing import Any
 
 from .policies import SFQ_ESTIMATE_ONLY
 from .scenario import Served, Team
+from .simulator import EngineSample
 
 __all__ = [
     "BOUND_LEGEND",
@@ -83,6 +84,7 @@ __all__ = [
     "bound_table",
     "charged_series",
     "contended_shares",
+    "engine_table",
     "flow_names",
     "format_table",
     "markdown_table",
@@ -529,6 +531,67 @@ def size_buckets_table(rows: Sequence[Row]) -> str:
         if name in sized
     ]  # fmt: skip
     return _grid(head, body, left=1) + SIZE_BUCKETS_LEGEND
+
+
+ENGINE_LEGEND = """\
+engine (sim/engine.py): the requests the proxy sent that its backends' engines did not run
+yet wait in the engines' own queues (FCFS or by priority), where no fair queue orders them.
+queue mean/max: sequences in those queues, over the run (mean weighted by time); batch
+mean: sequences running; kv peak: the most KV cache one backend held (tokens; "-": an
+unlimited cache); engine wait: dispatch → into the batch, per team.
+"""
+
+
+def engine_table(
+    runs: Mapping[str, Sequence[Served]],
+    logs: Mapping[str, Sequence[EngineSample]],
+    teams: Sequence[Team],
+) -> str:
+    """What the engines did in each run: their queues and batches over time (from ``logs``,
+    the simulator's ``engine_log`` of each run), preemptions, and each team's wait in them
+    (``Served.admitted_s − start_s``). Empty when there is no log."""
+    if not logs:
+        return ""
+    head = ("policy", "team", "engine wait p50", "engine wait p99", "engine wait max",
+            "preempted", "queue mean", "queue max", "batch mean", "kv peak")  # fmt: skip
+    body = []
+    for policy, samples in logs.items():
+        queue, batch = _time_means(samples, "waiting"), _time_means(samples, "running")
+        kv = [x.kv_used for x in samples if x.kv_used is not None]
+        pool = [
+            _fmt_count(queue[0]), f"{queue[1]:.0f}", _fmt_count(batch[0]),
+            str(max(kv)) if kv else "-",
+        ]  # fmt: skip
+        for i, team in enumerate(teams):
+            mine = [s for s in runs.get(policy, ()) if s.request.team == team.name]
+            waits = sorted(s.admitted_s - s.start_s for s in mine if s.admitted_s is not None)
+            body.append((
+                policy if i == 0 else "", team.name,
+                *(_fmt_seconds(percentile(waits, p)) for p in (50, 99, 100)),
+                str(sum(s.preemptions for s in mine)),
+                *(pool if i == 0 else ["", "", "", ""]),
+            ))  # fmt: skip
+    return _grid(head, body, left=2) + ENGINE_LEGEND
+
+
+def _time_means(samples: Sequence[EngineSample], field: str) -> tuple[float, float]:
+    """The time-weighted mean and the max of ``field`` summed over the backends, from the
+    first sample to the last."""
+    now: dict[str, int] = {}
+    total = area = peak = 0.0
+    last = samples[0].time_s if samples else 0.0
+    for x in samples:
+        area += total * (x.time_s - last)
+        last = x.time_s
+        now[x.backend] = getattr(x, field)
+        total = sum(now.values())
+        peak = max(peak, total)
+    span = last - (samples[0].time_s if samples else 0.0)
+    return (area / span if span > 0 else total, peak)
+
+
+def _fmt_count(x: float) -> str:
+    return f"{x:.1f}"
 
 
 TRUE_UP_LEGEND = f"""\

@@ -1,6 +1,8 @@
 """Scenarios for the scenario lab: a YAML file → a deterministic list of requests.
 
-A scenario names a pool (backends × slots and a toy engine model), the teams that load it
+A scenario names a pool (backends × the proxy's slots, and a toy engine model: its speeds,
+and optionally its scheduler's ``max_num_seqs``, ``kv_cache_tokens`` and
+``scheduling_policy``, the same on every backend), the teams that load it
 and how each team's requests arrive and how large they are; or it replays a trace file
 (the Azure LLM inference traces, or a simple CSV). :func:`load_scenario` validates the file
 and generates every request up front, so the simulator, the report and the load generator
@@ -46,7 +48,7 @@ from ..config import (
     read_yaml,
 )
 from ..core.fair_queue import DEFAULT_MAX_OVERTAKEN
-from ..sim.engine import EngineModel  # the one engine model, shared with the simulated server
+from ..sim.engine import EngineModel, SchedulingPolicy  # the one engine model, as the sim's
 
 __all__ = [
     "EngineModel",
@@ -64,8 +66,11 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class PoolModel:
-    """``backends`` identical backends of ``slots`` concurrent sequences each, and the
-    pool's cost model (docs/design.md §4): ``input_weight × input + output_weight × output``."""
+    """``backends`` identical backends, to each of which the proxy sends at most ``slots``
+    requests at once, and the pool's cost model (docs/design.md §4): ``input_weight × input
+    + output_weight × output``. Each backend's ``engine`` runs ``engine.max_num_seqs`` of
+    them at once (default: ``slots``, the proxy's slots and the engine's batch alike) within
+    its ``engine.kv_cache_tokens`` of KV cache; the rest wait in the engine's queue."""
 
     backends: int
     slots: int
@@ -156,12 +161,12 @@ class Scenario:
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """What became of a request in a run (simulated or real): dispatched to a slot at
-    ``start_s``, completed at ``end_s`` (scenario seconds), charged ``cost`` (the estimate,
-    at dispatch). ``actual`` is what it really cost, the pool's formula on the tokens the
-    backend reported (``CostModel.actual``); None when unknown. ``trued_up``: the scheduler
-    was told ``actual`` at the request's end, so its flow's charge was trued up to it (the
-    proxy's behaviour, docs/design.md §3); False when the estimate stood."""
+    """What became of a request in a run (simulated or real): dispatched to a slot (sent to
+    its backend) at ``start_s``, completed at ``end_s`` (scenario seconds), charged ``cost``
+    (the estimate, at dispatch). ``actual`` is what it really cost, the pool's formula on
+    the tokens the backend reported (``CostModel.actual``); None when unknown. ``trued_up``:
+    the scheduler was told ``actual`` at the request's end, so its flow's charge was trued
+    up to it (the proxy's behaviour, docs/design.md §3); False when the estimate stood."""
 
     request: Request
     start_s: float
@@ -169,6 +174,11 @@ class Served:
     cost: float
     actual: float | None = None
     trued_up: bool = False
+    # when the engine first took it into its batch (scenario seconds; after ``start_s`` when
+    # it waited in the engine's queue), and how often it was preempted; None, 0: unknown
+    # (a real run)
+    admitted_s: float | None = None
+    preemptions: int = 0
 
     @property
     def served_cost(self) -> float:
@@ -377,9 +387,16 @@ class TraceSpec(StrictModel):
 
 
 class EngineSpec(StrictModel):
+    """Each backend's engine: its speeds, and its scheduler (``sim/engine.py``): at most
+    ``max_num_seqs`` sequences at once (default: the pool's ``slots``), ``kv_cache_tokens``
+    of KV cache (default: unlimited), its queue FCFS or by priority."""
+
     prefill_tokens_per_s: PositiveFloat
     decode_tokens_per_s: PositiveFloat
     batch_slowdown: NonNegativeFloat = 0.0
+    max_num_seqs: PositiveInt | None = None
+    kv_cache_tokens: PositiveInt | None = None
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
 
 class PoolSection(StrictModel):
@@ -490,6 +507,7 @@ def _build(spec: ScenarioSpec, base_dir: Path, override: float | None) -> Scenar
         raise ConfigError([("", f"generates more than {MAX_REQUESTS} requests")])
     rows.sort(key=lambda r: r[:3])
     requests = tuple(Request(i, r[0], *r[3:]) for i, r in enumerate(rows))
+    _check_fits(requests, spec.pool.engine.kv_cache_tokens)
     section = spec.pool
     engine = EngineModel(**section.engine.model_dump())
     cost = section.cost
@@ -498,6 +516,22 @@ def _build(spec: ScenarioSpec, base_dir: Path, override: float | None) -> Scenar
         cost.output_ratio,
     )  # fmt: skip
     return Scenario(spec.name, spec.seed, duration, pool, tuple(teams), requests)
+
+
+def _check_fits(requests: Sequence[Request], kv_cache_tokens: int | None) -> None:
+    """Every request must fit in the KV cache alone, its prompt and ``max_tokens`` (a real run
+    serves the scenario with a context window of the cache: vLLM will not start with one
+    larger). Otherwise the engine could never finish it."""
+    if kv_cache_tokens is None:
+        return
+    largest = max(requests, key=lambda r: r.prompt_tokens + r.max_tokens, default=None)
+    if largest is not None and largest.prompt_tokens + largest.max_tokens > kv_cache_tokens:
+        need = largest.prompt_tokens + largest.max_tokens
+        raise ConfigError([(
+            "pool.engine.kv_cache_tokens",
+            f"request {largest.id} of team {largest.team} needs {need} tokens of KV cache "
+            "(prompt and max_tokens) alone: more than the cache",
+        )])  # fmt: skip
 
 
 def _weight(section: Mapping[str, WeightSpec], name: str) -> float:

@@ -25,6 +25,7 @@ records out: there is no randomness here.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..config import BackendSpec, CalibrationSpec, CostSpec
@@ -35,10 +36,12 @@ from ..core.inference_request import InferenceRequest, Kind
 from ..core.placement import Placement
 from ..core.queues import DispatchQueue
 from ..core.scheduler import Scheduler, Ticket
+from ..sim.engine import Changes, EngineRequest
 from .scenario import PoolModel, Request, Scenario, Served
 
 __all__ = [
     "POOL",
+    "EngineSample",
     "actual_cost",
     "cost_model",
     "cost_of",
@@ -48,7 +51,8 @@ __all__ = [
 ]
 
 POOL = "lab"  # the pool's name, in the simulator as in the proxy config of a real run
-_FINISH, _PUMP, _ARRIVE = 0, 1, 2  # at one instant: completions, then pacing, then arrivals
+# at one instant: completions, then tokens taking cache, then pacing, then arrivals
+_FINISH, _TOKEN, _PUMP, _ARRIVE = 0, 1, 2, 3
 
 
 def cost_spec(pool: PoolModel) -> CostSpec:
@@ -109,11 +113,130 @@ def service_time(request: Request, pool: PoolModel, running: int) -> float:
     return pool.engine.service_seconds(request.prompt_tokens, request.output_tokens, running)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class EngineSample:
+    """A backend's engine just after an event that changed it: sequences in its batch and in
+    its queue, tokens of KV cache in use (None with an unlimited cache, whose tokens the
+    simulator does not count), preemptions so far."""
+
+    time_s: float
+    backend: str
+    running: int
+    waiting: int
+    kv_used: int | None
+    preemptions: int
+
+
+@dataclass(slots=True, eq=False)
 class _Job:
+    """A request of the run: once dispatched, its place in the records (dispatch order), its
+    backend, its ``EngineRequest``, and its current run in the engine's batch (``run``
+    counts the admissions and preemptions: an event of an older run is void)."""
+
     request: Request
     estimate: Estimate
     actual: float
+    index: int = -1
+    start_s: float = 0.0
+    cost: float = 0.0  # charged at dispatch
+    ticket: Ticket | None = None
+    backend: str = ""
+    engine: EngineRequest | None = None
+    admitted_s: float | None = None  # first into the batch
+    run: int = 0
+    first_token: float = 0.0  # the current run's: its prefill done, its time per token,
+    interval: float = 0.0  # its tokens so far, how many it generates, its end
+    tokens: int = 0
+    left: int = 0
+    end: float = 0.0
+
+
+Push = Callable[[float, int, _Job], None]
+
+
+class _Engines:
+    """Each backend's ``EngineScheduler`` and the timing of the requests in its batch.
+
+    A run starts when the engine admits a request and lasts ``service_time`` from the batch
+    it joins, fixed then (as the simulator always did): its prompt and what it had generated
+    before a preemption are prefilled, then it generates the rest. When the engine can
+    preempt (a finite KV cache, or the priority policy), each token of a run is an event
+    that takes cache (``EngineScheduler.grow``) and a preemption ends the run early: its
+    pending event is void, and it is admitted again later. Otherwise its end is its one
+    event, and the figures are the ones the simulator gave before it had an engine queue.
+    """
+
+    def __init__(self, pool: PoolModel, names: list[str]) -> None:
+        self.model = pool.engine
+        self.engines = {name: pool.engine.scheduler(pool.slots) for name in names}
+        self.stepwise = pool.engine.kv_cache_tokens is not None or (
+            pool.engine.scheduling_policy == "priority"
+        )
+        self.changed: dict[str, None] = {}  # backends changed by the event in hand, in order
+        self.admitted: list[_Job] = []  # admitted by it: their runs start after it
+
+    def add(self, job: _Job) -> None:
+        request = job.request
+        job.engine = EngineRequest(job, request.prompt_tokens, request.output_tokens)
+        self._apply(job.backend, self.engines[job.backend].add(job.engine))
+
+    def token(self, job: _Job, now: float, push: Push) -> None:
+        """A token of ``job``'s run: it takes cache; then the next token, or the end."""
+        assert job.engine is not None
+        self._apply(job.backend, self.engines[job.backend].grow(job.engine))
+        if job.engine.running:  # not preempted, itself
+            job.tokens += 1
+            if job.tokens + 1 < job.left:
+                push(job.first_token + (job.tokens + 1) * job.interval, _TOKEN, job)
+            else:
+                push(job.end, _FINISH, job)
+
+    def remove(self, job: _Job) -> None:
+        assert job.engine is not None
+        self._apply(job.backend, self.engines[job.backend].remove(job.engine))
+
+    def _apply(self, backend: str, changes: Changes) -> None:
+        self.changed[backend] = None
+        for request in changes.preempted:
+            job: _Job = request.key  # type: ignore[assignment]
+            job.run += 1  # its pending event is void
+        self.admitted += [request.key for request in changes.admitted]  # type: ignore[misc]
+
+    def start_runs(self, now: float, push: Push) -> None:
+        """Start the runs of the requests the event admitted, each at the batch size of its
+        backend after the whole event (every request starting at one instant sees the
+        others, as in the simulator before the engine had a queue). A request admitted and
+        then preempted by the same event (by a smaller priority value) has no run yet."""
+        for job in dict.fromkeys(self.admitted):
+            assert job.engine is not None
+            if not job.engine.running:
+                continue
+            running = self.engines[job.backend].running_places
+            if job.admitted_s is None:
+                job.admitted_s = now
+            job.run += 1
+            prompt = job.request.prompt_tokens + job.engine.generated
+            job.left = job.request.output_tokens - job.engine.generated
+            job.tokens = 0
+            job.first_token = now + self.model.prefill_seconds(prompt)
+            job.interval = self.model.decode_interval(running)
+            job.end = now + self.model.service_seconds(prompt, job.left, running)
+            if self.stepwise and job.left > 1:
+                push(job.first_token + job.interval, _TOKEN, job)
+            else:
+                push(job.end, _FINISH, job)
+        self.admitted.clear()
+
+    def sample(self, now: float, into: list[EngineSample] | None) -> None:
+        """The engines the event changed, into ``into``."""
+        if into is not None:
+            for name in self.changed:
+                e = self.engines[name]
+                kv = e.kv_used if e.kv_cache_tokens is not None else None
+                into.append(EngineSample(
+                    now, name, e.running_places, e.waiting_places, kv, e.preemptions
+                ))  # fmt: skip
+        self.changed.clear()
 
 
 def simulate(
@@ -122,6 +245,7 @@ def simulate(
     *,
     events: list[tuple[str, int]] | None = None,
     true_up: bool = True,
+    engine_log: list[EngineSample] | None = None,
 ) -> list[Served]:
     """Run every request of ``scenario`` through a ``Scheduler`` ordering with ``policy`` (a
     fresh, empty queue); the records in dispatch order, each with the cost charged and the
@@ -131,6 +255,8 @@ def simulate(
     the scheduler saw them, so a checker can tell who was backlogged at each dispatch.
     ``true_up``: each request's actual cost is passed to ``Scheduler.finish`` (the proxy's
     behaviour); False passes None, so the estimates stand (to compare what the true-up buys).
+    ``engine_log``, when given, receives an ``EngineSample`` of each backend's engine after
+    every event that changed it.
     """
     pool = scenario.pool
     specs = [
@@ -138,45 +264,65 @@ def simulate(
         for i in range(pool.backends)
     ]
     scheduler = Scheduler(Placement(specs), queue=policy)
+    engines = _Engines(pool, [spec.name or spec.url for spec in specs])
     costs = cost_model(cost_spec(pool))
     teams = {team.name: team for team in scenario.teams}
-    heap: list[tuple[float, int, int, Ticket | None]] = []
+    heap: list[tuple[float, int, int, _Job | None, int]] = []
     seq = 0
     for request in scenario.arrival_order():
-        heap.append((request.time_s, _ARRIVE, seq, None))
+        heap.append((request.time_s, _ARRIVE, seq, None, 0))
         seq += 1
     arrivals = iter(scenario.arrival_order())
     heapq.heapify(heap)
-    served: list[Served] = []
+    records: list[Served | None] = []
     pump_at: float | None = None
+
+    def push(at: float, kind: int, job: _Job) -> None:
+        nonlocal seq
+        heapq.heappush(heap, (at, kind, seq, job, job.run))
+        seq += 1
 
     def started(now: float, dispatched: list[Ticket]) -> None:
         nonlocal seq, pump_at
         for ticket in dispatched:
             job: _Job = ticket.payload
             assert ticket.backend is not None
-            end = now + service_time(job.request, pool, ticket.backend.in_flight)
-            heapq.heappush(heap, (end, _FINISH, seq, ticket))
-            seq += 1
-            cost = 0.0 if ticket.priority else ticket.cost
-            served.append(Served(job.request, now, end, cost, job.actual, true_up))
+            job.index, job.start_s, job.ticket = len(records), now, ticket
+            job.backend = ticket.backend.name
+            job.cost = 0.0 if ticket.priority else ticket.cost
+            records.append(None)
+            engines.add(job)
             if events is not None:
                 events.append(("start", job.request.id))
+        engines.start_runs(now, push)
+        engines.sample(now, engine_log)
         wake = scheduler.wake_at
         if wake is not None and (pump_at is None or wake < pump_at):
             pump_at = wake
-            heapq.heappush(heap, (wake, _PUMP, seq, None))
+            heapq.heappush(heap, (wake, _PUMP, seq, None, 0))
             seq += 1
 
     while heap:
-        now, kind, _, ticket = heapq.heappop(heap)
-        if kind == _FINISH:
-            assert ticket is not None
-            job = ticket.payload
-            dispatched = scheduler.finish(ticket, now, job.actual if true_up else None)
+        now, kind, _, job, run = heapq.heappop(heap)
+        if job is not None and run != job.run:
+            continue  # an event of a run a preemption ended
+        if kind == _TOKEN:
+            assert job is not None
+            engines.token(job, now, push)
+            dispatched = []
+        elif kind == _FINISH:
+            assert job is not None
+            assert job.ticket is not None
+            dispatched = scheduler.finish(job.ticket, now, job.actual if true_up else None)
             costs.observe(
-                job.estimate, ticket.org, job.request.prompt_tokens, job.request.output_tokens
+                job.estimate, job.ticket.org, job.request.prompt_tokens, job.request.output_tokens
             )
+            engines.remove(job)
+            assert job.engine is not None
+            records[job.index] = Served(
+                job.request, job.start_s, now, job.cost, job.actual, true_up,
+                job.admitted_s, job.engine.preemptions,
+            )  # fmt: skip
         elif kind == _PUMP:
             pump_at = None
             dispatched = scheduler.pump(now)
@@ -199,4 +345,5 @@ def simulate(
                 events.append(("arrive", request.id))
             dispatched = scheduler.submit(new, now)
         started(now, dispatched)
-    return served
+    assert all(record is not None for record in records)
+    return records  # type: ignore[return-value]

@@ -20,6 +20,7 @@ from typing import Any, Literal, Protocol
 from aiohttp import web
 
 from ..core.media import media_part
+from .engine import INT64_MAX, INT64_MIN
 
 __all__ = [
     "DEFAULT_MEDIA_TOKENS",
@@ -209,6 +210,7 @@ class GenerationRequest:
     instructions: str | None = None  # a Responses API request's, echoed in its answer
     n: int = 1  # choices returned
     sequences: int = 1  # sequences generated, each up to max_tokens: best_of if larger than n
+    priority: int = 0  # vLLM's: with --scheduling-policy priority, lower is served first
     # the output fields of the body as received (OUTPUT_FIELDS), for tests to check what a
     # proxy sent upstream
     asked: Mapping[str, Any] = field(default_factory=dict)
@@ -259,6 +261,7 @@ def parse_generation(kind: Kind, body: object, cfg: ApiLimits) -> GenerationRequ
         instructions=body.get("instructions") if kind == "responses" else None,
         n=n,
         sequences=sequences,
+        priority=_priority(body),
         asked={name: body[name] for name in OUTPUT_FIELDS if name in body},
     )
 
@@ -284,6 +287,22 @@ def _positive(body: dict[str, Any], name: str) -> int:
         return 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise RefusedRequest(400, f"{name} must be at least 1, got {value!r}.")
+    return value
+
+
+def _priority(body: dict[str, Any]) -> int:
+    """vLLM's ``priority``: an integer in the int64 range (its pydantic field), 0 if absent.
+    Accepted whatever the scheduling policy, as vLLM 0.32 does (FCFS ignores it). Stricter
+    than pydantic's lax mode, which would also take ``"3"``, ``3.0`` or ``true``."""
+    if "priority" not in body:
+        return 0
+    value = body["priority"]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise RefusedRequest(400, "priority: Input should be a valid integer")
+    if value < INT64_MIN:
+        raise RefusedRequest(400, f"priority: Input should be greater than or equal to {INT64_MIN}")
+    if value > INT64_MAX:
+        raise RefusedRequest(400, f"priority: Input should be less than or equal to {INT64_MAX}")
     return value
 
 

@@ -1,24 +1,26 @@
-"""A simulated vLLM server: slots, a waiting queue, faults and sockets around the engine
-model (``engine.py``) and the OpenAI API shapes (``api.py``).
+"""A simulated vLLM server: faults, sockets and timing around the engine model
+(``engine.py``: its speeds, and its scheduler's batch, queue and KV cache) and the OpenAI API
+shapes (``api.py``).
 
 The proxy's demo and end-to-end tests need a backend that looks like vLLM *from a load
-balancer's point of view*: same endpoints and JSON shapes, a bounded batch with a FIFO
-waiting queue behind it, prefill and per-token decode latency that grows with batch size,
-client disconnects aborting work, and fault knobs.  No GPU, no model: the "generated" text is
-a seeded pseudo-random word sequence, one word per token, so a run is reproducible.
+balancer's point of view*: same endpoints and JSON shapes, a bounded batch
+(``max_num_seqs``) and KV cache (``kv_cache_tokens``) with the engine's own waiting queue
+behind them (FCFS, or by the request's ``priority``), preemption when the cache runs out,
+vLLM's scheduler metrics on ``/metrics``, prefill and per-token decode latency that grows
+with batch size, client disconnects aborting work, and fault knobs.  No GPU, no model: the
+"generated" text is a seeded pseudo-random word sequence, one word per token, so a run is
+reproducible.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import socket
 import time
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from http import HTTPStatus
 from typing import Any, Literal
@@ -42,7 +44,14 @@ from .api import (
     estimate_prompt_tokens,
     parse_generation,
 )
-from .engine import EngineModel, output_tokens
+from .engine import (
+    SCHEDULING_POLICIES,
+    Changes,
+    EngineModel,
+    EngineRequest,
+    SchedulingPolicy,
+    output_tokens,
+)
 
 __all__ = [
     "Faults",
@@ -83,6 +92,12 @@ class SimConfig:
     vLLM itself does. Its prompt counts ``tokens_per_message`` per chat message (the chat
     template's role markers), its text at ``chars_per_token``, and each non-text part: an
     image by OpenAI's tile rule when its size can be read, else ``{kind}_tokens``.
+
+    The engine's scheduler (``engine.EngineScheduler``): at most ``max_num_seqs`` sequences
+    in the batch and ``kv_cache_tokens`` tokens of KV cache (None: a cache that never runs
+    out, the default; else at least ``max_model_len``, as vLLM refuses to start with less),
+    the rest waiting in its queue, in arrival order, or with ``scheduling_policy``
+    ``priority`` by the request's ``priority`` (lower first).
     """
 
     models: Sequence[str] = (DEFAULT_MODEL,)
@@ -103,6 +118,8 @@ class SimConfig:
     audio_tokens: int = DEFAULT_MEDIA_TOKENS["audio"]
     file_tokens: int = DEFAULT_MEDIA_TOKENS["file"]
     video_tokens: int = DEFAULT_MEDIA_TOKENS["video"]
+    kv_cache_tokens: int | None = None
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -121,6 +138,13 @@ class SimConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
+        kv = self.kv_cache_tokens
+        if kv is not None and kv < self.max_model_len:
+            raise ValueError(
+                "kv_cache_tokens must hold one request of max_model_len, or be None (unlimited)"
+            )
         if self.default_max_tokens is not None and self.default_max_tokens <= 0:
             raise ValueError("default_max_tokens must be positive, or None (up to the context)")
         not_negative = ("batch_slowdown", "tokens_per_message", *_MEDIA_FIELDS.values())
@@ -136,7 +160,14 @@ class SimConfig:
     @property
     def engine(self) -> EngineModel:
         """The engine model (``sim/engine.py``), in unscaled seconds."""
-        return EngineModel(self.prefill_tokens_per_s, self.decode_tokens_per_s, self.batch_slowdown)
+        return EngineModel(
+            self.prefill_tokens_per_s,
+            self.decode_tokens_per_s,
+            self.batch_slowdown,
+            self.max_num_seqs,
+            self.kv_cache_tokens,
+            self.scheduling_policy,
+        )
 
     def prefill_seconds(self, prompt_tokens: int) -> float:
         """Wall time of a prompt's prefill, which also yields the first output token."""
@@ -191,7 +222,9 @@ class RequestRecord:
     # present): what a proxy in front sent upstream
     asked: dict[str, Any] = field(default_factory=dict)
     sequences: int = 1  # generated (n, or best_of when larger), each in a batch slot
+    priority: int = 0  # the body's, as the priority policy orders by it
     started_at: float | None = None  # got a batch slot (None: failed or aborted while waiting)
+    preemptions: int = 0  # times its cache was taken back and it waited again
     ended_at: float | None = None
     completion_tokens: int = 0  # generated, every sequence
     outcome: Outcome | None = None  # None while in flight
@@ -199,7 +232,9 @@ class RequestRecord:
 
 @dataclass
 class SimStats:
-    """Counters and per-request log; ``running``/``waiting`` are live gauges."""
+    """Counters and per-request log; ``running``/``waiting`` (sequences in the batch, and in
+    the engine's queue: accepted, not in the batch) and ``kv_used`` (tokens of KV cache) are
+    live gauges."""
 
     requests_seen: int = 0
     completed: int = 0
@@ -208,6 +243,8 @@ class SimStats:
     max_concurrent: int = 0
     running: int = 0
     waiting: int = 0
+    kv_used: int = 0
+    preemptions: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     log: list[RequestRecord] = field(default_factory=list)
@@ -217,59 +254,11 @@ class SimStats:
         fresh = SimStats(
             running=self.running,
             waiting=self.waiting,
+            kv_used=self.kv_used,
             max_concurrent=self.running + self.waiting,
         )
         for f in fields(self):
             setattr(self, f.name, getattr(fresh, f.name))
-
-
-class _FifoSlots:
-    """Counting semaphore granting strictly in arrival order, like vLLM's FCFS scheduler.
-
-    Written out because asyncio.Semaphore's fairness is an implementation detail (it was not
-    FIFO before Python 3.11.1), and because a request with ``n`` sequences needs ``n`` slots
-    at once: taking them one by one, two such requests could each hold part of the batch
-    and wait for the rest forever. The oldest waiter is served first, whole, and nothing
-    overtakes it (head-of-line, as vLLM's scheduler admits a sequence group).
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self._free = capacity
-        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
-
-    async def acquire(self, count: int = 1) -> None:
-        if self._free >= count and not self._waiters:
-            self._free -= count
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (count, waiter)
-        self._waiters.append(entry)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.release(count)  # the slots were handed over just before the cancel landed
-            else:
-                with contextlib.suppress(ValueError):  # _grant() may have dropped it
-                    self._waiters.remove(entry)
-                self._grant()  # the head may have left: the next may fit now
-            raise
-
-    def release(self, count: int = 1) -> None:
-        self._free += count
-        self._grant()
-
-    def _grant(self) -> None:
-        while self._waiters:
-            count, waiter = self._waiters[0]
-            if waiter.done():  # cancelled while waiting
-                self._waiters.popleft()
-                continue
-            if self._free < count:
-                return
-            self._waiters.popleft()
-            self._free -= count
-            waiter.set_result(None)
 
 
 class _InjectedDeath(Exception):
@@ -309,7 +298,10 @@ class SimBackend:
         self.stats = SimStats()
         self.faults = Faults()
         self._rng = random.Random(self.config.seed)
-        self._slots = _FifoSlots(self.config.max_num_seqs)
+        # the engine's scheduler, and per request in it the event its coroutine waits on
+        # for a place in the batch (set while it has one)
+        self._engine = self.config.engine.scheduler(self.config.max_num_seqs)
+        self._in_batch: dict[EngineRequest, asyncio.Event] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._busy: set[object] = set()  # aiohttp protocols (connections) handling a request
         self._created = int(time.time())
@@ -317,8 +309,6 @@ class SimBackend:
         self._site: web.SockSite | None = None
         self._host = "127.0.0.1"
         self._port = 0
-        self._engine_running = asyncio.Event()
-        self._engine_running.set()
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -392,11 +382,11 @@ class SimBackend:
         """Stall the engine: requests that arrive are accepted and wait for a batch slot (in
         ``waiting``) until release(); those already running go on. A test or bench uses it
         to let a proxy's queue fill up before anything is served, whatever the speed."""
-        self._engine_running.clear()
+        self._engine.hold()
 
     def release(self) -> None:
-        """Let the held requests take batch slots, in arrival order."""
-        self._engine_running.set()
+        """Let the held requests take batch slots, in the engine's order."""
+        self._apply(self._engine.release())
 
     async def update_faults(self, **changes: Any) -> Faults:
         """Validate and apply fault knobs together (ValueError/TypeError if any is bad)."""
@@ -522,26 +512,46 @@ class SimBackend:
         return web.Response(status=self.faults.health_status)
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        """vLLM's scheduler gauges; like vLLM, labelled with the first served model name."""
-        label = f'{{model_name="{self.config.models[0]}"}}'
+        """vLLM's scheduler metrics, labelled as vLLM labels them (``engine="0"`` and the
+        first served model name): the batch, the engine's queue (every request accepted and
+        not in the batch: waiting for room, held, or preempted), the KV cache in use, the
+        preemptions, and the prompt and generated tokens."""
+        label = f'engine="0",model_name="{self.config.models[0]}"'
         s = self.stats
-        series = [
-            ("vllm:num_requests_running", "gauge", "Requests in the running batch.", s.running),
-            ("vllm:num_requests_waiting", "gauge", "Requests waiting for a batch slot.", s.waiting),
-            ("vllm:prompt_tokens_total", "counter", "Prefilled prompt tokens.", s.prompt_tokens),
-            ("vllm:generation_tokens_total", "counter", "Generated tokens.", s.completion_tokens),
-        ]
+        series: list[tuple[str, str, str, list[tuple[str, float]]]] = [
+            ("vllm:num_requests_running", "gauge",
+             "Number of requests in model execution batches.", [("", s.running)]),
+            ("vllm:num_requests_waiting", "gauge",
+             "Number of requests waiting to be processed.", [("", s.waiting)]),
+            ("vllm:num_requests_waiting_by_reason", "gauge",
+             "Number of waiting requests by reason. Reason labels: 'capacity' = waiting for "
+             "scheduling capacity; 'deferred' = deferred by transient constraints (LoRA "
+             "budget, KV transfer, blocked status). Sum of all reasons equals "
+             "vllm:num_requests_waiting.",
+             [(',reason="capacity"', s.waiting), (',reason="deferred"', 0)]),
+            ("vllm:kv_cache_usage_perc", "gauge",
+             "KV-cache usage. 1 means 100 percent usage.", [("", self._kv_usage())]),
+            ("vllm:num_preemptions_total", "counter",
+             "Cumulative number of preemption from the engine.", [("", s.preemptions)]),
+            ("vllm:prompt_tokens_total", "counter",
+             "Number of prefill tokens processed.", [("", s.prompt_tokens)]),
+            ("vllm:generation_tokens_total", "counter",
+             "Number of generation tokens processed.", [("", s.completion_tokens)]),
+        ]  # fmt: skip
         lines = []
-        for name, kind, help_text, value in series:
-            lines += [
-                f"# HELP {name} {help_text}",
-                f"# TYPE {name} {kind}",
-                f"{name}{label} {float(value)}",
-            ]
+        for name, kind, help_text, samples in series:
+            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+            lines += [f"{name}{{{label}{extra}}} {float(value)}" for extra, value in samples]
         return web.Response(
             body=("\n".join(lines) + "\n").encode(),
             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
         )
+
+    def _kv_usage(self) -> float:
+        """The share of the KV cache in use; with an unlimited cache, of one sized for every
+        sequence of the batch at a full context (which indeed never runs out)."""
+        cfg = self.config
+        return self.stats.kv_used / (cfg.kv_cache_tokens or cfg.max_num_seqs * cfg.max_model_len)
 
     async def _get_stats(self, request: web.Request) -> web.Response:
         return web.json_response(asdict(self.stats))
@@ -573,6 +583,13 @@ class SimBackend:
             gen = parse_generation(kind, body, self.config)
         except RefusedRequest as exc:
             return exc.response()
+        if not self._engine.fits_alone(gen.prompt_tokens, gen.sequences * gen.max_tokens):
+            return error_response(
+                400,
+                f"The {gen.sequences} sequences of this request may need {gen.prompt_tokens} + "
+                f"{gen.sequences} x {gen.max_tokens} tokens of KV cache, more than its "
+                f"{self.config.kv_cache_tokens} tokens.",
+            )
         rec = self._admit(request, gen)
         if self._draw_failure():
             self._finish(rec, "failed")
@@ -615,6 +632,7 @@ class SimBackend:
             arrived_at=time.monotonic(),
             asked=dict(gen.asked),
             sequences=gen.sequences,
+            priority=gen.priority,
         )
         stats.log.append(rec)
         stats.requests_seen += 1
@@ -654,46 +672,86 @@ class SimBackend:
     async def _run(
         self, rec: RequestRecord, plan: AnswerPlan, emit: Callable[[int, str], Awaitable[None]]
     ) -> None:
-        """Wait for batch slots (one per sequence), prefill (yields each sequence's first
-        token), then decode one token of every unfinished sequence per step."""
-        cfg = self.config
-        async with self._batch_slot(rec, len(plan.sequences)):
-            await asyncio.sleep(cfg.prefill_seconds(plan.gen.prompt_tokens))
-            owed = 0.0  # decode time not slept yet: tokens faster than the loop's tick go together
-            for step in range(max(map(len, plan.sequences))):
-                if step:
-                    owed += cfg.decode_interval(self.stats.running)
-                    if owed >= MIN_SLEEP_S:
-                        await asyncio.sleep(owed)
-                        owed = 0.0
-                if step == self.faults.die_after_tokens:
-                    raise _InjectedDeath
-                for index, sequence in enumerate(plan.sequences):
-                    if step < len(sequence):
-                        await emit(index, sequence[step])
-                        rec.completion_tokens += 1
-                        self.stats.completion_tokens += 1
+        """Queue in the engine for a place in the batch (one per sequence), prefill (yields
+        each sequence's first token), then decode one token of every unfinished sequence per
+        step, each token taking KV cache.
 
-    @contextlib.asynccontextmanager
-    async def _batch_slot(self, rec: RequestRecord, sequences: int) -> AsyncIterator[None]:
-        """Hold a place of max_num_seqs per sequence (at most all of them), queueing FIFO for
-        them; keeps the gauges, which count sequences, exact."""
-        stats = self.stats
-        places = min(sequences, self.config.max_num_seqs)
-        stats.waiting += places
-        stats.max_concurrent = max(stats.max_concurrent, stats.waiting + stats.running)
+        Preempted (the cache ran out, or a request of a smaller priority value needed the
+        room), it waits in the queue again, then prefills its prompt and what it had
+        generated and goes on where it stopped: its client sees nothing of it but time."""
+        cfg = self.config
+        lengths = [len(sequence) for sequence in plan.sequences]
+        request = EngineRequest(
+            rec.index,
+            plan.gen.prompt_tokens,
+            sum(lengths),
+            places=min(len(lengths), cfg.max_num_seqs),
+            priority=plan.gen.priority,
+        )
+        self._in_batch[request] = asyncio.Event()
         try:
-            await self._engine_running.wait()
-            await self._slots.acquire(places)
+            self._apply(self._engine.add(request))
+            await self._generate_in_batch(rec, plan, request, emit)
         finally:
-            stats.waiting -= places
-        stats.running += places
-        rec.started_at = time.monotonic()
-        try:
-            yield
-        finally:
-            stats.running -= places
-            self._slots.release(places)
+            del self._in_batch[request]
+            self._apply(self._engine.remove(request))
+            rec.preemptions = request.preemptions
+
+    async def _generate_in_batch(
+        self,
+        rec: RequestRecord,
+        plan: AnswerPlan,
+        request: EngineRequest,
+        emit: Callable[[int, str], Awaitable[None]],
+    ) -> None:
+        cfg = self.config
+        in_batch = self._in_batch[request]
+        lengths = [len(sequence) for sequence in plan.sequences]
+        step = run = 0  # the next step to emit; the run (admission) it belongs to
+        owed = 0.0  # decode time not slept yet: tokens faster than the loop's tick go together
+
+        def preempted() -> bool:
+            return not request.running or request.admissions != run
+
+        while step < max(lengths):
+            if preempted():  # (again) into the batch: prefill what its cache must hold
+                await in_batch.wait()
+                run, owed = request.admissions, 0.0
+                if rec.started_at is None:
+                    rec.started_at = time.monotonic()
+                await asyncio.sleep(cfg.prefill_seconds(request.kv_tokens))
+                if preempted():
+                    continue
+            elif step:
+                owed += cfg.decode_interval(self.stats.running)
+                if owed >= MIN_SLEEP_S:
+                    await asyncio.sleep(owed)
+                    owed = 0.0
+                    if preempted():
+                        continue
+            if step == self.faults.die_after_tokens:
+                raise _InjectedDeath
+            self._apply(self._engine.grow(request, sum(step < n for n in lengths)))
+            if preempted():  # no cache for this step's tokens: generated again later
+                continue
+            for index, sequence in enumerate(plan.sequences):
+                if step < len(sequence):
+                    await emit(index, sequence[step])
+                    rec.completion_tokens += 1
+                    self.stats.completion_tokens += 1
+            step += 1
+
+    def _apply(self, changes: Changes) -> None:
+        """Tell the requests the engine moved, and update the gauges from it."""
+        for request in changes.preempted:
+            self._in_batch[request].clear()
+        self.stats.preemptions += len(changes.preempted)
+        for request in changes.admitted:
+            self._in_batch[request].set()
+        stats, engine = self.stats, self._engine
+        stats.running, stats.waiting = engine.running_places, engine.waiting_places
+        stats.kv_used = engine.kv_used
+        stats.max_concurrent = max(stats.max_concurrent, stats.running + stats.waiting)
 
 
 def _text(words: list[str]) -> tuple[str, ...]:
@@ -722,6 +780,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"served model name, repeatable (default: {DEFAULT_MODEL})",
     )
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    p.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=d.kv_cache_tokens,
+        help="tokens of KV cache (prompts and outputs of the batch); unset: unlimited",
+    )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=d.scheduling_policy,
+        help="the engine's queue: arrival order, or by the request's priority (lower first)",
+    )
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--prefill-tokens-per-s", type=float, default=d.prefill_tokens_per_s)
     p.add_argument("--decode-tokens-per-s", type=float, default=d.decode_tokens_per_s)
@@ -768,6 +838,8 @@ def run_from_args(args: argparse.Namespace) -> int:
     config = SimConfig(
         models=args.models or (DEFAULT_MODEL,),
         max_num_seqs=args.max_num_seqs,
+        kv_cache_tokens=args.kv_cache_tokens,
+        scheduling_policy=args.scheduling_policy,
         max_model_len=args.max_model_len,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_tokens_per_s=args.decode_tokens_per_s,

@@ -604,3 +604,50 @@ def test_gaming_hides_most_of_the_cheaters_cost_from_the_estimate() -> None:
 
     assert actual_over_estimate("honest") == 1
     assert 4 < actual_over_estimate("cheater") < 7
+
+
+# --------------------------------------------------------------------------- the engine
+
+
+def test_an_engine_may_declare_its_batch_cache_and_policy_and_defaults_to_none() -> None:
+    """Each backend's engine as ``sim/engine.py`` models it: max_num_seqs (default: the
+    proxy's slots), kv_cache_tokens (default: unlimited), scheduling_policy (fcfs)."""
+    plain = build(base(A=team({"kind": "rate", "per_s": 1}))).pool.engine
+    assert (plain.max_num_seqs, plain.kv_cache_tokens, plain.scheduling_policy) == (
+        None, None, "fcfs",
+    )  # fmt: skip
+    data = base(A=team({"kind": "rate", "per_s": 1}))
+    data["pool"]["engine"] |= {
+        "max_num_seqs": 2, "kv_cache_tokens": 4096, "scheduling_policy": "priority",
+    }  # fmt: skip
+    engine = build(data).pool.engine
+    assert engine == EngineModel(8000, 40, 0.05, 2, 4096, "priority")
+    scheduler = engine.scheduler(default_max_num_seqs=4)
+    assert (scheduler.max_num_seqs, scheduler.kv_cache_tokens, scheduler.policy) == (
+        2, 4096, "priority",
+    )  # fmt: skip
+
+
+def test_bad_engine_limits_are_errors_with_their_path() -> None:
+    data = base(A=team({"kind": "rate", "per_s": 1}))
+    data["pool"]["engine"] |= {
+        "max_num_seqs": 0, "kv_cache_tokens": -1, "scheduling_policy": "sjf",
+    }  # fmt: skip
+    errors = dict(errors_of(data))
+    assert errors["pool.engine.max_num_seqs"] == "must be > 0"
+    assert errors["pool.engine.kv_cache_tokens"] == "must be > 0"
+    assert errors["pool.engine.scheduling_policy"] == "Input should be 'fcfs' or 'priority'"
+
+
+def test_every_request_must_fit_in_the_kv_cache_alone() -> None:
+    """Its prompt and max_tokens: the engine could never finish a larger one, and a real run
+    serves the scenario with a context window of the cache, as vLLM would."""
+    data = base(A=team({"kind": "rate", "per_s": 1}, max_tokens_multiplier=2))  # 10 + 20
+    data["pool"]["engine"]["kv_cache_tokens"] = 30
+    assert build(data).pool.engine.kv_cache_tokens == 30
+    data["pool"]["engine"]["kv_cache_tokens"] = 29
+    assert errors_of(data) == [(
+        "pool.engine.kv_cache_tokens",
+        "request 0 of team A needs 30 tokens of KV cache (prompt and max_tokens) alone: more "
+        "than the cache",
+    )]  # fmt: skip

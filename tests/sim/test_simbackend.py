@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -286,8 +287,8 @@ async def test_models_health_metrics(sim: SimBackend, http: aiohttp.ClientSessio
     async with http.get(sim.url + "/metrics") as r:
         assert r.content_type == "text/plain"
         metrics = await r.text()
-    assert f'vllm:num_requests_running{{model_name="{MODEL}"}} 0.0' in metrics
-    assert f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0.0' in metrics
+    assert f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 0.0' in metrics
+    assert f'vllm:num_requests_waiting{{engine="0",model_name="{MODEL}"}} 0.0' in metrics
 
 
 async def test_models_via_sdk(client: openai.AsyncOpenAI) -> None:
@@ -883,3 +884,210 @@ async def test_tokenize_counts_a_prompt_or_messages(
     async with http.post(sim.url + "/tokenize", json={"model": MODEL}) as r:
         assert r.status == 400
     assert sim.stats.requests_seen == 0  # no generation, no batch slot
+
+
+# ------------------------------------------------------------------- the engine (issue 41)
+# max_num_seqs and a KV cache, the engine's own queue behind them, preemption, priority, and
+# the metrics vLLM exposes of it (its labels: engine="0" and the served model's name)
+
+LABELS = f'engine="0",model_name="{MODEL}"'
+
+
+def metric_values(text: str) -> dict[str, float]:
+    """The samples of a Prometheus text page, by series (name and labels)."""
+    samples = (line.rsplit(" ", 1) for line in text.splitlines() if line and line[0] != "#")
+    return {series: float(value) for series, value in samples}
+
+
+async def metrics_of(sim: SimBackend, http: aiohttp.ClientSession) -> dict[str, float]:
+    async with http.get(sim.url + "/metrics") as r:
+        return metric_values(await r.text())
+
+
+async def test_metrics_show_the_batch_and_the_engines_queue_as_vllm_does(
+    http: aiohttp.ClientSession,
+) -> None:
+    """max_num_seqs 2 and 5 requests at once: 2 running, 3 waiting in the engine's queue
+    (accepted over HTTP, not in the batch), in vLLM's series and labels."""
+    async with SimBackend(slow_config(max_num_seqs=2)) as sim:
+        clients = [await raw_post(sim.port, "/v1/chat/completions", chat_body(1000))
+                   for _ in range(5)]  # fmt: skip
+        await eventually(lambda: (sim.stats.running, sim.stats.waiting) == (2, 3))
+        async with http.get(sim.url + "/metrics") as r:
+            text = await r.text()
+        m = metric_values(text)
+        assert m[f"vllm:num_requests_running{{{LABELS}}}"] == 2
+        assert m[f"vllm:num_requests_waiting{{{LABELS}}}"] == 3
+        assert m[f'vllm:num_requests_waiting_by_reason{{{LABELS},reason="capacity"}}'] == 3
+        assert m[f'vllm:num_requests_waiting_by_reason{{{LABELS},reason="deferred"}}'] == 0
+        assert m[f"vllm:num_preemptions_total{{{LABELS}}}"] == 0
+        assert m[f"vllm:prompt_tokens_total{{{LABELS}}}"] == 5 * MESSAGES_TOKENS
+        assert m[f"vllm:generation_tokens_total{{{LABELS}}}"] == sim.stats.completion_tokens
+        # an unlimited cache: the share of one holding every sequence at a full context
+        assert 0 < m[f"vllm:kv_cache_usage_perc{{{LABELS}}}"] < 0.05
+        for kind, name in (("gauge", "num_requests_running"), ("gauge", "kv_cache_usage_perc"),
+                           ("counter", "num_preemptions_total")):  # fmt: skip
+            assert f"# TYPE vllm:{name} {kind}" in text
+        for client in clients:
+            client.close()
+        await eventually(lambda: (sim.stats.running, sim.stats.waiting) == (0, 0))
+    assert sim.stats.aborted == 5
+
+
+async def test_a_small_kv_cache_queues_and_preempts_and_every_answer_is_whole(
+    http: aiohttp.ClientSession,
+) -> None:
+    """vLLM 0.32 with 2,048 tokens of KV cache and 8 concurrent 500-token requests: usage up to
+    1.0, up to 5 waiting, 5 preemptions. Here the same: the batch fills the cache, requests
+    wait and are preempted (recomputed), the cache never overflows, and each client still
+    gets its 500 tokens once, in order."""
+    config = make_config(max_num_seqs=16, kv_cache_tokens=2048, max_model_len=2048)
+    async with (
+        SimBackend(config) as sim,
+        openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0) as client,
+    ):
+
+        async def one() -> tuple[int, str]:
+            stream = await client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=500, stream=True
+            )
+            text = [c.choices[0].delta.content or "" async for c in stream if c.choices]
+            return len([t for t in text if t]), "".join(text)
+
+        seen: list[tuple[int, int, int]] = []
+        jobs = asyncio.gather(*(one() for _ in range(8)))
+        while not jobs.done():
+            seen.append((sim.stats.running, sim.stats.waiting, sim.stats.kv_used))
+            await asyncio.sleep(0.0005)
+        answers = await jobs
+        m = await metrics_of(sim, http)
+    assert all(tokens == 500 and len(text.split()) == 500 for tokens, text in answers)
+    assert max(kv for _, _, kv in seen) <= 2048
+    assert max(waiting for _, waiting, _ in seen) > 0
+    assert max(kv for _, _, kv in seen) > 0.9 * 2048
+    assert sim.stats.preemptions > 0
+    assert sum(rec.preemptions for rec in sim.stats.log) == sim.stats.preemptions
+    assert m[f"vllm:num_preemptions_total{{{LABELS}}}"] == sim.stats.preemptions
+    assert [rec.completion_tokens for rec in sim.stats.log] == [500] * 8
+
+
+async def start_order(policy: str, priorities: tuple[int, ...]) -> list[int]:
+    """Requests of these priorities queued one after the other on a held engine of one
+    place, then released: their indexes in the order they entered the batch."""
+    config = make_config(max_num_seqs=1, scheduling_policy=policy)
+    async with (
+        SimBackend(config) as sim,
+        openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0) as client,
+    ):
+        sim.hold()
+        asks = []
+        for i, priority in enumerate(priorities):
+            asks.append(asyncio.create_task(client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=2, extra_body={"priority": priority}
+            )))  # fmt: skip
+            await eventually(lambda i=i: sim.stats.waiting == i + 1)
+        sim.release()
+        await asyncio.gather(*asks)
+    log = sim.stats.log
+    assert [rec.priority for rec in log] == list(priorities)
+    return [rec.index for rec in sorted(log, key=lambda rec: rec.started_at or math.inf)]
+
+
+async def test_priority_orders_the_engines_queue_lower_first() -> None:
+    """--scheduling-policy priority: the waiting requests enter the batch by their
+    ``priority``, lower first, then in arrival order."""
+    assert await start_order("priority", (5, 3, 4, 3)) == [1, 3, 2, 0]
+
+
+async def test_fcfs_accepts_a_priority_and_ignores_it() -> None:
+    """As vLLM 0.32: without the priority policy the field is checked, then ignored."""
+    assert await start_order("fcfs", (5, 3, 4, -3)) == [0, 1, 2, 3]
+
+
+async def test_a_smaller_priority_preempts_a_running_larger_one_whose_stream_goes_on() -> None:
+    """With the batch full, a request of a smaller priority value takes the place of the
+    running one of the largest; that one waits, prefills again what it had, and its client
+    gets the rest of its answer: every token once, in order."""
+    async with (
+        SimBackend(slow_config(max_num_seqs=1, scheduling_policy="priority")) as sim,
+        openai.AsyncOpenAI(base_url=sim.url + "/v1", api_key="x", max_retries=0) as client,
+    ):
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=30, stream=True, extra_body={"priority": 9}
+        )
+        chunks = [await anext(aiter(stream)) for _ in range(4)]  # the role, then 3 tokens
+        urgent = await client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=3, extra_body={"priority": 1}
+        )
+        chunks += [chunk async for chunk in stream]
+    assert urgent.choices[0].finish_reason == "length"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(text.split()) == 30
+    low, high = sim.stats.log
+    assert (low.preemptions, high.preemptions, sim.stats.preemptions) == (1, 0, 1)
+    assert low.completion_tokens == 30
+    assert low.started_at is not None
+    assert high.started_at is not None
+    assert high.ended_at is not None
+    assert low.ended_at is not None
+    assert low.started_at < high.started_at < high.ended_at < low.ended_at
+
+
+@pytest.mark.parametrize(
+    ("priority", "says"),
+    [
+        ("1", "a valid integer"),
+        (1.5, "a valid integer"),
+        (True, "a valid integer"),
+        (None, "a valid integer"),
+        (2**63, "less than or equal to 9223372036854775807"),
+        (-(2**63) - 1, "greater than or equal to -9223372036854775808"),
+    ],
+)
+async def test_a_bad_priority_is_400_as_vllm_says_it(
+    sim: SimBackend, http: aiohttp.ClientSession, priority: object, says: str
+) -> None:
+    async with http.post(sim.url + "/v1/chat/completions", json=chat_body(priority=priority)) as r:
+        assert r.status == 400
+        error = (await r.json())["error"]
+    assert error["type"] == "BadRequestError"
+    assert error["message"] == f"priority: Input should be {says}"
+    assert sim.stats.requests_seen == 0
+    for extreme in (2**63 - 1, -(2**63)):
+        body = chat_body(priority=extreme)
+        async with http.post(sim.url + "/v1/chat/completions", json=body) as r:
+            assert r.status == 200
+
+
+async def test_sequences_that_could_outgrow_the_kv_cache_are_400(
+    http: aiohttp.ClientSession,
+) -> None:
+    config = make_config(kv_cache_tokens=1024, max_model_len=1024)
+    async with SimBackend(config) as sim:
+        async with http.post(sim.url + "/v1/chat/completions", json=chat_body(600, n=2)) as r:
+            assert r.status == 400
+            assert "KV cache" in (await r.json())["error"]["message"]
+        async with http.post(sim.url + "/v1/chat/completions", json=chat_body(500, n=2)) as r:
+            assert r.status == 200
+    assert sim.stats.requests_seen == 1
+
+
+def test_the_engine_options_are_checked_and_read_from_the_command_line() -> None:
+    with pytest.raises(ValueError, match="kv_cache_tokens must hold one request"):
+        make_config(kv_cache_tokens=1000, max_model_len=1024)
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        make_config(scheduling_policy="sjf")
+    engine = make_config(kv_cache_tokens=4096, scheduling_policy="priority").engine
+    assert (engine.max_num_seqs, engine.kv_cache_tokens, engine.scheduling_policy) == (
+        4, 4096, "priority",
+    )  # fmt: skip
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(
+        ["sim-backend", "--kv-cache-tokens", "2048", "--scheduling-policy", "priority"]
+    )
+    assert (args.kv_cache_tokens, args.scheduling_policy) == (2048, "priority")
+    defaults = parser.parse_args(["sim-backend"])
+    assert (defaults.kv_cache_tokens, defaults.scheduling_policy) == (None, "fcfs")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["sim-backend", "--scheduling-policy", "sjf"])
