@@ -41,59 +41,14 @@ from pydantic import (
     model_validator,
 )
 
-from .core.fair_queue import (
+from ..core.fair_queue import (
     DEFAULT_MAX_OVERTAKEN,
     MAX_OVERTAKEN,
     MAX_SIZE_BUCKETS,
     size_bucket,
 )
-from .core.inference_request import DEFAULT_CAPS, MAX_OUTPUT_TOKENS, Kind
-from .core.queue_memory import MIB, REQUEST_OVERHEAD_BYTES
-
-__all__ = [
-    "NAME_PATTERN",
-    "Access",
-    "AffinitySpec",
-    "BackendSpec",
-    "BudgetSpec",
-    "CalibrationSpec",
-    "ClassSpec",
-    "Config",
-    "ConfigError",
-    "CostSpec",
-    "ExtraCostSpec",
-    "ExtraPathSpec",
-    "Family",
-    "HealthSpec",
-    "KeySpec",
-    "Limits",
-    "Listen",
-    "MediaTokens",
-    "MetricsSpec",
-    "OrgSpec",
-    "PoolSpec",
-    "PriceSpec",
-    "RateSpec",
-    "RedisState",
-    "ResolvedKey",
-    "RetrySpec",
-    "SentinelSpec",
-    "StrictModel",
-    "TimeoutSpec",
-    "UsageSpec",
-    "WeightedCost",
-    "config_error",
-    "default_classes",
-    "default_config",
-    "did_you_mean",
-    "effective_access",
-    "expand_env",
-    "load_config",
-    "parse_config",
-    "read_yaml",
-    "usable_models",
-    "without_credentials",
-]
+from ..core.inference_request import DEFAULT_CAPS, MAX_OUTPUT_TOKENS, Kind
+from ..core.queue_memory import MIB, REQUEST_OVERHEAD_BYTES
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 _NAME_RULE = "must start with a letter or digit and use only letters, digits, '_', '.', '-'"
@@ -1535,6 +1490,6 @@ def default_config(environ: Mapping[str, str] | None = None) -> Config:
     """The demo configuration shipped in the package (``sfq_proxy/demo.yaml``), its
     variables from ``environ`` (never ``os.environ``): the admin key ``SFQ_DEMO_ADMIN_KEY``
     (a random one nobody knows when absent) and the simulated servers' ports."""
-    text = resources.files(__package__).joinpath("demo.yaml").read_text(encoding="utf-8")
+    text = resources.files("sfq_proxy").joinpath("demo.yaml").read_text(encoding="utf-8")
     environ = {"SFQ_DEMO_ADMIN_KEY": f"sk-demo-admin-{os.urandom(8).hex()}", **(environ or {})}
     return parse_config(text, environ=environ, source="sfq_proxy/demo.yaml")
