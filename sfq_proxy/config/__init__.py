@@ -4,63 +4,37 @@ The lowest layer of the proxy: it imports nothing else of ``sfq_proxy``, and the
 imports its names from here (``from sfq_proxy.config import Config``).
 """
 
-from .pools import (
+from .classes import ClassSpec, MaxOvertaken, SizeBounds, band_cap, default_classes, granted_classes
+from .cost import CostSpec, MediaTokens, WeightedCost
+from .errors import ConfigError, config_error, did_you_mean, format_number
+from .fields import (
     NAME_PATTERN,
-    Access,
-    AffinitySpec,
-    BackendSpec,
-    Budgets,
-    BudgetSpec,
-    CalibrationSpec,
-    ClassSpec,
-    Config,
-    ConfigError,
-    CostSpec,
-    ExtraCostSpec,
-    ExtraPathSpec,
-    Family,
-    HealthSpec,
-    KeySpec,
-    Limits,
-    Listen,
-    MaxOvertaken,
-    MediaTokens,
-    MetricsSpec,
     Name,
     NonEmptyStr,
     NonNegativeFloat,
-    OrgSpec,
-    PoolSpec,
     PositiveFloat,
     PositiveInt,
-    PriceSpec,
-    RateSpec,
-    RedisState,
-    ResolvedKey,
-    RetrySpec,
-    SentinelSpec,
-    SizeBounds,
     StrictModel,
+)
+from .keys import Access, KeySpec, OrgSpec, ResolvedKey, effective_access, usable_models
+from .limits import Limits
+from .loader import default_config, expand_env, load_config, parse_config, read_yaml
+from .paths import ExtraCostSpec, ExtraPathSpec
+from .pools import (
+    AffinitySpec,
+    BackendSpec,
+    Family,
+    HealthSpec,
+    PoolSpec,
+    RateSpec,
     TimeoutSpec,
-    UsageSpec,
-    WeightedCost,
     api_base,
-    band_cap,
-    config_error,
-    default_classes,
-    default_config,
-    did_you_mean,
-    effective_access,
-    expand_env,
-    format_number,
-    granted_classes,
-    load_config,
-    parse_config,
     pool_slots,
-    read_yaml,
-    usable_models,
     without_credentials,
 )
+from .proxy import CalibrationSpec, Config, Listen, MetricsSpec, RetrySpec
+from .state import RedisState, SentinelSpec
+from .usage import Budgets, BudgetSpec, PriceSpec, UsageSpec
 
 __all__ = [
     "NAME_PATTERN",
