@@ -4,7 +4,18 @@ The lowest layer of the proxy: it imports nothing else of ``sfq_proxy``, and the
 imports its names from here (``from sfq_proxy.config import Config``).
 """
 
-from .classes import ClassSpec, MaxOvertaken, SizeBounds, band_cap, default_classes, granted_classes
+from .classes import (
+    DEFAULT_MAX_OVERTAKEN,
+    MAX_OVERTAKEN,
+    MAX_SIZE_BUCKETS,
+    ClassSpec,
+    MaxOvertaken,
+    SizeBounds,
+    band_cap,
+    default_classes,
+    granted_classes,
+    size_bucket,
+)
 from .cost import CostSpec, MediaTokens, WeightedCost
 from .errors import ConfigError, config_error, did_you_mean, format_number
 from .fields import (
@@ -17,9 +28,17 @@ from .fields import (
     StrictModel,
 )
 from .keys import Access, KeySpec, OrgSpec, ResolvedKey, effective_access, usable_models
-from .limits import Limits
+from .limits import (
+    MAX_CONTENT_PARTS,
+    MAX_MESSAGES,
+    MAX_OUTPUT_TOKENS,
+    MAX_TOOLS,
+    MIB,
+    REQUEST_OVERHEAD_BYTES,
+    Limits,
+)
 from .loader import default_config, expand_env, load_config, parse_config, read_yaml
-from .paths import ExtraCostSpec, ExtraPathSpec
+from .paths import ExtraCostSpec, ExtraPathSpec, Kind
 from .pools import (
     AffinitySpec,
     BackendSpec,
@@ -37,7 +56,16 @@ from .state import RedisState, SentinelSpec
 from .usage import Budgets, BudgetSpec, PriceSpec, UsageSpec
 
 __all__ = [
+    "DEFAULT_MAX_OVERTAKEN",
+    "MAX_CONTENT_PARTS",
+    "MAX_MESSAGES",
+    "MAX_OUTPUT_TOKENS",
+    "MAX_OVERTAKEN",
+    "MAX_SIZE_BUCKETS",
+    "MAX_TOOLS",
+    "MIB",
     "NAME_PATTERN",
+    "REQUEST_OVERHEAD_BYTES",
     "Access",
     "AffinitySpec",
     "BackendSpec",
@@ -53,6 +81,7 @@ __all__ = [
     "Family",
     "HealthSpec",
     "KeySpec",
+    "Kind",
     "Limits",
     "Listen",
     "MaxOvertaken",
@@ -90,6 +119,7 @@ __all__ = [
     "parse_config",
     "pool_slots",
     "read_yaml",
+    "size_bucket",
     "usable_models",
     "without_credentials",
 ]

@@ -3,22 +3,40 @@ size buckets (docs/design.md §2, §3).
 
 With the checks that read keys and pools too, since they are about classes: only a class
 some key grants can run, and the band's caps must leave every pool a slot for the fair
-queue.
+queue. The bounds of ``size_buckets`` and ``max_overtaken``, and :func:`size_bucket` (a
+request's bucket under a class's bounds), are defined here and used by the core's fair
+queue and scheduler: the config is the lowest layer and needs nothing of the core.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from bisect import bisect_left
+from collections.abc import Iterable, Mapping, Sequence
 from itertools import pairwise
 from typing import Annotated
 
 from pydantic import AfterValidator, Field
 
-from ..core.fair_queue import DEFAULT_MAX_OVERTAKEN, MAX_OVERTAKEN, MAX_SIZE_BUCKETS, size_bucket
 from .errors import Errors
 from .fields import PositiveFloat, PositiveInt, RequestTokens, Seconds, StrictModel, Weight
 from .keys import KeySpec
 from .pools import PoolSpec, pool_slots
+
+DEFAULT_MAX_OVERTAKEN = 100
+"""How many times a request of a flow with size buckets may be overtaken by later, smaller
+ones when its class does not say. Large enough to let short requests pass the long ones of a
+busy flow (which wait while tens of short ones arrive), bounded so a long one waits at most
+that many short ones longer (docs/design.md §3, Size buckets inside a flow: why 100)."""
+MAX_OVERTAKEN = 1000
+MAX_SIZE_BUCKETS = 16
+"""At most this many bounds (so this many + 1 buckets) per class."""
+
+
+def size_bucket(cost: float, bounds: Sequence[float]) -> int:
+    """The size bucket of a request of ``cost`` under a class's ``size_buckets``: the first
+    bucket whose bound (ascending upper bounds, inclusive) it does not exceed; above the last,
+    ``len(bounds)``. ``[500, 4000]``: 500 → 0, 501 → 1, 4001 → 2."""
+    return bisect_left(bounds, cost)
 
 
 def _strictly_increasing(bounds: list[float]) -> list[float]:

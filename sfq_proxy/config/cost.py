@@ -11,8 +11,8 @@ from typing import Literal, Self
 
 from pydantic import Field, model_validator
 
-from ..core.inference_request import MAX_OUTPUT_TOKENS
 from .fields import CostWeight, NonEmptyStr, PartTokens, RequestTokens, StrictModel
+from .limits import MAX_OUTPUT_TOKENS
 
 
 class WeightedCost(StrictModel):

@@ -2,21 +2,40 @@
 at the cost each says.
 
 Apart from the pools because an extra path must never take one of the proxy's own paths:
-the two lists are checked against each other here.
+the two lists are checked against each other here. The inference routes are :class:`Kind`,
+which the core reads requests by (``core/inference_request.py`` re-exports it): it is
+defined here, in the lowest layer, so that the config needs nothing of the core.
 """
 
 from __future__ import annotations
 
 import re
+from enum import Enum
 from typing import Annotated, Self
 
 from pydantic import Field, StringConstraints, field_validator, model_validator
 
-from ..core.inference_request import MAX_OUTPUT_TOKENS, Kind
 from .fields import StrictModel
+from .limits import MAX_OUTPUT_TOKENS
+
+
+class Kind(Enum):
+    """What a request is, by its route (the value: the path it is served at and sent to)."""
+
+    CHAT = "/v1/chat/completions"
+    COMPLETION = "/v1/completions"
+    EMBEDDING = "/v1/embeddings"
+    RESPONSES = "/v1/responses"
+    EXTRA = "extra_paths"  # a pool's other paths: the request's path is sent (``path``)
+
+    @property
+    def generates(self) -> bool:
+        """Whether it generates output, which it is charged for and bounded in."""
+        return self not in (Kind.EMBEDDING, Kind.EXTRA)
+
 
 # The proxy's own paths, which no pool's ``extra_paths`` may take (http/app.py routes them):
-# the inference routes (core/inference_request.py ``Kind``) and the rest.
+# the inference routes (``Kind``) and the rest.
 PROXY_PATHS = frozenset(
     {kind.value for kind in Kind if kind.value.startswith("/")}
     | {"/v1/models", "/metrics", "/healthz", "/readyz"}

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
 from ..config import (
+    DEFAULT_MAX_OVERTAKEN,
     NAME_PATTERN,
     ConfigError,
     MaxOvertaken,
@@ -45,7 +46,6 @@ from ..config import (
     config_error,
     read_yaml,
 )
-from ..core.fair_queue import DEFAULT_MAX_OVERTAKEN
 from ..sim.engine import EngineModel  # the one engine model, shared with the simulated server
 
 __all__ = [
@@ -192,7 +192,7 @@ _LOGNORMAL_CAP = 20
 def _tagged(*models: type[StrictModel]) -> Any:
     """A union of ``models`` chosen by their ``kind`` field.
 
-    Tags look like ``kind[rate]`` so that ``config._error_path`` drops them from error
+    Tags look like ``kind[rate]`` so that ``config.errors._error_path`` drops them from error
     paths: ``teams.A.arrivals.per_s`` rather than ``teams.A.arrivals.rate.per_s``.
     """
     kinds = [m.model_fields["kind"].annotation.__args__[0] for m in models]  # type: ignore[union-attr]

@@ -27,10 +27,9 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from ..config import BackendSpec, CalibrationSpec, CostSpec
+from ..config import BackendSpec, CalibrationSpec, CostSpec, size_bucket
 from ..core.calibration import Calibration
 from ..core.cost import CostModel, Estimate
-from ..core.fair_queue import size_bucket
 from ..core.inference_request import InferenceRequest, Kind
 from ..core.placement import Placement
 from ..core.queues import DispatchQueue
