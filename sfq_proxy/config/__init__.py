@@ -1,7 +1,29 @@
 """Configuration: the YAML file of docs/design.md §7, validated with pydantic.
 
 The lowest layer of the proxy: it imports nothing else of ``sfq_proxy``, and the rest
-imports its names from here (``from sfq_proxy.config import Config``).
+imports its names from here (``from sfq_proxy.config import Config``: the names of
+``__all__``) rather than from the modules below.
+
+One module per section of the file, each importing only modules listed before it (but
+for ``usage``, which names the types of keys, orgs and pools in annotations alone):
+
+- ``fields``: the strict base model and the bounded field types every section uses;
+- ``errors``: :class:`ConfigError` and pydantic's errors told as ``(path, message)``;
+- ``limits``, ``usage`` (budgets and prices), ``paths`` (the proxy's own paths and a
+  pool's extra ones), ``cost``: sections, and parts of sections, the others are made of;
+- ``pools``, ``keys`` (with ``orgs``), ``classes``, ``state``: the sections made of
+  those, each with its checks; a check that reads another section sits with the later one;
+- ``proxy``: the root :class:`Config` and the small sections of the process as a whole;
+  its validation runs every check;
+- ``loader``: YAML text to a ``Config`` (``${VAR}`` expansion, the demo config);
+- ``summary``: what ``sfq-proxy check-config`` prints (imported as
+  ``sfq_proxy.config.summary``, not re-exported here).
+
+Errors of any kind are raised as one :class:`ConfigError` listing ``(path, message)``
+pairs, paths written like ``pools.llama-8b.backends[1].slots``. Other files of the same kind
+(the lab's scenarios) use the same pieces, which are public for that: ``StrictModel``,
+``read_yaml``, ``config_error`` and ``NAME_PATTERN``. No message ever contains an input
+value, because the value might be a secret.
 """
 
 from .classes import (
