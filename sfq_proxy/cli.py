@@ -18,7 +18,7 @@ from pathlib import Path
 
 from . import keys_cli
 from .config import Config, ConfigError, load_config
-from .config_summary import summary, warnings
+from .config.summary import summary, warnings
 from .observability import logs
 from .observability.process_metrics import version
 from .runner.server import run, serve

@@ -34,19 +34,16 @@ makes renormalisation (subtracting ``v`` from everything) change no future decis
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from typing import Generic, TypeVar
 
+from ..config import MAX_OVERTAKEN, MAX_SIZE_BUCKETS
+
 __all__ = [
-    "DEFAULT_MAX_OVERTAKEN",
     "DUE",
     "MAX_COST",
-    "MAX_OVERTAKEN",
-    "MAX_SIZE_BUCKETS",
     "MAX_WEIGHT",
     "MIN_WEIGHT",
     "UNITS_PER_COST",
@@ -57,7 +54,6 @@ __all__ = [
     "check_cost",
     "check_size",
     "check_weight",
-    "size_bucket",
 ]
 
 T = TypeVar("T")
@@ -74,14 +70,6 @@ MAX_WEIGHT = 1e9
 _RENORMALIZE_AT = 1 << 60
 """Internal virtual time above which meters are shifted down, to stay in machine-size ints."""
 
-DEFAULT_MAX_OVERTAKEN = 100
-"""How many times a request of a flow with size buckets may be overtaken by later, smaller
-ones when its class does not say. Large enough to let short requests pass the long ones of a
-busy flow (which wait while tens of short ones arrive), bounded so a long one waits at most
-that many short ones longer (docs/design.md §3, Size buckets inside a flow: why 100)."""
-MAX_OVERTAKEN = 1000
-MAX_SIZE_BUCKETS = 16
-"""At most this many bounds (so this many + 1 buckets) per class."""
 UNSIZED = 1 << 30
 """The bucket of a request queued without size buckets into a flow that has some (a reload
 turned them on or off): after every bucket, so it never overtakes; it may be overtaken."""
@@ -398,13 +386,6 @@ class FairQueue(Generic[T]):
 def _units(cost: float, weight: float) -> int:
     """What a cost charges a flow of ``weight``, in meter units (at least one)."""
     return max(1, round(cost * UNITS_PER_COST / weight))
-
-
-def size_bucket(cost: float, bounds: Sequence[float]) -> int:
-    """The size bucket of a request of ``cost`` under a class's ``size_buckets``: the first
-    bucket whose bound (ascending upper bounds, inclusive) it does not exceed; above the last,
-    ``len(bounds)``. ``[500, 4000]``: 500 → 0, 501 → 1, 4001 → 2."""
-    return bisect_left(bounds, cost)
 
 
 def _mark(state: _Flow[T], front: bool, bucket: int, max_overtaken: int | None) -> None:

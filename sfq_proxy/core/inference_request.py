@@ -16,46 +16,18 @@ import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from enum import Enum
 from typing import Any, Protocol, TypeGuard
 
 import msgspec
 
+from ..config import MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_OUTPUT_TOKENS, MAX_TOOLS
+from ..config import Kind as Kind  # re-exported: the shell reads a request's kind here
 from . import affinity
 from .errors import ApiError, cut
 from .media import MEDIA_FIELDS, TEXT_TYPES, Media, media_part
 
-
-class Kind(Enum):
-    """What a request is, by its route (the value: the path it is served at and sent to)."""
-
-    CHAT = "/v1/chat/completions"
-    COMPLETION = "/v1/completions"
-    EMBEDDING = "/v1/embeddings"
-    RESPONSES = "/v1/responses"
-    EXTRA = "extra_paths"  # a pool's other paths: the request's path is sent (``path``)
-
-    @property
-    def generates(self) -> bool:
-        """Whether it generates output, which it is charged for and bounded in."""
-        return self not in (Kind.EMBEDDING, Kind.EXTRA)
-
-
-MAX_OUTPUT_TOKENS = 10_000_000
-"""The most ``max_tokens`` a request may ask for: beyond any model's context, and small
-enough that no charge derived from it can overflow the fair queue's meters."""
 MAX_CHOICES = 128
 """The most ``n`` / ``best_of`` a request may ask for (OpenAI's own limit for ``n``)."""
-MAX_MESSAGES = 2_000
-"""The most messages (a chat's ``messages``, a Responses API request's ``input`` items) a
-request may have by default (config ``limits.max_messages``): 2,000 turns are more than any
-context in use holds, and a body of 10 MiB may hold 300,000 (docs/design.md §6)."""
-MAX_CONTENT_PARTS = 10_000
-"""The most content parts, over all of a request's messages, by default (config
-``limits.max_content_parts``): 20 times the 500 images OpenAI takes in one request."""
-MAX_TOOLS = 512
-"""The most tool definitions (``tools`` and the legacy ``functions`` together) a request
-may have by default (config ``limits.max_tools``): 4 times the 128 OpenAI takes."""
 _OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens")  # the first one set is charged
 RESPONSES_OUTPUT_FIELD = "max_output_tokens"  # the Responses API's only one
 # Where a JSON text may hold a lone surrogate, read from its bytes alone (a strict UTF-8

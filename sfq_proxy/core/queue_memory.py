@@ -27,15 +27,11 @@ import heapq
 from collections.abc import Hashable
 from typing import Generic, TypeVar
 
+from ..config import REQUEST_OVERHEAD_BYTES
 from .errors import ApiError
 
 F = TypeVar("F", bound=Hashable)
 T = TypeVar("T", bound=Hashable)
-MIB = 1024 * 1024
-# What a request waiting in line costs the process besides its body: aiohttp's parsed
-# request, connection and handler task (12.9 KiB), the proxy's own frames, ticket and queue
-# entry (2 KiB): 15.1 KiB measured (docs/performance.md), rounded up.
-REQUEST_OVERHEAD_BYTES = 16 * 1024
 RETRY_AFTER_S = 1.0
 
 

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, Self
 from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
 from ..config import (
+    DEFAULT_MAX_OVERTAKEN,
     NAME_PATTERN,
     ConfigError,
     MaxOvertaken,
@@ -47,7 +48,6 @@ from ..config import (
     config_error,
     read_yaml,
 )
-from ..core.fair_queue import DEFAULT_MAX_OVERTAKEN
 from ..sim.engine import EngineModel, SchedulingPolicy  # the one engine model, as the sim's
 
 __all__ = [
@@ -202,7 +202,7 @@ _LOGNORMAL_CAP = 20
 def _tagged(*models: type[StrictModel]) -> Any:
     """A union of ``models`` chosen by their ``kind`` field.
 
-    Tags look like ``kind[rate]`` so that ``config._error_path`` drops them from error
+    Tags look like ``kind[rate]`` so that ``config.errors._error_path`` drops them from error
     paths: ``teams.A.arrivals.per_s`` rather than ``teams.A.arrivals.rate.per_s``.
     """
     kinds = [m.model_fields["kind"].annotation.__args__[0] for m in models]  # type: ignore[union-attr]

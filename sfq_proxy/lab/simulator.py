@@ -28,10 +28,9 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..config import BackendSpec, CalibrationSpec, CostSpec
+from ..config import BackendSpec, CalibrationSpec, CostSpec, size_bucket
 from ..core.calibration import Calibration
 from ..core.cost import CostModel, Estimate
-from ..core.fair_queue import size_bucket
 from ..core.inference_request import InferenceRequest, Kind
 from ..core.placement import Placement
 from ..core.queues import DispatchQueue

@@ -24,7 +24,7 @@ from sfq_proxy.config import (
     load_config,
     parse_config,
 )
-from sfq_proxy.config_summary import summary
+from sfq_proxy.config.summary import summary
 from sfq_proxy.http.parse_worker import Models
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from sfq_proxy.config import ConfigError, expand_env, parse_config
-from sfq_proxy.config_summary import summary
+from sfq_proxy.config.summary import summary
 
 ENV = {"HOST": "10.0.0.11", "PORT": "8000", "EMPTY": "", "TEAM": "team-a"}
 

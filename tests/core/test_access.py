@@ -19,7 +19,7 @@ from sfq_proxy.config import (
     parse_config,
     usable_models,
 )
-from sfq_proxy.config_summary import summary, warnings
+from sfq_proxy.config.summary import summary, warnings
 from sfq_proxy.core.errors import ApiError
 from sfq_proxy.core.flows import classify, may_use
 

@@ -25,7 +25,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sfq_proxy.config import BackendSpec, ConfigError, parse_config
-from sfq_proxy.config_summary import summary
+from sfq_proxy.config.summary import summary
 from sfq_proxy.core import affinity
 from sfq_proxy.core.inference_request import Kind, parse
 from sfq_proxy.core.placement import Backend, Placement, key_order, rank

@@ -12,12 +12,11 @@ from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
-from sfq_proxy.config import ConfigError, CostSpec, ExtraCostSpec
+from sfq_proxy.config import MAX_OUTPUT_TOKENS, ConfigError, CostSpec, ExtraCostSpec
 from sfq_proxy.core.calibration import Calibration, InputModel
 from sfq_proxy.core.cost import CostModel, Estimate
 from sfq_proxy.core.errors import ApiError
 from sfq_proxy.core.inference_request import (
-    MAX_OUTPUT_TOKENS,
     InferenceRequest,
     Kind,
     parse,

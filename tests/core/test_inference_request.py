@@ -11,13 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sfq_proxy.config import MAX_OUTPUT_TOKENS
 from sfq_proxy.core import inference_request
 from sfq_proxy.core.errors import ApiError
 from sfq_proxy.core.inference_request import (
     _FAST,
     _MAYBE_LONE_SURROGATE,
     DEFAULT_CAPS,
-    MAX_OUTPUT_TOKENS,
     CapValues,
     InferenceRequest,
     Kind,

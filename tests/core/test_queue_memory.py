@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sfq_proxy.config import ConfigError, parse_config
+from sfq_proxy.config import MIB, REQUEST_OVERHEAD_BYTES, ConfigError, parse_config
 from sfq_proxy.core.errors import ApiError
-from sfq_proxy.core.queue_memory import MIB, REQUEST_OVERHEAD_BYTES, QueueMemory
+from sfq_proxy.core.queue_memory import QueueMemory
 
 K = REQUEST_OVERHEAD_BYTES
 

@@ -20,11 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sfq_harness import Op, Trace, check_band, check_pairwise
 
-from sfq_proxy.core.fair_queue import (
-    DEFAULT_MAX_OVERTAKEN,
-    FairQueue,
-    size_bucket,
-)
+from sfq_proxy.config import DEFAULT_MAX_OVERTAKEN, size_bucket
+from sfq_proxy.core.fair_queue import FairQueue
 from sfq_proxy.core.placement import Placement
 from sfq_proxy.core.scheduler import Scheduler, Ticket
 

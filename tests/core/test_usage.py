@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sfq_proxy.config import ConfigError, parse_config
-from sfq_proxy.config_summary import summary, warnings
+from sfq_proxy.config.summary import summary, warnings
 from sfq_proxy.core.usage import (
     COUNTERS,
     Budget,

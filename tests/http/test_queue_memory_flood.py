@@ -23,8 +23,7 @@ import yaml
 from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config, serve_process
 from redis_server import queued_in_redis
 
-from sfq_proxy.config import Config
-from sfq_proxy.core.queue_memory import MIB, REQUEST_OVERHEAD_BYTES
+from sfq_proxy.config import MIB, REQUEST_OVERHEAD_BYTES, Config
 
 BUDGET_MB = 16
 BODY_CHARS = 16 * 1024

@@ -19,7 +19,7 @@ import aiohttp
 import pytest
 
 from sfq_proxy.config import load_config
-from sfq_proxy.config_summary import warnings
+from sfq_proxy.config.summary import warnings
 from sfq_proxy.lab.demo import TEAMS, TRY_KEY
 
 ROOT = Path(__file__).resolve().parents[2]

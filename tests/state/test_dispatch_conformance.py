@@ -45,9 +45,8 @@ from hypothesis import strategies as st
 from redis.asyncio import Redis
 from redis_server import fcalls
 
-from sfq_proxy.config import BackendSpec
+from sfq_proxy.config import BackendSpec, size_bucket
 from sfq_proxy.core.affinity import digest
-from sfq_proxy.core.fair_queue import size_bucket
 from sfq_proxy.core.limits import Rate
 from sfq_proxy.core.placement import Placement
 from sfq_proxy.core.scheduler import Scheduler, Ticket

@@ -4,6 +4,9 @@ Per pool its cost, the ceiling per request and c_max, its backends and health; e
 worst-case share of each pool; the keys (by source, never the secret), the orgs and the
 weight of every flow the keys can create. Then warnings: what is valid but will not work
 on this machine (a calibration state file the proxy could not write).
+
+In the config package because it reads nothing but a validated :class:`Config`; apart from
+the models because nothing but ``check-config`` needs it.
 """
 
 from __future__ import annotations
@@ -15,28 +18,15 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from .config import (
-    Access,
-    AffinitySpec,
-    BudgetSpec,
-    ClassSpec,
-    Config,
-    CostSpec,
-    ExtraPathSpec,
-    HealthSpec,
-    OrgSpec,
-    PoolSpec,
-    RateSpec,
-    RedisState,
-    band_cap,
-    granted_classes,
-    pool_slots,
-    usable_models,
-    without_credentials,
-)
-from .config import (
-    format_number as _num,
-)
+from .classes import ClassSpec, band_cap, granted_classes
+from .cost import CostSpec
+from .errors import format_number as _num
+from .keys import Access, OrgSpec, usable_models
+from .paths import ExtraPathSpec
+from .pools import AffinitySpec, HealthSpec, PoolSpec, RateSpec, pool_slots, without_credentials
+from .proxy import Config
+from .state import RedisState
+from .usage import BudgetSpec
 
 
 def summary(config: Config) -> str:
