@@ -16,8 +16,9 @@ Rules, from Goyal, Vin & Cheng (SIGCOMM 1996) as restated for LLM load balancers
    waiting flow's ``S`` below ``v``: it goes first until it has caught up what it was
    overcharged (``v`` never goes back). An idle flow banks nothing: it rejoins at
    ``max(S, v)`` (rule 1). Without a report the estimate stands.
-4. When nothing waits and nothing runs, ``v = max(v, max S)``: the next busy period starts
-   level. A request in service belongs to the busy period: what it was charged (and may
+4. When nothing waits and nothing runs, ``v`` becomes the highest ``S`` of the busy period
+   (a refund after it does not lower it; every flow rejoins at ``v`` then, so only the
+   level moves): the next busy period starts level. A request in service belongs to the busy period: what it was charged (and may
    still owe) is not forgotten while it runs.
 
 Inside a flow, requests leave in arrival order, unless the flow has **size buckets**

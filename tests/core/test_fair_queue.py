@@ -8,7 +8,7 @@ from collections.abc import Callable
 from fractions import Fraction
 
 import pytest
-from hypothesis import HealthCheck, find, given, settings
+from hypothesis import HealthCheck, example, find, given, settings
 from hypothesis import strategies as st
 from sfq_harness import Op, QueueLike, ReferenceSFQ, Trace, check_band, check_pairwise, run
 
@@ -79,6 +79,10 @@ def test_band_and_pairwise_bounds_hold(ops: list[Op], weights: dict[str, float])
 
 @fast
 @given(ops=op_lists, weights=weight_maps)
+# a refund after the period's last dispatch: the next period starts at its highest meter
+@example(
+    ops=[("push", "a", 0.25), ("pop",), ("settle", "a", 0, 0.0)], weights=dict.fromkeys("abcd", 0.5)
+)
 def test_agrees_with_the_naive_reference(ops: list[Op], weights: dict[str, float]) -> None:
     fast_trace = run(FairQueue(), ops, weights)
     slow_trace = run(ReferenceSFQ(), ops, weights)

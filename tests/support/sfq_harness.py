@@ -48,6 +48,9 @@ class ReferenceSFQ:
         self.join, self.idle_reset, self.charge_at = join, idle_reset, charge_at
         self.true_up, self.busy_while_running = true_up, busy_while_running
         self.S: dict[str, Fraction] = {}
+        # the highest meter of the busy period: a refund after it does not lower where the
+        # next period starts (every flow is idle then, and rejoins at v: only the level moves)
+        self.high = Fraction(0)
         self.w: dict[str, Fraction] = {}  # each flow's weight, as of its latest push
         self.running: dict[str, int] = {}
         self.q: dict[str, deque[tuple[Any, Fraction]]] = {}
@@ -69,6 +72,7 @@ class ReferenceSFQ:
             self.S[flow] = self.v if self.join == "reset" else max(old, self.v)
         if self.charge_at == "push":
             self.S[flow] += charge
+        self.high = max(self.high, self.S[flow])
         (queue.appendleft if front else queue.append)((item, charge))
 
     def pop(self) -> tuple[str, Any] | None:
@@ -80,6 +84,7 @@ class ReferenceSFQ:
         item, charge = self.q[flow].popleft()
         if self.charge_at == "pop":
             self.S[flow] += charge
+        self.high = max(self.high, self.S[flow])
         self.running[flow] = self.running.get(flow, 0) + 1
         self._maybe_idle()
         return flow, item
@@ -91,6 +96,7 @@ class ReferenceSFQ:
         if actual is not None and self.true_up:
             owed = (Fraction(actual) - Fraction(cost)) / self.w[flow]
             self.S[flow] += owed
+            self.high = max(self.high, self.S[flow])
         self._maybe_idle()
 
     def remove(self, flow: str, item: Any) -> bool:
@@ -122,7 +128,7 @@ class ReferenceSFQ:
     def _maybe_idle(self) -> None:
         running = self.busy_while_running and any(self.running.values())
         if self.idle_reset and not len(self) and not running and self.S:
-            self.v = max(self.v, *self.S.values())
+            self.v = max(self.v, self.high, *self.S.values())
 
 
 @dataclass
