@@ -7,14 +7,27 @@ engine would run the request at once (or hold at most ``allowance`` waiting), re
 the engine says it runs and queues (``engine_metrics``) every few hundred milliseconds.
 
 A reading is old the moment it arrives, so the gate corrects it with an **in-flight
-credit**: the proxy's own dispatches the reading may not have seen, less its completions
-the reading surely saw. Requests take a while to reach the engine's scheduler and a
-finished one a while to reach the proxy; ``settle_s`` bounds both, so a dispatch counts as
-unseen from ``settle_s`` before the scrape was *requested*, and a completion counts only
-from ``settle_s`` after its answer *arrived*. With those delays within ``settle_s`` the
-estimate of the engine's load is never below the truth (for the proxy's own requests), so
-the gate never fills the engine's queue beyond the allowance; what the estimate loses (a
-completion inside the window) it finds again at the next reading.
+credit**: plus the proxy's own dispatches the reading may not have seen, less its
+completions of requests the reading still counted.
+
+- A dispatch takes a while to reach the engine's scheduler: one counts as unseen from
+  ``settle_s`` before the scrape was *requested*.
+- A finished request takes a while to reach the proxy, and the engine's gauges drop it
+  first: against a real vLLM on a busy CPU, more than 50 ms later. Taking such a
+  completion off again lets the engine queue one more than the allowance (with a 50 ms
+  window alone it did: two waiting, allowance one). So when a reading arrives, the
+  proxy's requests in flight that it neither shows nor may have missed (in flight −
+  unseen − the engine's load, at least 0) are **ghosts**: finished, the end not yet heard.
+  The next that many completions are not credited, and neither is any within
+  ``settle_s`` after the answer arrived (for the engine's other clients, whose requests
+  hide the ghosts). What is held back, the next reading gives.
+
+With the proxy as the engine's only client and dispatches reaching the scheduler within
+``settle_s``, the corrected reading is never below the engine's load, however late the
+completions are heard, so the engine never holds more than the allowance waiting. It is
+not floored at the proxy's own in-flight count: requests on their way or finished unheard
+would then hold places in the engine, a large engine would never be seen running more
+than it had, and its learned capacity would stall.
 
 What may go in (``admit``), checked in this order:
 
@@ -23,7 +36,7 @@ What may go in (``admit``), checked in this order:
    to static dispatch: ``slots``, or with ``slots: auto`` the capacity learned so far (at
    least ``fallback_slots``). It never halts dispatch: llm-d shipped that failure, stale
    metrics stopping every dispatch.
-3. An engine that runs and holds nothing, with nothing unseen, always takes one.
+3. An engine that runs and holds nothing, the credit included, always takes one.
 4. ``engine_queue``: admitted, the engine would hold more than ``allowance`` waiting
    (estimated load + 1 > capacity + allowance).
 5. ``kv_cache``: the KV cache's use is at or above the class's share of ``kv_ceiling``.
@@ -133,8 +146,10 @@ class EngineGate:
         self.reported: int | None = None  # capacity the engine reported
         self._times: deque[float] = deque(maxlen=MAX_TRACKED)  # recent dispatch times
         self._last = -math.inf
+        self._seen = 0  # the current reading's running + waiting
         self._base = 0  # dispatches the current reading has seen
-        self._count_from = math.inf  # completions from then on are credited
+        self._count_from = math.inf  # completions from then on may be credited
+        self._ghosts = 0  # completions still to hold back: requests finished unheard
         self._credited = 0
 
     @property
@@ -157,7 +172,11 @@ class EngineGate:
         if self.in_flight <= 0:
             raise RuntimeError("more completions than dispatches")
         self.completions += 1
-        if self._now(now) >= self._count_from:
+        if self._now(now) < self._count_from:
+            return
+        if self._ghosts > 0:
+            self._ghosts -= 1
+        else:
             self._credited += 1
 
     def observe(self, reading: EngineReading, requested_at: float, now: float) -> None:
@@ -165,7 +184,8 @@ class EngineGate:
         no usable numbers leaves the last usable reading to age; one older than the
         current reading (a late answer) is dropped."""
         now = self._now(now)
-        if not reading.usable:
+        running, waiting = reading.running, reading.waiting
+        if reading.problem is not None or running is None or waiting is None:
             self.problem = reading.problem or "missing"
             return
         if requested_at < self.requested_at:
@@ -178,8 +198,10 @@ class EngineGate:
                 break
             unseen += 1
         self.reading, self.requested_at = reading, requested_at
+        self._seen = running + waiting
         self._base = self.dispatches - unseen
         self._count_from = now + self.policy.settle_s
+        self._ghosts = max(0, self.in_flight - unseen - self._seen)
         self._credited = 0
         if now - requested_at <= self.policy.max_age_s:
             self._learn(reading)
@@ -213,15 +235,12 @@ class EngineGate:
         return self.reading is not None and now - self.requested_at <= self.policy.max_age_s
 
     def estimate(self, now: float) -> Estimate | None:
-        """The engine's running and waiting now, corrected by the credit; None when there
-        is no fresh reading."""
+        """The engine's running and waiting now, the reading corrected by the credit; None
+        when there is no fresh reading."""
         if not self.fresh(now):
             return None
-        assert self.reading is not None
-        assert self.reading.running is not None
-        assert self.reading.waiting is not None
         credit = self.dispatches - self._base - self._credited
-        load = max(0, self.reading.running + self.reading.waiting + credit)
+        load = max(0, self._seen + credit)
         capacity = self.capacity()
         running = min(load, capacity)
         return Estimate(running=running, waiting=load - running, capacity=capacity, credit=credit)

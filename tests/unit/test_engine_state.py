@@ -20,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sfq_proxy.core.engine_gate import Decision, EngineGate, GatePolicy
+from sfq_proxy.core.engine_gate import Decision, EngineGate, Estimate, GatePolicy
 from sfq_proxy.core.engine_metrics import EngineReading, unavailable
 
 fast = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -400,13 +400,14 @@ def simulate(
     random: Random,
     *,
     interval: float,
-    delay: float,
+    transit: float,
+    tail: float,
     horizon: float,
     durations: tuple[float, float],
     make: Callable[[GatePolicy], EngineGate] = EngineGate,
 ) -> Trace:
-    """Every delay (to the engine, back to the proxy, a scrape's two halves) is drawn in
-    [0, ``delay``]; the gate's ``settle_s`` must cover the first two."""
+    """A request reaches the engine within ``transit``, its end reaches the proxy within
+    ``tail``, and either half of a scrape takes up to ``transit`` (each drawn anew)."""
     engine, g, trace = SimulatedEngine(capacity), make(policy), Trace()
     events: list[tuple[float, int, str, object]] = []
     seq = 0
@@ -419,7 +420,7 @@ def simulate(
     def dispatch(now: float) -> None:
         while g.admit(now).admit:
             g.dispatched(now)
-            at(now + random.uniform(0, delay), "arrive", random.uniform(*durations))
+            at(now + random.uniform(0, transit), "arrive", random.uniform(*durations))
 
     def start(now: float) -> None:
         while engine.running < engine.capacity and engine.waiting:
@@ -443,17 +444,17 @@ def simulate(
         elif kind == "finish":
             engine.running -= 1
             start(now)
-            at(now + random.uniform(0, delay), "notify")
+            at(now + random.uniform(0, tail), "notify")
         elif kind == "notify":
             g.completed(now)
             dispatch(now)
         elif kind == "scrape":
-            at(now + random.uniform(0, delay), "snapshot", now)
+            at(now + random.uniform(0, transit), "snapshot", now)
             at(now + interval * random.uniform(0.5, 1.5), "scrape")
         elif kind == "snapshot":
             trace.scrapes.append((now, engine.running, len(engine.waiting)))
             got = reading(engine.running, len(engine.waiting))
-            at(now + random.uniform(0, delay), "answer", (got, data))
+            at(now + random.uniform(0, transit), "answer", (got, data))
         elif kind == "answer":
             got, requested_at = data  # type: ignore[misc]
             g.observe(got, requested_at, now)
@@ -487,7 +488,8 @@ def test_a_simulated_engine_queues_at_most_the_allowance_and_its_batch_fills(
     policy = GatePolicy(capacity=capacity if known else None, allowance=allowance, settle_s=0.05)
     horizon = 30.0 + 2 * capacity * interval  # an auto backend ramps by the allowance a reading
     trace = simulate(
-        capacity, policy, Random(seed), interval=interval, delay=delay, horizon=horizon,
+        capacity, policy, Random(seed), interval=interval, transit=delay, tail=delay,
+        horizon=horizon,
         durations=(1.0, 4.0),
     )  # fmt: skip
     assert all(waiting <= allowance for _, _, waiting in trace.scrapes)
@@ -496,9 +498,17 @@ def test_a_simulated_engine_queues_at_most_the_allowance_and_its_batch_fills(
     assert trace.full_time >= 0.8 * (horizon - trace.first_full)
 
 
-class CreditSinceRequest(EngineGate):
-    """The credit as first sketched: completions since the scrape was requested count, so
-    one the reading had already seen is taken off twice."""
+class WindowOnly(EngineGate):
+    """No ghosts: only the settle window holds completions back."""
+
+    def observe(self, reading: EngineReading, requested_at: float, now: float) -> None:
+        super().observe(reading, requested_at, now)
+        self._ghosts = 0
+
+
+class CreditSinceRequest(WindowOnly):
+    """The credit as first sketched: every completion since the scrape was requested is
+    credited, so one the reading had already dropped is taken off twice."""
 
     def observe(self, reading: EngineReading, requested_at: float, now: float) -> None:
         super().observe(reading, requested_at, now)
@@ -506,17 +516,64 @@ class CreditSinceRequest(EngineGate):
             self._count_from = requested_at
 
 
-def test_the_simulation_catches_a_credit_that_counts_completions_twice() -> None:
-    """The settle windows are what keeps the engine's queue within the allowance: without
-    them the simulation above fails (226 of 300 random runs did)."""
+def _caught(make: Callable[[GatePolicy], EngineGate], tail: float) -> int:
+    """In how many of 10 runs the engine held more than the allowance waiting."""
     policy = GatePolicy(capacity=4, allowance=1, settle_s=0.05)
     caught = 0
     for seed in range(10):
         try:
             simulate(
-                4, policy, Random(seed), interval=0.2, delay=0.05, horizon=30.0,
-                durations=(1.0, 4.0), make=CreditSinceRequest,
+                4, policy, Random(seed), interval=0.2, transit=0.05, tail=tail,
+                horizon=30.0, durations=(1.0, 4.0), make=make,
             )  # fmt: skip
         except AssertionError:
             caught += 1
-    assert caught >= 5
+    return caught
+
+
+def test_the_simulation_catches_a_credit_that_counts_completions_twice() -> None:
+    """Completions heard within the window: the window alone suffices, and without it (nor
+    ghosts) the engine queues beyond the allowance."""
+    assert _caught(WindowOnly, tail=0.05) == 0
+    assert _caught(CreditSinceRequest, tail=0.05) >= 5
+
+
+def test_ghosts_hold_back_completions_heard_late() -> None:
+    """Completions heard up to 0.3 s late against a 0.05 s window: the window alone lets
+    the engine queue beyond the allowance, the ghosts do not."""
+    assert _caught(WindowOnly, tail=0.3) >= 5
+    assert _caught(EngineGate, tail=0.3) == 0
+
+
+def test_ghosts_are_the_requests_in_flight_a_reading_cannot_show() -> None:
+    g = gate(settle_s=0.0)
+    for _ in range(5):
+        g.dispatched(0.0)
+    g.observe(reading(3), requested_at=1.0, now=1.0)  # two of the five finished, unheard
+    assert g._ghosts == 2
+    g.completed(1.1)
+    g.completed(1.1)
+    assert g.estimate(1.1) == Estimate(running=3, waiting=0, capacity=3, credit=0)
+    g.completed(1.2)  # one the reading showed running
+    assert g.estimate(1.2) == Estimate(running=2, waiting=0, capacity=3, credit=-1)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    capacity=st.integers(1, 12),
+    allowance=st.integers(1, 3),
+    interval=st.floats(0.05, 0.5),
+    tail=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**32),
+)
+def test_however_late_completions_are_heard_the_engine_queues_at_most_the_allowance(
+    capacity: int, allowance: int, interval: float, tail: float, seed: int
+) -> None:
+    """The proxy alone in front of the engine, dispatches reaching it within the window:
+    the bound needs no assumption on when completions are heard, and the batch reaches K."""
+    policy = GatePolicy(allowance=allowance, settle_s=0.05)
+    trace = simulate(
+        capacity, policy, Random(seed), interval=interval, transit=0.05, tail=tail,
+        horizon=40.0 + 2 * capacity * interval, durations=(1.0, 4.0),
+    )  # fmt: skip
+    assert trace.first_full is not None
