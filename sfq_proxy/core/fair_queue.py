@@ -18,8 +18,8 @@ Rules, from Goyal, Vin & Cheng (SIGCOMM 1996) as restated for LLM load balancers
    ``max(S, v)`` (rule 1). Without a report the estimate stands.
 4. When nothing waits and nothing runs, ``v`` becomes the highest ``S`` of the busy period
    (a refund after it does not lower it; every flow rejoins at ``v`` then, so only the
-   level moves): the next busy period starts level. A request in service belongs to the busy period: what it was charged (and may
-   still owe) is not forgotten while it runs.
+   level moves): the next busy period starts level. A request in service belongs to the
+   busy period: what it was charged (and may still owe) is not forgotten while it runs.
 
 Inside a flow, requests leave in arrival order, unless the flow has **size buckets**
 (docs/design.md §3, Size buckets inside a flow): then the next request of the flow is the
