@@ -69,7 +69,8 @@ import served_cost  # noqa: E402
 from images import png_part  # noqa: E402
 from redis_server import queued_in_redis, running_redis  # noqa: E402
 
-from sfq_proxy.sim.server import SimBackend, SimConfig  # noqa: E402
+from sfq_proxy.sim.server import SimBackend  # noqa: E402
+from sfq_proxy.sim.settings import SimConfig  # noqa: E402
 
 MODEL = "sim-llama"
 SLOTS = 2

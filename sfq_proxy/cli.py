@@ -119,7 +119,7 @@ def _add_lab_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     """The lab's and the simulated server's commands, or stand-ins that say what is missing."""
     try:
         from .lab import commands as lab
-        from .sim import server as simbackend
+        from .sim import command as simbackend
     except ImportError:
         for command in LAB_COMMANDS:
             p = sub.add_parser(command, help="(needs the lab: pip install 'sfq-proxy[lab]')")

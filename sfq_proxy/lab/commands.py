@@ -26,7 +26,8 @@ from ..core.fair_queue import check_size
 from ..core.flows import flow_id
 from ..http.proxy import PROXY, Proxy
 from ..runner.server import bound_url, running
-from ..sim.server import SimBackend, SimConfig
+from ..sim.server import SimBackend
+from ..sim.settings import SimConfig
 from . import report
 from .loadgen import check_replayable, run_load
 from .policies import (

@@ -24,7 +24,8 @@ from ..config import Config, default_config
 from ..core.flows import flow_id, org_and_class
 from ..http.proxy import PROXY, Proxy
 from ..runner.server import bound_url, running
-from ..sim.server import SimBackend, SimConfig
+from ..sim.server import SimBackend
+from ..sim.settings import SimConfig
 
 ADMIN_KEY_ENV = "SFQ_DEMO_ADMIN_KEY"  # demo.yaml's admin_key_env
 SIM_PORT_ENVS = ("SFQ_DEMO_SIM_PORT_1", "SFQ_DEMO_SIM_PORT_2")  # in demo.yaml's backend URLs

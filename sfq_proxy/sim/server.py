@@ -14,23 +14,18 @@ reproducible.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
 import socket
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
-from http import HTTPStatus
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, replace
+from typing import Any
 
 from aiohttp import web
 
-from ..runner.server import run, wait_for_signal
 from .api import (
-    DEFAULT_MEDIA_TOKENS,
-    MESSAGE_OVERHEAD_TOKENS,
     AnswerPlan,
     GenerationRequest,
     JsonSink,
@@ -45,220 +40,21 @@ from .api import (
     parse_generation,
 )
 from .engine import (
-    SCHEDULING_POLICIES,
     Changes,
-    EngineModel,
     EngineRequest,
-    SchedulingPolicy,
     output_tokens,
 )
+from .settings import (
+    MIN_SLEEP_S,
+    WORDS,
+    Faults,
+    Outcome,
+    RequestRecord,
+    SimConfig,
+    SimStats,
+)
 
-__all__ = [
-    "Faults",
-    "RequestRecord",
-    "SimBackend",
-    "SimConfig",
-    "SimStats",
-    "add_parser",
-]
-
-Outcome = Literal["completed", "aborted", "failed"]
-
-DEFAULT_MODEL = "sim-llama"
-# Shorter decode steps are slept together: time-scaled runs would otherwise wake the event
-# loop thousands of times a second and slow down the very clock they simulate.
-MIN_SLEEP_S = 0.002
-_HTTP_STATUSES = frozenset(s.value for s in HTTPStatus)
-_WORDS = (
-    "the", "model", "answers", "with", "plain", "words", "so", "that", "tests", "can",
-    "count", "tokens", "easily", "while", "fair", "queueing", "keeps", "every", "user",
-    "happy", "and", "latency", "stays", "low",
-)  # fmt: skip
-
-
-_MEDIA_FIELDS = {kind: f"{kind}_tokens" for kind in DEFAULT_MEDIA_TOKENS}
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    """Engine model parameters.
-
-    Defaults approximate vLLM serving an 8B bf16 model on one H100-class GPU: 256 sequences
-    per batch (vLLM's default ``max_num_seqs``), ~10k prompt tokens/s of prefill and ~80
-    tokens/s per sequence when decoding alone, falling off linearly as the batch grows.
-
-    A request without ``max_tokens`` (or ``max_completion_tokens``) generates up to
-    ``default_max_tokens``, or, when that is None, up to the rest of the context window as
-    vLLM itself does. Its prompt counts ``tokens_per_message`` per chat message (the chat
-    template's role markers), its text at ``chars_per_token``, and each non-text part: an
-    image by OpenAI's tile rule when its size can be read, else ``{kind}_tokens``.
-
-    The engine's scheduler (``engine.EngineScheduler``): at most ``max_num_seqs`` sequences
-    in the batch and ``kv_cache_tokens`` tokens of KV cache (None: a cache that never runs
-    out, the default; else at least ``max_model_len``, as vLLM refuses to start with less),
-    the rest waiting in its queue, in arrival order, or with ``scheduling_policy``
-    ``priority`` by the request's ``priority`` (lower first).
-    """
-
-    models: Sequence[str] = (DEFAULT_MODEL,)
-    max_num_seqs: int = 256
-    prefill_tokens_per_s: float = 10_000.0
-    decode_tokens_per_s: float = 80.0
-    batch_slowdown: float = 0.01
-    time_scale: float = 1.0
-    max_model_len: int = 8192
-    chars_per_token: float = 4.0
-    # max: generate max_tokens; random: a seeded draw in [1, max_tokens]; min_tokens: stop at
-    # the request's min_tokens (replays a trace's real output lengths), else max_tokens
-    output_mode: Literal["max", "random", "min_tokens"] = "max"
-    default_max_tokens: int | None = 256
-    seed: int = 0
-    tokens_per_message: int = MESSAGE_OVERHEAD_TOKENS
-    image_tokens: int = DEFAULT_MEDIA_TOKENS["image"]
-    audio_tokens: int = DEFAULT_MEDIA_TOKENS["audio"]
-    file_tokens: int = DEFAULT_MEDIA_TOKENS["file"]
-    video_tokens: int = DEFAULT_MEDIA_TOKENS["video"]
-    kv_cache_tokens: int | None = None
-    scheduling_policy: SchedulingPolicy = "fcfs"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "models", tuple(self.models))
-        if not self.models:
-            raise ValueError("at least one model name is required")
-        if self.output_mode not in ("max", "random", "min_tokens"):
-            raise ValueError("output_mode must be 'max', 'random' or 'min_tokens'")
-        positive = (
-            "max_num_seqs",
-            "prefill_tokens_per_s",
-            "decode_tokens_per_s",
-            "time_scale",
-            "max_model_len",
-            "chars_per_token",
-        )
-        for name in positive:
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
-        kv = self.kv_cache_tokens
-        if kv is not None and kv < self.max_model_len:
-            raise ValueError(
-                "kv_cache_tokens must hold one request of max_model_len, or be None (unlimited)"
-            )
-        if self.default_max_tokens is not None and self.default_max_tokens <= 0:
-            raise ValueError("default_max_tokens must be positive, or None (up to the context)")
-        not_negative = ("batch_slowdown", "tokens_per_message", *_MEDIA_FIELDS.values())
-        for name in not_negative:
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0")
-
-    @property
-    def media_tokens(self) -> Mapping[str, int]:
-        """What a non-text part whose size is unknown costs, by kind."""
-        return {kind: getattr(self, name) for kind, name in _MEDIA_FIELDS.items()}
-
-    @property
-    def engine(self) -> EngineModel:
-        """The engine model (``sim/engine.py``), in unscaled seconds."""
-        return EngineModel(
-            self.prefill_tokens_per_s,
-            self.decode_tokens_per_s,
-            self.batch_slowdown,
-            self.max_num_seqs,
-            self.kv_cache_tokens,
-            self.scheduling_policy,
-        )
-
-    def prefill_seconds(self, prompt_tokens: int) -> float:
-        """Wall time of a prompt's prefill, which also yields the first output token."""
-        return self.engine.prefill_seconds(prompt_tokens) / self.time_scale
-
-    def decode_interval(self, running: int) -> float:
-        """Per-sequence time between two output tokens when ``running`` sequences share a batch."""
-        return self.engine.decode_interval(running) / self.time_scale
-
-
-@dataclass
-class Faults:
-    """Fault-injection knobs, read on every request so they can change at runtime.
-
-    Set fields directly (``sim.faults.fail_rate = 1.0``), except ``refuse_connections``, which
-    needs socket work: use ``pause_listening``/``resume_listening``, ``update_faults`` or
-    ``POST /sim/faults``.
-    """
-
-    fail_rate: float = 0.0
-    fail_status: int = 503
-    die_after_tokens: int | None = None
-    refuse_connections: bool = False
-    health_status: int = 200
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.fail_rate <= 1.0:
-            raise ValueError("fail_rate must be within [0, 1]")
-        for status in (self.fail_status, self.health_status):
-            if not isinstance(status, int) or status < 200 or status not in _HTTP_STATUSES:
-                raise ValueError(f"{status!r} is not a final HTTP status code")
-        die = self.die_after_tokens
-        if die is not None and (not isinstance(die, int) or die < 0):
-            raise ValueError("die_after_tokens must be None or an int >= 0")
-        if not isinstance(self.refuse_connections, bool):
-            raise ValueError("refuse_connections must be a bool")
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """One valid generation request, as the engine saw it.  Times are time.monotonic()."""
-
-    index: int  # arrival order, == position in SimStats.log
-    user: str | None
-    model: str
-    prompt_tokens: int
-    max_tokens: int  # each sequence's budget, as resolved (asked, default, or context)
-    stream: bool
-    had_authorization: bool
-    arrived_at: float
-    # the body's max_tokens, max_completion_tokens, n and best_of as they arrived (those
-    # present): what a proxy in front sent upstream
-    asked: dict[str, Any] = field(default_factory=dict)
-    sequences: int = 1  # generated (n, or best_of when larger), each in a batch slot
-    priority: int = 0  # the body's, as the priority policy orders by it
-    started_at: float | None = None  # got a batch slot (None: failed or aborted while waiting)
-    preemptions: int = 0  # times its cache was taken back and it waited again
-    ended_at: float | None = None
-    completion_tokens: int = 0  # generated, every sequence
-    outcome: Outcome | None = None  # None while in flight
-
-
-@dataclass
-class SimStats:
-    """Counters and per-request log; ``running``/``waiting`` (sequences in the batch, and in
-    the engine's queue: accepted, not in the batch) and ``kv_used`` (tokens of KV cache) are
-    live gauges."""
-
-    requests_seen: int = 0
-    completed: int = 0
-    aborted: int = 0
-    failed_injected: int = 0
-    max_concurrent: int = 0
-    running: int = 0
-    waiting: int = 0
-    kv_used: int = 0
-    preemptions: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    log: list[RequestRecord] = field(default_factory=list)
-
-    def reset(self) -> None:
-        """Zero everything but the live gauges; requests still in flight count when they end."""
-        fresh = SimStats(
-            running=self.running,
-            waiting=self.waiting,
-            kv_used=self.kv_used,
-            max_concurrent=self.running + self.waiting,
-        )
-        for f in fields(self):
-            setattr(self, f.name, getattr(fresh, f.name))
+__all__ = ["SimBackend"]
 
 
 class _InjectedDeath(Exception):
@@ -666,7 +462,7 @@ class SimBackend:
             gen=gen,
             id=f"{prefix}{text_seed:032x}",
             created=int(time.time()),
-            sequences=tuple(_text(words.choices(_WORDS, k=k)) for k in lengths),
+            sequences=tuple(_text(words.choices(WORDS, k=k)) for k in lengths),
         )
 
     async def _run(
@@ -757,109 +553,3 @@ class SimBackend:
 def _text(words: list[str]) -> tuple[str, ...]:
     """One token per word, each after the first with its leading space."""
     return tuple(w if i == 0 else " " + w for i, w in enumerate(words))
-
-
-# --------------------------------------------------------------------- CLI
-
-
-def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``sim-backend``: run a simulated vLLM server until SIGINT/SIGTERM."""
-    d = SimConfig()
-    p = subparsers.add_parser(
-        "sim-backend",
-        help="run a simulated vLLM (OpenAI-compatible) server",
-        description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--model",
-        dest="models",
-        action="append",
-        help=f"served model name, repeatable (default: {DEFAULT_MODEL})",
-    )
-    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    p.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        default=d.kv_cache_tokens,
-        help="tokens of KV cache (prompts and outputs of the batch); unset: unlimited",
-    )
-    p.add_argument(
-        "--scheduling-policy",
-        choices=SCHEDULING_POLICIES,
-        default=d.scheduling_policy,
-        help="the engine's queue: arrival order, or by the request's priority (lower first)",
-    )
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    p.add_argument("--prefill-tokens-per-s", type=float, default=d.prefill_tokens_per_s)
-    p.add_argument("--decode-tokens-per-s", type=float, default=d.decode_tokens_per_s)
-    p.add_argument("--batch-slowdown", type=float, default=d.batch_slowdown)
-    p.add_argument("--time-scale", type=float, default=d.time_scale)
-    p.add_argument("--output-mode", choices=("max", "random", "min_tokens"), default=d.output_mode)
-    p.add_argument(
-        "--default-max-tokens",
-        type=_max_tokens_arg,
-        default=d.default_max_tokens,
-        help="output of a request that sets no max_tokens: a number, or 'context' for the rest "
-        "of the context window, as vLLM does",
-    )
-    p.add_argument(
-        "--tokens-per-message",
-        type=int,
-        default=d.tokens_per_message,
-        help="prompt tokens the chat template adds per message",
-    )
-    for kind, name in _MEDIA_FIELDS.items():
-        p.add_argument(
-            f"--{kind}-tokens",
-            dest=name,
-            type=int,
-            default=getattr(d, name),
-            help=f"prompt tokens of a {kind} part whose size cannot be read",
-        )
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.set_defaults(func=run_from_args)
-
-
-def _max_tokens_arg(value: str) -> int | None:
-    """``--default-max-tokens``: a positive number, or ``context`` (None)."""
-    if value == "context":
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError("must be a number or 'context'") from None
-
-
-def run_from_args(args: argparse.Namespace) -> int:
-    """Entry point of ``sim-backend``; blocks until SIGINT/SIGTERM, returns the exit code."""
-    config = SimConfig(
-        models=args.models or (DEFAULT_MODEL,),
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_tokens=args.kv_cache_tokens,
-        scheduling_policy=args.scheduling_policy,
-        max_model_len=args.max_model_len,
-        prefill_tokens_per_s=args.prefill_tokens_per_s,
-        decode_tokens_per_s=args.decode_tokens_per_s,
-        batch_slowdown=args.batch_slowdown,
-        time_scale=args.time_scale,
-        output_mode=args.output_mode,
-        seed=args.seed,
-        default_max_tokens=args.default_max_tokens,
-        tokens_per_message=args.tokens_per_message,
-        **{name: getattr(args, name) for name in _MEDIA_FIELDS.values()},
-    )
-    run(lambda: _serve_until_signal(config, args.host, args.port))
-    return 0
-
-
-async def _serve_until_signal(config: SimConfig, host: str, port: int) -> None:
-    sim = SimBackend(config)
-    url = await sim.start(host, port)
-    print(f"sim-backend serving {', '.join(config.models)} at {url}", flush=True)
-    try:
-        await wait_for_signal()
-    finally:
-        await sim.stop()

@@ -50,7 +50,7 @@ from tools import need_tool
 
 from sfq_proxy.config import Config, RedisState, parse_config
 from sfq_proxy.runner.server import EXIT_WITHIN_S
-from sfq_proxy.sim.server import DEFAULT_MODEL
+from sfq_proxy.sim.settings import DEFAULT_MODEL
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "Dockerfile"

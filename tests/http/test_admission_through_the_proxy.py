@@ -11,7 +11,7 @@ import openai
 import pytest
 from proxy_lab import KEYS, MODEL, AccessLines, Lab, Served, eventually, proxy_config
 
-from sfq_proxy.sim.server import RequestRecord
+from sfq_proxy.sim.settings import RequestRecord
 
 CHAT = [{"role": "user", "content": "hi"}]  # 1 input token by the chars/4 estimate
 CLASSES = {

@@ -33,7 +33,8 @@ from proxy_lab import (
 )
 from proxy_lab import sample as metric
 
-from sfq_proxy.sim.server import RequestRecord, SimBackend
+from sfq_proxy.sim.server import SimBackend
+from sfq_proxy.sim.settings import RequestRecord
 
 CHAT = [{"role": "user", "content": "tell me everything"}]
 LONG = 20_000  # tokens of a cheater's answer: ~4 MB of events, far beyond any socket buffer

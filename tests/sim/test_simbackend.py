@@ -19,7 +19,9 @@ import pytest
 from images import png_part
 
 from sfq_proxy.sim.api import estimate_prompt_tokens
-from sfq_proxy.sim.server import SimBackend, SimConfig, add_parser
+from sfq_proxy.sim.command import add_parser
+from sfq_proxy.sim.server import SimBackend
+from sfq_proxy.sim.settings import SimConfig
 
 T = TypeVar("T")
 MODEL = "sim-llama"

@@ -25,7 +25,8 @@ from sfq_proxy.core.fair_queue import FairQueue
 from sfq_proxy.core.flows import org_and_class
 from sfq_proxy.http.proxy import PROXY, Proxy
 from sfq_proxy.runner.server import bound_url, running
-from sfq_proxy.sim.server import SimBackend, SimConfig
+from sfq_proxy.sim.server import SimBackend
+from sfq_proxy.sim.settings import SimConfig
 
 MODEL = "sim-llama"
 _HEALTHY = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok"
