@@ -4,8 +4,7 @@ The lowest layer of the proxy: it imports nothing else of ``sfq_proxy``, and the
 imports its names from here (``from sfq_proxy.config import Config``: the names of
 ``__all__``) rather than from the modules below.
 
-One module per section of the file, each importing only modules listed before it (but
-for ``usage``, which names the types of keys, orgs and pools in annotations alone):
+One module per section of the file, each importing only modules listed before it:
 
 - ``fields``: the strict base model and the bounded field types every section uses;
 - ``errors``: :class:`ConfigError` and pydantic's errors told as ``(path, message)``;
@@ -14,7 +13,8 @@ for ``usage``, which names the types of keys, orgs and pools in annotations alon
 - ``pools``, ``keys`` (with ``orgs``), ``classes``, ``state``: the sections made of
   those, each with its checks; a check that reads another section sits with the later one;
 - ``proxy``: the root :class:`Config` and the small sections of the process as a whole;
-  its validation runs every check;
+  its validation runs every check (and those that read several sections, such as a money
+  budget needing some price);
 - ``loader``: YAML text to a ``Config`` (``${VAR}`` expansion, the demo config);
 - ``summary``: what ``sfq-proxy check-config`` prints (imported as
   ``sfq_proxy.config.summary``, not re-exported here).
