@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -38,6 +38,7 @@ from .policies import (
     make_policy,
     trues_up,
 )
+from .pool import DispatchMode
 from .scenario import Scenario, Served, Team, load_scenario
 from .simulator import POOL, EngineSample, cost_of, simulate
 
@@ -91,24 +92,45 @@ def simulate_all(
 
 def has_engine_limits(scenario: Scenario) -> bool:
     """Whether the scenario's engine declares a scheduler of its own (``max_num_seqs``, a KV
-    cache or the priority policy), so the engines' queues are worth a table."""
+    cache or the priority policy) or the proxy dispatches by its readings, so the engines'
+    queues are worth a table."""
     engine = scenario.pool.engine
     return (
         engine.max_num_seqs is not None
         or engine.kv_cache_tokens is not None
         or engine.scheduling_policy != "fcfs"
+        or scenario.pool.dispatch.engine
     )
 
 
-def with_slots(scenario: Scenario, slots: int) -> Scenario:
-    """``scenario`` with the proxy's ``slots`` per backend; the engines keep their batch
-    (``max_num_seqs``, the old slots if the scenario left it to them): the same backends,
-    another proxy setting."""
-    if slots < 1:
-        raise ValueError("slots must be positive")
+def with_slots(scenario: Scenario, slots: int | Literal["auto"]) -> Scenario:
+    """``scenario`` with the proxy's ``slots`` per backend (``auto``: engine dispatch only);
+    the engines keep their batch (``max_num_seqs``, the old slots if the scenario left it to
+    them): the same backends, another proxy setting."""
+    if slots != "auto" and slots < 1:
+        raise ValueError("slots must be positive, or auto")
     pool = scenario.pool
-    engine = replace(pool.engine, max_num_seqs=pool.engine.max_num_seqs or pool.slots)
+    if slots == "auto" and not pool.dispatch.engine:
+        raise ValueError("slots auto only with engine dispatch")
+    engine = replace(pool.engine, max_num_seqs=pool.max_num_seqs)
     return replace(scenario, pool=replace(pool, slots=slots, engine=engine))
+
+
+def with_dispatch(scenario: Scenario, mode: DispatchMode) -> Scenario:
+    """``scenario`` with the proxy's dispatch ``mode``; the rest of its ``dispatch`` section
+    (or the defaults) stays."""
+    pool = scenario.pool
+    return replace(scenario, pool=replace(pool, dispatch=replace(pool.dispatch, mode=mode)))
+
+
+def with_engine_ceiling(scenario: Scenario, cls: str, ceiling: float) -> Scenario:
+    """``scenario`` with ``engine_ceiling`` = ``ceiling`` for class ``cls``."""
+    if not (0 < ceiling <= 1):
+        raise ValueError("an engine ceiling is in (0, 1]")
+    if all(team.cls != cls for team in scenario.teams):
+        raise ValueError(f"no team of the scenario is of class {cls!r}")
+    teams = tuple(replace(t, engine_ceiling=ceiling) if t.cls == cls else t for t in scenario.teams)
+    return replace(scenario, teams=teams)
 
 
 def team_keys(scenario: Scenario) -> dict[str, str]:
@@ -125,6 +147,8 @@ def proxy_config(scenario: Scenario, backend_urls: Sequence[str]) -> Config:
             raise ValueError(f"org {team.org} has teams of different weights: not expressible")
     keys = team_keys(scenario)
     pool = scenario.pool
+    slots = pool.slots
+    assert slots != "auto"  # engine dispatch only, which a real run refuses (check_replayable)
     data: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "keys": [{"key": keys[t.name], "org": t.org, "classes": [t.cls]} for t in scenario.teams],
@@ -139,7 +163,7 @@ def proxy_config(scenario: Scenario, backend_urls: Sequence[str]) -> Config:
                     "output_ratio": pool.output_ratio,
                 },
                 "timeouts": {"first_byte_s": 3600},
-                "backends": [{"url": url, "slots": pool.slots} for url in backend_urls],
+                "backends": [{"url": url, "slots": slots} for url in backend_urls],
             }
         },
         "retry": {"budget_ratio": 0},
@@ -167,7 +191,7 @@ async def run_real(
     engine, pool = scenario.pool.engine, scenario.pool
     sim_config = SimConfig(
         models=[MODEL],
-        max_num_seqs=engine.max_num_seqs or pool.slots,
+        max_num_seqs=pool.max_num_seqs,
         kv_cache_tokens=engine.kv_cache_tokens,
         scheduling_policy=engine.scheduling_policy,
         prefill_tokens_per_s=engine.prefill_tokens_per_s,
@@ -213,8 +237,17 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="override max_overtaken of every class with size buckets (try several K)",
     )  # fmt: skip
     p.add_argument(
-        "--slots", type=int, metavar="N",
-        help="override the proxy's slots per backend; the engines keep their max_num_seqs",
+        "--slots", type=_slots, action="append", metavar="N|auto",
+        help="override the proxy's slots per backend (the engines keep their max_num_seqs); "
+        "repeatable: a run each; auto: engine dispatch only",
+    )  # fmt: skip
+    p.add_argument(
+        "--dispatch", choices=("static", "engine"), action="append",
+        help="override the pool's dispatch mode; repeatable: a run each (with every --slots)",
+    )  # fmt: skip
+    p.add_argument(
+        "--engine-ceiling", type=_class_ceiling, action="append", default=[],
+        metavar="CLASS=F", help="override a class's engine_ceiling (a fraction in (0, 1])",
     )  # fmt: skip
     p.set_defaults(func=_simulate_command)
 
@@ -225,6 +258,23 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
                    help="API key per team (default sk-lab-TEAM)")  # fmt: skip
     p.add_argument("--time-scale", type=float, default=1.0, help="replay N times faster")
     p.set_defaults(func=_loadgen_command)
+
+
+def _slots(text: str) -> int | Literal["auto"]:
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected an integer, or auto") from None
+
+
+def _class_ceiling(text: str) -> tuple[str, float]:
+    cls, _, value = text.partition("=")
+    try:
+        return cls, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected CLASS=F, e.g. batch=0.75") from None
 
 
 def _scenario_arguments(p: argparse.ArgumentParser) -> None:
@@ -243,17 +293,50 @@ def with_max_overtaken(scenario: Scenario, k: int) -> Scenario:
     return replace(scenario, teams=teams)
 
 
+def variants(
+    scenario: Scenario,
+    modes: Sequence[DispatchMode | None],
+    slots: Sequence[int | Literal["auto"] | None],
+) -> dict[str, Scenario]:
+    """``scenario`` under each dispatch mode with each slots setting (None: the scenario's
+    own), by a label such as ``engine auto``; static dispatch with ``auto`` is left out.
+    One variant only: labelled ``""``."""
+    out = {}
+    for mode in modes:
+        moded = scenario if mode is None else with_dispatch(scenario, mode)
+        for n in slots:
+            if n == "auto" and not moded.pool.dispatch.engine:
+                continue
+            variant = moded if n is None else with_slots(moded, n)
+            out[f"{variant.pool.dispatch.mode} {variant.pool.slots}"] = variant
+    if not out:
+        raise ValueError("slots auto only with engine dispatch (--dispatch engine)")
+    return out if len(out) > 1 else {"": next(iter(out.values()))}
+
+
 def _simulate_command(args: argparse.Namespace) -> int:
     scenario = load_scenario(args.scenario, duration_s=args.duration)
     if args.max_overtaken is not None:
         scenario = with_max_overtaken(scenario, args.max_overtaken)
-    if args.slots is not None:
-        scenario = with_slots(scenario, args.slots)
-    logs: dict[str, list[EngineSample]] | None = {} if has_engine_limits(scenario) else None
-    runs = simulate_all(
-        scenario, args.policy, quantum=args.quantum, priority_order=args.priority_order.split(","),
-        engine_logs=logs,
-    )  # fmt: skip
+    try:
+        for cls, ceiling in args.engine_ceiling:
+            scenario = with_engine_ceiling(scenario, cls, ceiling)
+        runs_of = variants(scenario, args.dispatch or [None], args.slots or [None])
+    except ValueError as err:
+        sys.exit(f"{args.scenario}: {err}")
+    engine = any(has_engine_limits(v) for v in runs_of.values())
+    logs: dict[str, list[EngineSample]] | None = {} if engine else None
+    runs: dict[str, list[Served]] = {}
+    for label, variant in runs_of.items():
+        own: dict[str, list[EngineSample]] = {}
+        for name, run in simulate_all(
+            variant, args.policy, quantum=args.quantum,
+            priority_order=args.priority_order.split(","), engine_logs=own,
+        ).items():  # fmt: skip
+            key = f"{name} {label}".rstrip()
+            runs[key] = run
+            if logs is not None:
+                logs[key] = own[name]
     _report(args, scenario, runs, logs)
     return 0
 

@@ -538,7 +538,8 @@ engine (sim/engine.py): the requests the proxy sent that its backends' engines d
 yet wait in the engines' own queues (FCFS or by priority), where no fair queue orders them.
 queue mean/max: sequences in those queues, over the run (mean weighted by time); batch
 mean: sequences running; kv peak: the most KV cache one backend held (tokens; "-": an
-unlimited cache); engine wait: dispatch → into the batch, per team.
+unlimited cache); engine wait: dispatch → into the batch, per team; ttft: arrival → its
+first output token (prefill done).
 """
 
 
@@ -549,11 +550,12 @@ def engine_table(
 ) -> str:
     """What the engines did in each run: their queues and batches over time (from ``logs``,
     the simulator's ``engine_log`` of each run), preemptions, and each team's wait in them
-    (``Served.admitted_s − start_s``). Empty when there is no log."""
+    (``Served.admitted_s − start_s``) and time to first token. Empty when there is no log."""
     if not logs:
         return ""
     head = ("policy", "team", "engine wait p50", "engine wait p99", "engine wait max",
-            "preempted", "queue mean", "queue max", "batch mean", "kv peak")  # fmt: skip
+            "ttft p50", "ttft p99", "preempted", "queue mean", "queue max", "batch mean",
+            "kv peak")  # fmt: skip
     body = []
     for policy, samples in logs.items():
         queue, batch = _time_means(samples, "waiting"), _time_means(samples, "running")
@@ -565,9 +567,13 @@ def engine_table(
         for i, team in enumerate(teams):
             mine = [s for s in runs.get(policy, ()) if s.request.team == team.name]
             waits = sorted(s.admitted_s - s.start_s for s in mine if s.admitted_s is not None)
+            ttft = sorted(
+                s.first_token_s - s.request.time_s for s in mine if s.first_token_s is not None
+            )
             body.append((
                 policy if i == 0 else "", team.name,
                 *(_fmt_seconds(percentile(waits, p)) for p in (50, 99, 100)),
+                *(_fmt_seconds(percentile(ttft, p)) for p in (50, 99)),
                 str(sum(s.preemptions for s in mine)),
                 *(pool if i == 0 else ["", "", "", ""]),
             ))  # fmt: skip

@@ -1,8 +1,9 @@
 """Scenarios for the scenario lab: a YAML file → a deterministic list of requests.
 
-A scenario names a pool (backends × the proxy's slots, and a toy engine model: its speeds,
-and optionally its scheduler's ``max_num_seqs``, ``kv_cache_tokens`` and
-``scheduling_policy``, the same on every backend), the teams that load it
+A scenario names a pool (``pool.py``: backends × the proxy's slots, static or gated by the
+engine's readings, and a toy engine model: its speeds, and optionally its scheduler's
+``max_num_seqs``, ``kv_cache_tokens`` and ``scheduling_policy``, the same on every
+backend), the teams that load it
 and how each team's requests arrive and how large they are; or it replays a trace file
 (the Azure LLM inference traces, or a simple CSV). :func:`load_scenario` validates the file
 and generates every request up front, so the simulator, the report and the load generator
@@ -39,11 +40,11 @@ from ..config import (
     PositiveInt,
     SizeBounds,
     StrictModel,
-    WeightedCost,
     config_error,
     read_yaml,
 )
-from ..sim.engine import EngineModel, SchedulingPolicy  # the one engine model, as the sim's
+from ..sim.engine import INT64_MAX, INT64_MIN, EngineModel  # the one engine model, the sim's
+from .pool import PoolModel, PoolSection, check_pool
 from .traces import NAME_RE, Multiplier, TraceRow, TraceSpec, max_tokens_for, read_trace
 
 __all__ = [
@@ -61,27 +62,13 @@ __all__ = [
 
 
 @dataclass(frozen=True, slots=True)
-class PoolModel:
-    """``backends`` identical backends, to each of which the proxy sends at most ``slots``
-    requests at once, and the pool's cost model (docs/design.md §4): ``input_weight × input
-    + output_weight × output``. Each backend's ``engine`` runs ``engine.max_num_seqs`` of
-    them at once (default: ``slots``, the proxy's slots and the engine's batch alike) within
-    its ``engine.kv_cache_tokens`` of KV cache; the rest wait in the engine's queue."""
-
-    backends: int
-    slots: int
-    engine: EngineModel
-    input_weight: float = 1.0
-    output_weight: float = 1.0
-    output_ratio: float = 1.0  # the proxy's cost.output_ratio: where calibration starts
-
-
-@dataclass(frozen=True, slots=True)
 class Team:
     """A source of requests, all of one flow: ``weight`` = class weight × org weight. Several
     teams of one org and class are one flow (a team mixing short and long requests is two
     teams, so the report shows each kind). ``size_buckets`` and ``max_overtaken`` are its
-    class's (docs/design.md §3, Size buckets inside a flow); None: the flow is a FIFO."""
+    class's (docs/design.md §3, Size buckets inside a flow); None: the flow is a FIFO.
+    ``engine_ceiling`` (engine dispatch: the share of an engine it may fill) and
+    ``engine_priority`` (the engine's ``priority`` of its requests) are its class's too."""
 
     name: str
     org: str
@@ -89,6 +76,8 @@ class Team:
     weight: float
     size_buckets: tuple[float, ...] | None = None
     max_overtaken: int = DEFAULT_MAX_OVERTAKEN
+    engine_ceiling: float = 1.0
+    engine_priority: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +164,9 @@ class Served:
     # (a real run)
     admitted_s: float | None = None
     preemptions: int = 0
+    # when its first output token was generated (scenario seconds; None: unknown, a real
+    # run's answers are not streamed)
+    first_token_s: float | None = None
 
     @property
     def served_cost(self) -> float:
@@ -367,35 +359,19 @@ class TeamSpec(StrictModel):
     hidden_input_tokens: Tokens | None = None
 
 
-class EngineSpec(StrictModel):
-    """Each backend's engine: its speeds, and its scheduler (``sim/engine.py``): at most
-    ``max_num_seqs`` sequences at once (default: the pool's ``slots``), ``kv_cache_tokens``
-    of KV cache (default: unlimited), its queue FCFS or by priority."""
-
-    prefill_tokens_per_s: PositiveFloat
-    decode_tokens_per_s: PositiveFloat
-    batch_slowdown: NonNegativeFloat = 0.0
-    max_num_seqs: PositiveInt | None = None
-    kv_cache_tokens: PositiveInt | None = None
-    scheduling_policy: SchedulingPolicy = "fcfs"
-
-
-class PoolSection(StrictModel):
-    backends: PositiveInt
-    slots: PositiveInt
-    engine: EngineSpec
-    cost: WeightedCost = WeightedCost()  # the proxy's own weights and bounds
-
-
 class WeightSpec(StrictModel):
     weight: PositiveFloat = 1.0
 
 
 class ClassSection(WeightSpec):
-    """A class: its weight, and its size buckets as in the proxy's config (``classes``)."""
+    """A class: its weight, its size buckets and its ``engine_ceiling`` as in the proxy's
+    config (``classes``), and the ``engine_priority`` its requests get in an engine with the
+    priority policy (vLLM's request field: lower first)."""
 
     size_buckets: SizeBounds | None = None
     max_overtaken: MaxOvertaken = DEFAULT_MAX_OVERTAKEN
+    engine_ceiling: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
+    engine_priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
 
 
 class ScenarioSpec(StrictModel):
@@ -482,20 +458,13 @@ def _build(spec: ScenarioSpec, base_dir: Path, override: float | None) -> Scenar
         teams.append(Team(name, org, team.cls, weight(org, team.cls)))
         rows += _generate(spec.seed, name, order, team, duration)
     rows += _trace_team_rows(trace_rows, spec, teams, weight)
-    teams = [_sized(team, spec) for team in teams]  # synthetic and trace teams alike
+    teams = [_classed(team, spec) for team in teams]  # synthetic and trace teams alike
     if len(rows) > MAX_REQUESTS:
         raise ConfigError([("", f"generates more than {MAX_REQUESTS} requests")])
     rows.sort(key=lambda r: r[:3])
     requests = tuple(Request(i, r[0], *r[3:]) for i, r in enumerate(rows))
     _check_fits(requests, spec.pool.engine.kv_cache_tokens)
-    section = spec.pool
-    engine = EngineModel(**section.engine.model_dump())
-    cost = section.cost
-    pool = PoolModel(
-        section.backends, section.slots, engine, cost.input_weight, cost.output_weight,
-        cost.output_ratio,
-    )  # fmt: skip
-    return Scenario(spec.name, spec.seed, duration, pool, tuple(teams), requests)
+    return Scenario(spec.name, spec.seed, duration, spec.pool.model(), tuple(teams), requests)
 
 
 def _check_fits(requests: Sequence[Request], kv_cache_tokens: int | None) -> None:
@@ -519,10 +488,13 @@ def _weight(section: Mapping[str, WeightSpec], name: str) -> float:
     return 1.0 if entry is None else entry.weight
 
 
-def _sized(team: Team, spec: ScenarioSpec) -> Team:
-    """``team`` with its class's size buckets, if the class has some."""
+def _classed(team: Team, spec: ScenarioSpec) -> Team:
+    """``team`` with its class's size buckets (if the class has some) and engine settings."""
     cls = spec.classes.get(team.cls)
-    if cls is None or cls.size_buckets is None:
+    if cls is None:
+        return team
+    team = replace(team, engine_ceiling=cls.engine_ceiling, engine_priority=cls.engine_priority)
+    if cls.size_buckets is None:
         return team
     return replace(team, size_buckets=tuple(cls.size_buckets), max_overtaken=cls.max_overtaken)
 
@@ -540,6 +512,12 @@ def _cross_check(spec: ScenarioSpec) -> list[tuple[str, str]]:
         (f"classes.{name}.max_overtaken", "only with size_buckets")
         for name, cls in spec.classes.items()
         if cls.size_buckets is None and "max_overtaken" in cls.model_fields_set
+    ]
+    errors += check_pool(spec.pool)
+    errors += [  # the engine's FCFS queue has no use for it: a real vLLM ignores it too
+        (f"classes.{name}.engine_priority", "only with pool.engine.scheduling_policy: priority")
+        for name, cls in spec.classes.items()
+        if cls.engine_priority and spec.pool.engine.scheduling_policy != "priority"
     ]
     trace = spec.trace
     if trace is not None and trace.format != "azure":

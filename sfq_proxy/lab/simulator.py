@@ -20,6 +20,12 @@ arriving at the same instant are submitted interleaved across teams
 bucket and ``max_overtaken``, as the proxy's handler makes them (docs/design.md §3); a
 policy may ignore them (``sfq-fifo``, the baselines). Same scenario and policy in, same
 records out: there is no randomness here.
+
+With the pool's ``dispatch.mode: engine`` placement also asks each backend's engine gate,
+the core's ``EngineGate`` (``gates.py``): every ``dispatch.interval_s`` a reading of each
+engine is taken and arrives ``scrape_delay_s`` later (the first arrives at 0: the proxy
+reads its engines from its start, before any request), then the scheduler dispatches what
+the gates now admit, as the proxy tries again at a reading.
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ from dataclasses import dataclass
 from ..config import BackendSpec, CalibrationSpec, CostSpec, size_bucket
 from ..core.calibration import Calibration
 from ..core.cost import CostModel, Estimate
+from ..core.engine_metrics import EngineReading
 from ..core.inference_request import InferenceRequest, Kind
 from ..core.placement import Placement
 from ..core.queues import DispatchQueue
 from ..core.scheduler import Scheduler, Ticket
 from ..sim.engine import Changes, EngineRequest
+from .gates import GatedPlacement, reading_of
 from .scenario import PoolModel, Request, Scenario, Served
 
 __all__ = [
@@ -50,8 +58,11 @@ __all__ = [
 ]
 
 POOL = "lab"  # the pool's name, in the simulator as in the proxy config of a real run
-# at one instant: completions, then tokens taking cache, then pacing, then arrivals
-_FINISH, _TOKEN, _PUMP, _ARRIVE = 0, 1, 2, 3
+# at one instant: completions, then tokens taking cache, then a scrape asked (it sees
+# them), then a reading's answer, then pacing, then arrivals
+_FINISH, _TOKEN, _SCRAPE, _READING, _PUMP, _ARRIVE = 0, 1, 2, 3, 4, 5
+# placement's slots of a backend with ``slots: auto``: no static ceiling, the gate decides
+AUTO_SLOTS = 1 << 30
 
 
 def cost_spec(pool: PoolModel) -> CostSpec:
@@ -141,13 +152,24 @@ class _Job:
     ticket: Ticket | None = None
     backend: str = ""
     engine: EngineRequest | None = None
+    priority: int = 0  # its class's engine_priority
     admitted_s: float | None = None  # first into the batch
+    first_token_s: float | None = None  # its first output token, once generated
     run: int = 0
     first_token: float = 0.0  # the current run's: its prefill done, its time per token,
     interval: float = 0.0  # its tokens so far, how many it generates, its end
     tokens: int = 0
     left: int = 0
     end: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Readings:
+    """Each backend's reading of a scrape asked at ``requested_at``: the payload of its
+    answer's event."""
+
+    requested_at: float
+    readings: dict[str, EngineReading]
 
 
 Push = Callable[[float, int, _Job], None]
@@ -167,22 +189,24 @@ class _Engines:
 
     def __init__(self, pool: PoolModel, names: list[str]) -> None:
         self.model = pool.engine
-        self.engines = {name: pool.engine.scheduler(pool.slots) for name in names}
+        self.engines = {name: pool.engine.scheduler(pool.max_num_seqs) for name in names}
         self.stepwise = pool.engine.kv_cache_tokens is not None or (
             pool.engine.scheduling_policy == "priority"
         )
         self.changed: dict[str, None] = {}  # backends changed by the event in hand, in order
         self.admitted: list[_Job] = []  # admitted by it: their runs start after it
 
-    def add(self, job: _Job) -> None:
+    def add(self, job: _Job, now: float) -> None:
         request = job.request
-        job.engine = EngineRequest(job, request.prompt_tokens, request.output_tokens)
-        self._apply(job.backend, self.engines[job.backend].add(job.engine))
+        job.engine = EngineRequest(
+            job, request.prompt_tokens, request.output_tokens, priority=job.priority
+        )
+        self._apply(job.backend, self.engines[job.backend].add(job.engine), now)
 
     def token(self, job: _Job, now: float, push: Push) -> None:
         """A token of ``job``'s run: it takes cache; then the next token, or the end."""
         assert job.engine is not None
-        self._apply(job.backend, self.engines[job.backend].grow(job.engine))
+        self._apply(job.backend, self.engines[job.backend].grow(job.engine), now)
         if job.engine.running:  # not preempted, itself
             job.tokens += 1
             if job.tokens + 1 < job.left:
@@ -190,15 +214,19 @@ class _Engines:
             else:
                 push(job.end, _FINISH, job)
 
-    def remove(self, job: _Job) -> None:
+    def remove(self, job: _Job, now: float) -> None:
         assert job.engine is not None
-        self._apply(job.backend, self.engines[job.backend].remove(job.engine))
+        if job.first_token_s is None:  # its run ends with its last token: the first came
+            job.first_token_s = job.first_token
+        self._apply(job.backend, self.engines[job.backend].remove(job.engine), now)
 
-    def _apply(self, backend: str, changes: Changes) -> None:
+    def _apply(self, backend: str, changes: Changes, now: float) -> None:
         self.changed[backend] = None
         for request in changes.preempted:
             job: _Job = request.key  # type: ignore[assignment]
             job.run += 1  # its pending event is void
+            if job.first_token_s is None and job.first_token <= now:  # prefilled before
+                job.first_token_s = job.first_token
         self.admitted += [request.key for request in changes.admitted]  # type: ignore[misc]
 
     def start_runs(self, now: float, push: Push) -> None:
@@ -258,20 +286,31 @@ def simulate(
     every event that changed it.
     """
     pool = scenario.pool
+    slots = AUTO_SLOTS if pool.slots == "auto" else pool.slots
     specs = [
-        BackendSpec(url=f"http://backend-{i}.sim", slots=pool.slots, name=f"backend-{i}")
+        BackendSpec(url=f"http://backend-{i}.sim", slots=slots, name=f"backend-{i}")
         for i in range(pool.backends)
     ]
-    scheduler = Scheduler(Placement(specs), queue=policy)
+    gated: GatedPlacement | None = None
+    if pool.dispatch.engine:
+        ceilings = {team.cls: team.engine_ceiling for team in scenario.teams}
+        gated = GatedPlacement(specs, pool.gate_policy(), policy, ceilings)
+    scheduler = Scheduler(gated or Placement(specs), queue=policy)
     engines = _Engines(pool, [spec.name or spec.url for spec in specs])
     costs = cost_model(cost_spec(pool))
     teams = {team.name: team for team in scenario.teams}
-    heap: list[tuple[float, int, int, _Job | None, int]] = []
+    heap: list[tuple[float, int, int, _Job | _Readings | None, int]] = []
     seq = 0
     for request in scenario.arrival_order():
         heap.append((request.time_s, _ARRIVE, seq, None, 0))
         seq += 1
     arrivals = iter(scenario.arrival_order())
+    unarrived = len(heap)
+    interval, delay = pool.dispatch.interval_s, pool.dispatch.scrape_delay_s
+    scrapes = 0  # asked so far: the k-th is asked at k × interval − delay, answered at k × interval
+    if gated is not None:
+        heap.append((-delay, _SCRAPE, seq, None, 0))
+        seq += 1
     heapq.heapify(heap)
     records: list[Served | None] = []
     pump_at: float | None = None
@@ -290,7 +329,7 @@ def simulate(
             job.backend = ticket.backend.name
             job.cost = 0.0 if ticket.priority else ticket.cost
             records.append(None)
-            engines.add(job)
+            engines.add(job, now)
             if events is not None:
                 events.append(("start", job.request.id))
         engines.start_runs(now, push)
@@ -301,32 +340,54 @@ def simulate(
             heapq.heappush(heap, (wake, _PUMP, seq, None, 0))
             seq += 1
 
+    def scrape(now: float) -> None:
+        """Ask each engine for a reading (answered ``delay`` later) and, while there is work
+        to come, the next scrape."""
+        nonlocal seq, scrapes
+        readings = {name: reading_of(engine) for name, engine in engines.engines.items()}
+        heapq.heappush(heap, (now + delay, _READING, seq, _Readings(now, readings), 0))
+        scrapes += 1
+        if unarrived or scheduler.running or scheduler.queued():
+            heapq.heappush(heap, (scrapes * interval - delay, _SCRAPE, seq + 1, None, 0))
+        seq += 2
+
     while heap:
         now, kind, _, job, run = heapq.heappop(heap)
-        if job is not None and run != job.run:
+        if isinstance(job, _Job) and run != job.run:
             continue  # an event of a run a preemption ended
-        if kind == _TOKEN:
-            assert job is not None
+        if gated is not None:
+            gated.now = now
+        if kind == _SCRAPE:
+            scrape(now)
+            continue
+        if kind == _READING:
+            assert isinstance(job, _Readings)
+            assert gated is not None
+            gated.observe(job.readings, job.requested_at)
+            dispatched = scheduler.pump(now)
+        elif kind == _TOKEN:
+            assert isinstance(job, _Job)
             engines.token(job, now, push)
             dispatched = []
         elif kind == _FINISH:
-            assert job is not None
+            assert isinstance(job, _Job)
             assert job.ticket is not None
             dispatched = scheduler.finish(job.ticket, now, job.actual if true_up else None)
             costs.observe(
                 job.estimate, job.ticket.org, job.request.prompt_tokens, job.request.output_tokens
             )
-            engines.remove(job)
+            engines.remove(job, now)
             assert job.engine is not None
             records[job.index] = Served(
                 job.request, job.start_s, now, job.cost, job.actual, true_up,
-                job.admitted_s, job.engine.preemptions,
+                job.admitted_s, job.engine.preemptions, job.first_token_s,
             )  # fmt: skip
         elif kind == _PUMP:
             pump_at = None
             dispatched = scheduler.pump(now)
         else:
             request = next(arrivals)
+            unarrived -= 1
             estimate = costs.estimate(inference_request(request), request.org)
             team = teams[request.team]
             bounds = team.size_buckets
@@ -338,7 +399,9 @@ def simulate(
                 tokens=float(estimate.input_tokens + estimate.max_tokens),
                 bucket=0 if bounds is None else size_bucket(estimate.cost, bounds),
                 max_overtaken=None if bounds is None else team.max_overtaken,
-                payload=_Job(request, estimate, actual_cost(request, costs)),
+                payload=_Job(
+                    request, estimate, actual_cost(request, costs), priority=team.engine_priority
+                ),
             )
             if events is not None:
                 events.append(("arrive", request.id))
