@@ -10,18 +10,10 @@ process's leases (and reaps those of dead processes), and the inbox, which bring
 that another process's call made for this one's requests; when pacing held a ticket back, a
 timer pumps the pool once it allows the next dispatch.
 
-With ``when_unreachable: local`` a process that loses Redis goes through four modes:
-
-- ``shared``: every decision in Redis;
-- ``holding``: Redis did not answer; requests wait in the process's own line, nothing new
-  starts (a blip costs a wait, never a slot decided twice);
-- ``local``: Redis has not answered for a lease TTL, so every replica's leases have lapsed:
-  the process's own scheduler dispatches, on its share of each backend's slots (an even
-  split among the replicas alive at the last heartbeat: they add up to the slots) and of
-  the pool's rate;
-- ``settling``: Redis answers again and holds a lease for everything the process runs;
-  nothing new starts for one TTL, the time the other replicas take to register theirs, so
-  no decision made in Redis counts without them. Then the waiting requests move to Redis.
+What this process holds in Redis, its leases, and the four modes a pool goes through when
+Redis is lost (``when_unreachable: local``) are in ``redis_pool_leases.py``, the base class
+``LeasedPool``: this module is the line in Redis (a request's submit, its cancel), what the
+handler calls, and the loops.
 """
 
 from __future__ import annotations
@@ -32,8 +24,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Coroutine, Mapping
-from enum import Enum
+from collections.abc import Coroutine, Mapping
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -43,41 +34,20 @@ from ..core.calibration import Calibration
 from ..core.cost import CostModel
 from ..core.errors import ApiError, Expiry
 from ..core.fair_queue import FlowView
-from ..core.placement import Backend, share
+from ..core.placement import Backend
 from ..core.queue_memory import evicted
 from ..core.scheduler import Ticket
-from .pool import Clock, Dispatch, Memory, Pool, pool_limits, shutting_down
-from .redis_dispatch import (
-    Fenced,
-    Grants,
-    NotAdmitted,
-    QueueFull,
-    RedisDispatch,
-    SharedTicket,
-)
+from .pool import Clock, Memory, shutting_down
+from .redis_dispatch import Fenced, NotAdmitted, QueueFull, RedisDispatch, SharedTicket
 from .redis_functions import shielded
 from .redis_limits import Intake
+from .redis_pool_leases import RETRY_AFTER_S, LeasedPool, Mode, Moved, unavailable
 
 log = logging.getLogger(__name__)
-RETRY_AFTER_S = 1.0  # what a client is told while the shared state cannot be reached
 INBOX_WAIT_S = 1.0  # how long one read of the inbox blocks (a connection of its own)
 
 
-_Task = asyncio.Task[Any] | None
-
-
-class Mode(Enum):
-    SHARED = "shared"
-    HOLDING = "holding"
-    LOCAL = "local"
-    SETTLING = "settling"
-
-
-class _Moved(Exception):
-    """A waiting request changes line: Redis was lost, or is back."""
-
-
-class SharedPool(Pool):
+class SharedPool(LeasedPool):
     def __init__(
         self,
         name: str,
@@ -87,45 +57,12 @@ class SharedPool(Pool):
         dispatch: RedisDispatch,
         memory: Memory | None = None,
     ) -> None:
-        super().__init__(name, config, clock, calibration, memory)
-        self.dispatch = dispatch
-        self._config = config
+        super().__init__(name, config, clock, calibration, dispatch, memory)
         self._ids = itertools.count(1)
-        # ticket id → the ticket, its future, and the task of its request (which a lost
-        # lease ends)
-        self._waiting: dict[str, tuple[Ticket, asyncio.Future[Backend], _Task]] = {}
-        self._held: dict[Ticket, tuple[str, _Task]] = {}  # → lease, task
         # the org admissions that tickets' submits carry (``carry``), with their arguments
         self._carried: dict[Ticket, tuple[Intake, tuple[str, ...]]] = {}
-        self._background: set[asyncio.Task[None]] = set()
-        self._renewed = 0.0  # when Redis last took this process's heartbeat (monotonic)
-        self.reachable = False  # whether Redis answered the last heartbeat
-        self._joined = False  # registered as a holder, and not fenced since
-        # leases whose hand-back failed, with their requests' actual costs: tried again
-        self._unreturned: dict[str, float | None] = {}
         self._stop = asyncio.Event()
         self._view: tuple[float, list[FlowView]] = (0.0, [])  # as of the last heartbeat
-        self.mode = Mode.SHARED
-        self._settled_at = 0.0  # when settling ends (monotonic)
-        self._timers: list[asyncio.TimerHandle] = []  # of _lose: to end the excess, go local
-        # the local scheduler: what waits in it (in arrival order), what it dispatched
-        self._queued_here: dict[Ticket, _Task] = {}
-        self._local: dict[Ticket, _Task] = {}
-        # adopt's list on its way to Redis: nothing may start here, whatever mode or reload
-        # comes meanwhile, since Redis may take the list and decide from then on
-        self._adopting = False
-        self._set_shares()
-
-    @property
-    def _fallback(self) -> bool:
-        state = self._config.state
-        return state is not None and state.when_unreachable == "local"
-
-    @property
-    def _ttl(self) -> float:
-        state = self._config.state
-        assert state is not None  # a shared pool exists only with a shared state
-        return state.lease_ttl_s
 
     # -- what the handler calls -------------------------------------------------------------
 
@@ -167,7 +104,7 @@ class SharedPool(Pool):
                 if self.mode is Mode.SHARED:
                     return await self._acquire_shared(ticket, expires_at, expiry, front)
                 return await self._acquire_here(ticket, expires_at, expiry, front)
-            except _Moved:
+            except Moved:
                 continue
 
     async def _acquire_here(
@@ -202,7 +139,7 @@ class SharedPool(Pool):
             if await shielded(self._cancel(ticket_id)) or not future.done():
                 raise expiry.error() from None
             backend = future.result()  # dispatched in the very instant its deadline passed
-        except _Moved:  # Redis was lost: what it still holds of the ticket goes at adopt
+        except Moved:  # Redis was lost: what it still holds of the ticket goes at adopt
             self._waiting.pop(ticket_id, None)
             if future.done():  # moved by _lose while its own submit failed too: seen
                 future.exception()
@@ -239,17 +176,6 @@ class SharedPool(Pool):
             self._later(self._finish(held[0], ticket.tokens if refund else None, actual))
             if self.mode is Mode.LOCAL:  # a slot Redis granted is this process's to fill
                 self.pump()
-
-    def _stop_running(
-        self, ticket: Ticket, *, refund: bool = False, actual: float | None = None
-    ) -> None:
-        """The accounting of a request that no longer runs here."""
-        if ticket in self._local:
-            del self._local[ticket]
-            super().release(ticket, refund=refund, actual=actual)  # the local scheduler's
-        elif ticket.backend is not None:
-            ticket.backend.in_flight = max(0, ticket.backend.in_flight - 1)
-            ticket.backend = None
 
     def pump(self) -> None:
         if self.mode is Mode.SHARED:
@@ -320,7 +246,7 @@ class SharedPool(Pool):
         a whole TTL, end what they covered: others may hold those slots now. Then join
         again, as a new holder, as soon as Redis answers. With ``when_unreachable: local``,
         Redis lost (or forgetting this process while it was not away) starts the modes of
-        the module's docstring instead."""
+        ``redis_pool_leases``'s docstring instead."""
         while not await self._stopped_within(self._ttl / 3):
             try:
                 await self._beat()
@@ -400,7 +326,7 @@ class SharedPool(Pool):
             self._joined = False
             self._grant(await self.dispatch.quit(self._down()))
 
-    # -- internals ----------------------------------------------------------------------------
+    # -- the line in Redis: a submit, a cancel ------------------------------------------------
 
     async def _cancel_after(self, submitted: asyncio.Future[None], ticket_id: str) -> None:
         """Cancel once the submit has landed: a cancel that overtook it would find nothing."""
@@ -442,11 +368,11 @@ class SharedPool(Pool):
                 self._lose("Redis unreachable")
                 if carried is not None:  # decided where it waits now
                     self._carried[ticket] = carried
-                raise _Moved from err
-            raise _unavailable(self.name) from err
+                raise Moved from err
+            raise unavailable(self.name) from err
         except Fenced as err:  # reclaimed: the heartbeat joins again, or ends what ran
             log.warning("pool %s: submit to Redis failed: %s", self.name, err)
-            raise _unavailable(self.name) from err
+            raise unavailable(self.name) from err
         self._grant(grants)
         if intake is not None:
             assert grants.admitted is not None
@@ -462,236 +388,5 @@ class SharedPool(Pool):
             log.warning("pool %s: cancel in Redis failed: %s", self.name, err)
             return True
 
-    async def _finish(
-        self, lease: str, refund: float | None = None, actual: float | None = None
-    ) -> None:
-        """Hand a lease back (``refund``: its tokens go back to the pool's rate; ``actual``:
-        what its request cost, for the true-up); one that cannot be (Redis unreachable) is
-        tried again at each heartbeat, else the heartbeat would keep its slot taken for as
-        long as it beats."""
-        try:
-            finished = self.dispatch.finish(lease, self._down(), refund=refund, actual=actual)
-            self._grant(await finished)
-        except RedisError as err:
-            log.warning("pool %s: a lease could not be handed back yet: %s", self.name, err)
-            self._unreturned[lease] = actual
-        except Fenced:  # Redis gave it back with the others: the heartbeat will find out
-            pass
 
-    async def _configure(self) -> Grants:
-        org_caps, class_caps, rate = pool_limits(self._config, self.spec)
-        backends = [(b.name, b.slots) for b in self.placement.backends]
-        return await self.dispatch.configure(
-            backends, org_caps, class_caps, self._down(), rate, self.placement.load_factor
-        )
-
-    async def _call(self, work: Awaitable[Grants | None]) -> None:
-        """A call whose failure only delays: the grants it made are carried out; if Redis is
-        unreachable, the heartbeat deals with it."""
-        try:
-            grants = await work
-        except (RedisError, Fenced) as err:
-            log.warning("pool %s: a call to Redis failed: %s", self.name, err)
-            return
-        if grants is not None:
-            self._grant(grants)
-
-    def _grant(self, grants: Grants) -> None:
-        """Wake the requests given a slot; a grant that nobody waits for any more (its
-        client left, its deadline passed) is handed back at once. When pacing held a ticket
-        back, pump the pool once it allows."""
-        if grants.wake_s is not None:
-            self._wake_in(grants.wake_s)
-        for grant in grants:
-            waiting = self._waiting.pop(grant.ticket, None)
-            backend = next((b for b in self.placement.backends if b.name == grant.backend), None)
-            if waiting is None or waiting[1].done() or backend is None:
-                self._later(self._finish(grant.lease))
-                continue
-            ticket, future, task = waiting
-            backend.in_flight += 1  # this process's share, for its metrics and state
-            ticket.backend, ticket.placed = backend, grant.reason
-            ticket.dispatches += 1
-            self._held[ticket] = (grant.lease, task)
-            self.memory.leave(self._line(ticket), ticket)  # it waits no more
-            self.recent.append(Dispatch.of(ticket, backend.name, self.clock(), tagged=False))
-            future.set_result(backend)
-
-    def _wake_in(self, delay_s: float) -> None:
-        """One pump, at the earliest wake asked for (the in-memory pool's timer): it
-        dispatches every holder's tickets, the others' to their inboxes."""
-        loop = asyncio.get_running_loop()
-        if self._timer is not None:
-            if self._timer.when() <= loop.time() + delay_s:
-                return
-            self._timer.cancel()
-        self._timer = loop.call_later(delay_s, self._on_timer)
-
-    def _fence(self, why: str) -> None:
-        """This process's leases are gone: fail what waits, and stop what runs, so that no
-        backend serves more than its slots once Redis has given them to others."""
-        log.error("pool %s: shared state lost (%s): ending its requests", self.name, why)
-        self._joined = False
-        self._unreturned.clear()  # reclaimed with the rest
-        waiting, self._waiting = self._waiting, {}
-        for _, future, _ in waiting.values():
-            if not future.done():
-                future.set_exception(_unavailable(self.name))
-        held, self._held = self._held, {}
-        for ticket, (_, task) in held.items():
-            self._stop_running(ticket)
-            if task is not None:
-                task.cancel("its slot lease was lost")
-
-    # -- Redis lost and back (when_unreachable: local) -----------------------------------------
-
-    def _lose(self, why: str) -> None:
-        """Stop deciding in Redis: what waits there moves to this process's own line. Times
-        count from the last heartbeat Redis took, as do the leases: every replica's last
-        one came within a heartbeat (a third of the TTL) of the others'. At two thirds of
-        the TTL it ends what it runs beyond its share; at four thirds it schedules alone:
-        so each replica's excess has ended before any replica starts on its share."""
-        if self.mode is not Mode.SHARED:
-            return
-        log.error("pool %s: shared state lost (%s): requests wait here", self.name, why)
-        self.mode, self.reachable = Mode.HOLDING, False
-        waiting, self._waiting = self._waiting, {}
-        for _, future, _ in waiting.values():  # in the order they queued
-            if not future.done():
-                future.set_exception(_Moved())
-        since = time.monotonic() - self._renewed
-        later = asyncio.get_running_loop().call_later
-        self._timers = [
-            later(max(0.0, self._ttl * 2 / 3 - since), self._end_excess),
-            later(max(0.0, self._ttl * 4 / 3 - since), self._go_local),
-        ]
-
-    def _end_excess(self) -> None:
-        """End what runs here beyond this process's share (Redis granted it more), the
-        newest first; each frees its slot as it ends. ``fail_closed`` would end it all."""
-        for backend, part in zip(self.placement.backends, self._shares(), strict=True):
-            running = [t for t in self._held if t.backend is backend]
-            for ticket in running[part:]:
-                _, task = self._held[ticket]
-                if task is not None:
-                    task.cancel("beyond this process's share of the backend")
-
-    def _go_local(self) -> None:
-        """Schedule alone, on this process's share of each backend and of the rate."""
-        self.mode = Mode.LOCAL
-        self._set_shares(local=True)
-        self._set_rate(local=True)
-        if self._timer is not None:  # Redis's pacing asked for it: the scheduler sets its own
-            self._timer.cancel()
-            self._timer = None
-        log.error(
-            "pool %s: Redis unreachable for the lease TTL: scheduling alone on %s", self.name,
-            ", ".join(f"{b.name} {b.limit}/{b.slots}" for b in self.placement.backends),
-        )  # fmt: skip
-        super().pump()
-
-    async def _adopt(self) -> None:
-        """Redis answers again: lease what runs here, in place of what Redis held of this
-        process; then settle for a TTL, unless nothing could have been decided alone."""
-        was_local = self.mode is Mode.LOCAL
-        self._adopting = True
-        self._set_shares()  # nothing starts here while the list is on its way
-        tickets = dict.fromkeys([*self._held, *self._local])
-        running = [(t, t.backend.name) for t in tickets if t.backend is not None]
-        try:
-            leases, calm_s = await self.dispatch.adopt(
-                self._ttl, [(backend, t.org, t.cls) for t, backend in running]
-            )
-            self._grant(await self._configure())  # a Redis that restarted knows no backend
-        except BaseException:
-            self._adopting = False
-            self._back_alone()
-            raise
-        self._adopting = False
-        self._set_rate(local=False)
-        self._renewed, self.reachable, self._joined = time.monotonic(), True, True
-        for timer in self._timers:
-            timer.cancel()
-        self._unreturned.clear()  # adopt handed back all of this process's old leases
-        for (ticket, _), lease in zip(running, leases, strict=True):
-            if ticket in self._held or ticket in self._local:
-                task = self._local.get(ticket) or self._held.get(ticket, ("", None))[1]
-                self._held[ticket] = (lease, task)
-            else:  # it ended while the call was on its way
-                self._later(self._finish(lease))
-        if was_local or calm_s < self._ttl:
-            self.mode, self._settled_at = Mode.SETTLING, time.monotonic() + self._ttl
-            log.warning("pool %s: Redis is back: settling for %.3g s", self.name, self._ttl)
-        else:
-            self._resume()
-
-    def _back_alone(self) -> None:
-        """Redis did not take the list: in local mode (which may have begun while the call
-        was on its way), the shares come back, and the local scheduler is pumped. Whatever
-        asked for a dispatch meanwhile (the pacing timer, a request that ended and freed
-        its slot, a new one) found no share, so it dispatched nothing and asked for no
-        later pump: without this one, the line would wait for good."""
-        alone = self.mode is Mode.LOCAL
-        self._set_shares(local=alone)
-        if alone:
-            super().pump()
-
-    def _resume(self) -> None:
-        """Decide in Redis again: what waits here moves there, in the order it came."""
-        log.warning("pool %s: scheduling in the shared state again", self.name)
-        self.mode = Mode.SHARED
-        for ticket in list(self._queued_here):
-            if self.scheduler.cancel(ticket):
-                ticket.payload.set_exception(_Moved())
-        self.pump()
-
-    def _ranked(self) -> list[str]:
-        """The holders alive at the last heartbeat, this process among them."""
-        me, holders = self.dispatch.holder, self.dispatch.holders
-        return holders if me in holders else sorted([*holders, me])
-
-    def _shares(self) -> list[int]:
-        """This process's share of each backend: an even split among the holders alive at
-        the last heartbeat."""
-        ranked = self._ranked()
-        rank = ranked.index(self.dispatch.holder)
-        return [share(b.slots, i, len(ranked), rank) for i, b in enumerate(self.placement.backends)]
-
-    def _set_shares(self, *, local: bool = False) -> None:
-        """What this process's own scheduler may fill: its shares when ``local`` (and no
-        adopt is on its way: a reload or the step to local mode meanwhile waits for its
-        answer), else nothing at all."""
-        alone = local and not self._adopting
-        shares = self._shares() if alone else [0] * len(self.placement.backends)
-        for backend, part in zip(self.placement.backends, shares, strict=True):
-            backend.share = part
-
-    def _set_rate(self, *, local: bool) -> None:
-        """The local scheduler's pacing: when ``local``, this process's part of the pool's
-        rate (split as the slots are); else the whole rate, which it does not use."""
-        parts = len(self._ranked()) if local else 1
-        self.scheduler.set_limits(*pool_limits(self._config, self.spec, parts))
-
-    def _start(self, tickets: list[Ticket]) -> None:
-        """The local scheduler dispatched these: they run under this process's share."""
-        for ticket in tickets:
-            self._local[ticket] = self._queued_here.get(ticket)
-        super()._start(tickets)
-
-    def _down(self) -> list[str]:
-        return [b.name for b in self.placement.backends if not b.healthy]
-
-    def _later(self, work: Awaitable[object]) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(work)  # type: ignore[arg-type]
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-
-
-def _unavailable(pool: str) -> ApiError:
-    return ApiError(
-        503, f"Pool '{pool}' cannot reach its shared state; retry shortly.",
-        code="state_unavailable", retry_after=RETRY_AFTER_S,
-    )  # fmt: skip
-
-
-__all__ = ["SharedPool"]
+__all__ = ["Mode", "SharedPool"]
