@@ -30,6 +30,10 @@ that many short ones longer (docs/design.md §3, Size buckets inside a flow: why
 MAX_OVERTAKEN = 1000
 MAX_SIZE_BUCKETS = 16
 """At most this many bounds (so this many + 1 buckets) per class."""
+ENGINE_PRIORITY_FAMILIES = frozenset({"vllm"})
+"""The server families whose engine orders its queue by a request's ``priority`` (vLLM's,
+with ``--scheduling-policy priority``): a class's ``engine_priority`` goes to their pools,
+and a client's own ``priority`` never does (docs/design.md §5, Engine priority)."""
 
 
 def size_bucket(cost: float, bounds: Sequence[float]) -> int:
@@ -53,6 +57,8 @@ SizeBounds = Annotated[
     AfterValidator(_strictly_increasing),
 ]
 MaxOvertaken = Annotated[int, Field(ge=0, le=MAX_OVERTAKEN)]
+# vLLM's bounds of a request's ``priority`` (its pydantic field: the int64 range)
+EnginePriority = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
 
 
 class ClassSpec(StrictModel):
@@ -79,6 +85,10 @@ class ClassSpec(StrictModel):
     # (None, so that a config dumped without its None fields loads again)
     size_buckets: SizeBounds | None = None
     max_overtaken: MaxOvertaken | None = None
+    # the ``priority`` a vLLM pool's engine is sent for this class's requests (lower is
+    # served first, and may preempt running requests of a higher value: docs/design.md §5,
+    # Engine priority); unset: none is sent
+    engine_priority: EnginePriority | None = None
 
     def overtaking(self, cost: float) -> tuple[int, int | None]:
         """A request of ``cost``'s size bucket and ``max_overtaken`` in this class, or

@@ -171,15 +171,20 @@ _CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie
 class AffinitySpec(StrictModel):
     """Prefix-cache-aware placement (docs/design.md §5, Affinity): a request goes to the
     backend its key ranks first (rendezvous hashing) unless that would put more than
-    ``load_factor`` × the pool's average load on it. The key is a session's (the
-    ``session_header``, else the body's ``user`` with ``use_user_field``), else a digest of
-    the prompt's first ``prefix_chars`` characters (0: sessions only). Only digests are kept.
+    ``load_factor`` × the pool's average load, plus ``slack`` requests, on it. The key is a
+    session's (the ``session_header``, else the body's ``user`` with ``use_user_field``),
+    else a digest of the prompt's first ``prefix_chars`` characters (0: sessions only). Only
+    digests are kept.
     """
 
     prefix_chars: int = Field(4096, ge=0, le=1_048_576)
     session_header: str | None = None
     use_user_field: bool = False
     load_factor: float = Field(1.25, ge=1, le=100, allow_inf_nan=False)
+    # requests a backend may run above ⌈load_factor × average⌉ for its keys: at light load
+    # that ceiling is 1 or 2, and without slack a third of later turns leave their cache;
+    # 2 keeps 98 % of them (bench/affinity_slack.py, docs/design.md §5 Affinity)
+    slack: int = Field(2, ge=0, le=1_000_000)
 
     @field_validator("session_header")
     @classmethod

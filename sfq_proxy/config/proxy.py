@@ -17,6 +17,7 @@ from typing import Any, Self
 from pydantic import Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from .classes import (
+    ENGINE_PRIORITY_FAMILIES,
     ClassSpec,
     check_key_classes,
     check_priority_band,
@@ -237,6 +238,18 @@ class Config(StrictModel):
         """Whether a stream to ``model``'s pool asks for usage on every chunk."""
         pool = self.pool_for_model(model)
         return pool is not None and self.pools[pool].cost.continuous_usage
+
+    def owns_priority(self, model: str) -> bool:
+        """Whether the ``priority`` of a request for ``model`` is the proxy's to set, not
+        the client's: its pool's engine orders its queue by it (``ENGINE_PRIORITY_FAMILIES``)."""
+        pool = self.pool_for_model(model)
+        return pool is not None and self.pools[pool].family in ENGINE_PRIORITY_FAMILIES
+
+    def engine_priority(self, cls: str, model: str) -> int | None:
+        """The ``priority`` a request of class ``cls`` for ``model`` is sent with: its
+        class's ``engine_priority`` where its pool's engine takes one; None: none."""
+        value = self.classes[cls].engine_priority
+        return value if value is not None and self.owns_priority(model) else None
 
     def affinity_for_model(self, model: str) -> AffinitySpec | None:
         """The affinity settings of ``model``'s pool (None: off, or an unknown model)."""

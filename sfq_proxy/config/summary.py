@@ -239,7 +239,8 @@ def _affinity_summary(affinity: AffinitySpec) -> str:
         )
     return (
         f"affinity: by {', else '.join(keys)}; a backend takes at most "
-        f"{_num(affinity.load_factor)}× the pool's average load, else the key's next"
+        f"{_num(affinity.load_factor)}× the pool's average load + {affinity.slack}, else the "
+        "key's next"
     )
 
 

@@ -16,7 +16,8 @@ from typing import Protocol
 from ..config import ConfigError, CostSpec
 from .calibration import Calibration, InputModel
 from .errors import ApiError
-from .inference_request import RESPONSES_OUTPUT_FIELD, InferenceRequest, Kind, with_output_limit
+from .inference_request import InferenceRequest, Kind
+from .upstream_body import RESPONSES_OUTPUT_FIELD, appended, output_fields, output_limited
 
 MIN_TOKENS_PER_MESSAGE = 1
 """The fewest tokens a message (a prompt, an input) is priced at, its text and its template's
@@ -229,3 +230,18 @@ class _HfTokenizer:
 def load_tokenizer(path: str) -> Tokenizer:
     """A local ``tokenizer.json`` (Hugging Face format); nothing is ever downloaded."""
     return _HfTokenizer(path)
+
+
+def with_output_limit(request: InferenceRequest, per_choice: int, field: str) -> InferenceRequest:
+    """``request`` as sent upstream with its output bounded to ``per_choice`` tokens.
+
+    A body that names no token field gets ``field`` appended to its bytes (the common case,
+    cheap, and the client's bytes stay as they were); one whose value was lowered gets every
+    token field it set rewritten, since a backend may read either of them, and one that
+    names them only as null gets ``field`` instead.
+    """
+    if request.names_output:  # never a second member of that name: parsers differ on which wins
+        raw = output_limited(request.raw, per_choice, field, output_fields(request.kind))
+    else:
+        raw = appended(request.raw, field, per_choice)
+    return dataclasses.replace(request, raw=raw, max_tokens=per_choice)

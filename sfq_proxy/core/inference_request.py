@@ -1,6 +1,7 @@
 """The body of an inference request, checked just enough to route and price it.
 
-The proxy forwards the client's bytes unchanged; it parses them only to read ``model``,
+The proxy forwards the client's bytes, changed only where it must (``upstream_body.py``:
+a stream's usage, a vLLM engine's priority, the output bound); it parses them to read ``model``,
 ``stream``, the text it is priced on and the token fields (docs/design.md §4): of a chat,
 a completion, an embedding, a Responses API request, or a request to one of a pool's
 extra paths (priced by the pool's rule for it, ``parse_extra``). Those are checked strictly,
@@ -25,11 +26,17 @@ from ..config import Kind as Kind  # re-exported: the shell reads a request's ki
 from . import affinity
 from .errors import ApiError, cut
 from .media import MEDIA_FIELDS, TEXT_TYPES, Media, media_part
+from .upstream_body import (
+    ENGINE_PRIORITY,
+    OUTPUT_FIELDS,
+    appended,
+    output_fields,
+    upstream,
+    usage_options,
+)
 
 MAX_CHOICES = 128
 """The most ``n`` / ``best_of`` a request may ask for (OpenAI's own limit for ``n``)."""
-_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens")  # the first one set is charged
-RESPONSES_OUTPUT_FIELD = "max_output_tokens"  # the Responses API's only one
 # Where a JSON text may hold a lone surrogate, read from its bytes alone (a strict UTF-8
 # reading refuses an encoded one, so it can only come as an escape): a high half's escape
 # not followed by a low half's, a low half's not preceded by a high half's, or a pair
@@ -52,11 +59,6 @@ _INPUT_FIELD = {
 }
 
 
-def output_fields(kind: Kind) -> tuple[str, ...]:
-    """The body's fields that bound a request's output, the one charged first."""
-    return (RESPONSES_OUTPUT_FIELD,) if kind is Kind.RESPONSES else _OUTPUT_FIELDS
-
-
 @dataclass(slots=True)
 class InferenceRequest:
     """A request as parsed. Changed by ``dataclasses.replace``, never in place, but for one
@@ -69,7 +71,7 @@ class InferenceRequest:
     text: str | None  # what input tokens are counted from when it is text
     token_ids: int  # how many input tokens were sent as token ids
     max_tokens: int | None  # as asked, None when the pool's default applies
-    raw: bytes  # what the backend is sent: the client's bytes, unless usage had to be asked for
+    raw: bytes  # what the backend is sent: the client's bytes unless changed (upstream_body.py)
     strip_usage: bool = False  # the proxy asked for the usage chunk; the client did not
     # sequences generated, each up to max_tokens: the larger of n and best_of, for each prompt
     # of a /v1/completions batch
@@ -91,47 +93,6 @@ class InferenceRequest:
     def route(self) -> str:
         """The path it is sent to upstream (after the backend's base URL)."""
         return self.path or self.kind.value
-
-
-def _ask_for_usage(
-    body: dict[str, Any], raw: bytes, continuous: bool = False
-) -> tuple[bytes, bool]:
-    """A stream's token counts come in its usage chunk, sent only on request: ask for it,
-    and remember to strip it, when the client did not (calibration needs every count).
-    ``continuous``: ask for vLLM's usage on every chunk too (``continuous_usage_stats``),
-    the counts so far of a stream whose client leaves; those chunks reach the client."""
-    if not body.get("stream"):
-        return raw, False
-    options = _stream_options(body) or {}
-    asked = options.get("include_usage") is True
-    if asked and (not continuous or options.get("continuous_usage_stats") is True):
-        return raw, False
-    if "stream_options" not in body:  # the common case: add the member, leave the bytes be
-        member = _CONTINUOUS_USAGE if continuous else b'{"include_usage":true}'
-        return raw.rstrip()[:-1] + b',"stream_options":' + member + b"}", True
-    added: dict[str, bool] = {"include_usage": True}
-    if continuous:
-        added["continuous_usage_stats"] = True
-    return _dumps({**body, "stream_options": {**options, **added}}), not asked
-
-
-_CONTINUOUS_USAGE = b'{"include_usage":true,"continuous_usage_stats":true}'
-
-
-def _stream_options(body: dict[str, Any]) -> dict[str, Any] | None:
-    """A stream's ``stream_options``, which must be an object whose ``include_usage`` is a
-    boolean (or null): a server reads the string "false" as false (pydantic's lax mode) and
-    sends no usage chunk, while a truthy string would pass here for one asked for, and the
-    stream would be billed no tokens."""
-    options = body.get("stream_options")
-    if options is None:
-        return None
-    if not isinstance(options, dict):
-        raise ApiError(400, "'stream_options' must be an object.")
-    usage = options.get("include_usage")
-    if usage is not None and not isinstance(usage, bool):  # 0 == False: test the type
-        raise ApiError(400, "'stream_options.include_usage' must be a boolean.")
-    return options
 
 
 class Caps(Protocol):
@@ -180,13 +141,15 @@ def parse(
     affinity_of: Callable[[str], affinity.Settings | None] = _no_affinity,
     caps: Caps = DEFAULT_CAPS,
     continuous_usage: Callable[[str], bool] = _never,
+    owns_priority: Callable[[str], bool] = _never,
 ) -> InferenceRequest:
     """Parse and check ``raw``; a body the proxy cannot route or price is a 400, and so is
     one beyond ``caps``. A stream to a model whose server ``reports_stream_usage`` when
     asked is made to ask for it (a Responses API stream always ends with its usage), on
     every chunk where its pool has ``continuous_usage`` (vLLM's). A
     request for a model whose pool has affinity settings (``affinity_of``) gets the
-    digests its affinity key is made of."""
+    digests its affinity key is made of. One for a model whose engine's priority is the
+    proxy's to set (``owns_priority``: vLLM's) loses the ``priority`` it came with."""
     if kind is Kind.EXTRA:
         raise ValueError("an extra path's request is parsed by parse_extra")
     body, unchecked = _json_object(raw)
@@ -223,8 +186,8 @@ def parse(
         )
         choices = max(n or 1, best_of or 1) * _prompts(kind, body[field])
     asks_usage = kind in (Kind.CHAT, Kind.COMPLETION) and reports_stream_usage(model)
-    upstream, strip_usage = (
-        _ask_for_usage(body, raw, continuous_usage(model)) if asks_usage else (raw, False)
+    options, strip_usage = (
+        usage_options(body, continuous_usage(model)) if asks_usage else (None, False)
     )
     return InferenceRequest(
         kind=kind,
@@ -233,7 +196,7 @@ def parse(
         text="".join(texts),
         token_ids=token_ids,
         max_tokens=max_tokens if generates else None,
-        raw=upstream,
+        raw=upstream(body, raw, options, owns_priority(model)),
         strip_usage=strip_usage,
         choices=choices if generates else 1,
         messages=messages,
@@ -255,14 +218,17 @@ class ExtraCost(Protocol):
 
 
 def parse_extra(
-    raw: bytes, path: str, rule_of: Callable[[str], ExtraCost | None]
+    raw: bytes,
+    path: str,
+    rule_of: Callable[[str], ExtraCost | None],
+    owns_priority: Callable[[str], bool] = _never,
 ) -> InferenceRequest:
     """A request to an extra path (a pool's ``extra_paths``): a JSON object whose ``model``
     picks the pool, as for every route; ``rule_of(model)`` is that pool's cost rule for
     ``path``, None when the model's pool does not serve it (404). It counts its rule's
     ``fixed`` tokens plus the text of its ``input_fields`` (strings anywhere in them; the
     integers of their arrays as token ids), generates nothing the proxy can bound, and goes
-    upstream as it came."""
+    upstream as it came, but for the ``priority`` of a pool that ``owns_priority``."""
     body, unchecked = _json_object(raw)
     if unchecked:
         _no_lone_surrogate(raw, body)
@@ -284,7 +250,7 @@ def parse_extra(
         text="".join(texts),
         token_ids=token_ids,
         max_tokens=None,
-        raw=raw,
+        raw=upstream(body, raw, None, owns_priority(model)),
         messages=len(texts),
         fixed_tokens=rule.fixed,
         path=path,
@@ -341,40 +307,14 @@ def _affinity(
     return affinity.prefix_key(prefix), user_key
 
 
-def with_output_limit(request: InferenceRequest, per_choice: int, field: str) -> InferenceRequest:
-    """``request`` as sent upstream with its output bounded to ``per_choice`` tokens.
-
-    A body that names no token field gets ``field`` appended to its bytes (the common case,
-    cheap, and the client's bytes stay as they were); one whose value was lowered gets every
-    token field it set rewritten, since a backend may read either of them, and one that
-    names them only as null gets ``field`` instead.
-    """
-    if request.names_output:  # never a second member of that name: parsers differ on which wins
-        raw = _rewritten(request.raw, per_choice, field, output_fields(request.kind))
-    else:
-        raw = request.raw.rstrip()[:-1] + f',"{field}":{per_choice}}}'.encode()
-    return replace(request, raw=raw, max_tokens=per_choice)
-
-
-def _rewritten(raw: bytes, per_choice: int, field: str, fields: tuple[str, ...]) -> bytes:
-    """``raw`` with every token field of ``fields`` it sets (else ``field``) at
-    ``per_choice``, and those it sends as null left out: null means unset, and a server that
-    reads both names as one field (TGI) refuses a body naming it twice."""
-    body = json.loads(raw)
-    names = [name for name in fields if body.get(name) is not None] or [field]
-    for name in fields:
-        if name in body and body[name] is None:
-            del body[name]
-    return _dumps({**body, **dict.fromkeys(names, per_choice)})
-
-
-def _dumps(body: dict[str, Any]) -> bytes:
-    """A body the proxy had to change, as compact JSON text."""
-    try:  # 1e400 was read as infinity, which JSON cannot write back
-        text = json.dumps(body, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-    except ValueError:
-        raise ApiError(400, "The body holds a number out of range.") from None
-    return text.encode()
+def with_priority(request: InferenceRequest, value: int | None) -> InferenceRequest:
+    """``request`` as sent to a pool whose engine is given its class's ``engine_priority``
+    (``value``; None: none is sent, the engine's default applies). Its body names no
+    ``priority`` (parsing took the client's out for such a pool), so the member is
+    appended. Not to an extra path's route, which may not take one."""
+    if value is None or request.kind is Kind.EXTRA:
+        return request
+    return replace(request, raw=appended(request.raw, ENGINE_PRIORITY, value))
 
 
 def _json_object(raw: bytes) -> tuple[dict[str, Any], bool]:
@@ -635,7 +575,7 @@ def _strings(values: list[Any]) -> list[str]:
     return found
 
 
-def _max_tokens(body: dict[str, Any], fields: tuple[str, ...] = _OUTPUT_FIELDS) -> int | None:
+def _max_tokens(body: dict[str, Any], fields: tuple[str, ...] = OUTPUT_FIELDS) -> int | None:
     """The output budget asked for; every token field present is checked, not only the
     one charged, because the backend may read the other."""
     found = None

@@ -78,8 +78,9 @@ class Placement:
 
     ``failures_to_down`` is how many failures in a row take a backend out (the pool's
     ``health.consecutive_failures``); ``load_factor`` is affinity's bound on a backend's
-    load over the pool's average (``affinity.load_factor``; None: affinity off). The pool
-    sets both again on a reload.
+    load over the pool's average (``affinity.load_factor``; None: affinity off), and
+    ``slack`` the requests a backend may run above it (``affinity.slack``). The pool sets
+    them again on a reload.
     """
 
     def __init__(
@@ -88,10 +89,12 @@ class Placement:
         *,
         failures_to_down: int = 1,
         load_factor: float | None = None,
+        slack: int = 0,
     ) -> None:
         self.backends = [Backend(name=s.name or s.url, url=s.url, slots=s.slots) for s in specs]
         self.failures_to_down = failures_to_down
         self.load_factor = load_factor
+        self.slack = slack
 
     def update(self, specs: list[BackendSpec]) -> None:
         """A config reload: keep the backends still listed (their in-flight requests and
@@ -118,17 +121,20 @@ class Placement:
         """Where a request goes, and why. With a ``key`` and affinity on: the first backend
         of the key's order among the healthy ones that has a free slot and whose load after
         placing stays within the bound, ``in_flight + 1 ≤ ⌈load_factor · (R + 1) · slots /
-        S⌉`` (R requests in flight on the healthy backends, S their slots: consistent
-        hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam). Otherwise, or when
-        no backend of the order is within it, the least loaded healthy backend with a free
-        slot (in-flight ÷ slots; the first listed on ties)."""
+        S⌉ + slack`` (R requests in flight on the healthy backends, S their slots: consistent
+        hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam, with an absolute
+        slack as cache-aware routers' balance thresholds have, so that at light load, where
+        the ceiling is 1 or 2, a key is not sent away from its cache by one request). Otherwise,
+        or when no backend of the order is within it, the least loaded healthy backend with
+        a free slot (in-flight ÷ slots; the first listed on ties)."""
         if key is not None and self.load_factor is not None:
             healthy = [b for b in self.backends if b.healthy]
             total = sum(b.limit for b in healthy)
             bound = self.load_factor * (sum(b.in_flight for b in healthy) + 1)
             for i, b in enumerate(key_order(key, healthy)):
-                # in_flight + 1 ≤ ⌈x⌉ ⇔ in_flight < x, multiplied out as dispatch.lua does
-                if b.in_flight < b.limit and b.in_flight * total < bound * b.limit:
+                # in_flight + 1 ≤ ⌈x⌉ + slack ⇔ in_flight − slack < x, multiplied out as
+                # dispatch.lua does
+                if b.in_flight < b.limit and (b.in_flight - self.slack) * total < bound * b.limit:
                     return b, "affinity" if i == 0 else "overflow"
         best = None
         for b in self.backends:

@@ -31,7 +31,7 @@ from ..core.affinity import request_key
 from ..core.cost import Estimate
 from ..core.errors import ApiError, Expiry
 from ..core.flows import CLASS_HEADER, Flow, classify
-from ..core.inference_request import InferenceRequest, Kind, parse, parse_extra
+from ..core.inference_request import InferenceRequest, Kind, parse, parse_extra, with_priority
 from ..core.placement import Backend
 from ..core.scheduler import Ticket
 from ..core.throttle import MAX_PAUSE_S, retry_after
@@ -152,10 +152,12 @@ async def _admit_and_serve(
     if len(raw) > config.limits.parse_in_loop_bytes:  # parsed off the loop (parse_worker.py)
         inference = await WORKER.parse(config, key.org, kind, raw, request.path)
     elif kind is Kind.EXTRA:
-        inference = parse_extra(raw, request.path, partial(_extra_cost, config, request.path))
+        rule_of = partial(_extra_cost, config, request.path)
+        inference = parse_extra(raw, request.path, rule_of, config.owns_priority)
     else:
         usage, affinity = config.reports_stream_usage, config.affinity_for_model
-        inference = parse(kind, raw, usage, affinity, config.limits, config.continuous_usage)
+        continuous, owns_priority = config.continuous_usage, config.owns_priority
+        inference = parse(kind, raw, usage, affinity, config.limits, continuous, owns_priority)
     record.model = inference.model
     flow = classify(proxy.config, key, request.headers.get(CLASS_HEADER), inference.model)
     record.cls, record.pool = flow.cls, flow.pool
@@ -168,6 +170,7 @@ async def _admit_and_serve(
         raise ApiError(503, f"Pool '{flow.pool}' has no healthy backend.", retry_after=cooldown)
     cls = proxy.config.classes[flow.cls]
     inference, estimate = pool.cost.price(inference, flow.org, cls.max_request_tokens)
+    inference = with_priority(inference, config.engine_priority(flow.cls, inference.model))
     inference.text = None  # queued, it holds its body, not its prompt twice
     bucket, max_overtaken = cls.overtaking(estimate.cost)  # size buckets (design.md §3)
     ticket = Ticket(

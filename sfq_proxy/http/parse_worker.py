@@ -53,13 +53,15 @@ _ANSWER = struct.Struct("!Q")  # the size of the outcome's pickle that follows
 class Models:
     """What parsing needs of the config, by model, in a form a process can be sent: the
     models whose servers report no usage in a stream, those whose pool asks for it on every
-    chunk (``cost.continuous_usage``), the affinity settings of those whose pool has them,
-    and the cost rule of the extra path asked for (if one was)."""
+    chunk (``cost.continuous_usage``), those whose engine's priority is the proxy's
+    (``Config.owns_priority``), the affinity settings of those whose pool has them, and the
+    cost rule of the extra path asked for (if one was)."""
 
     silent: frozenset[str]
     affinity: Mapping[str, AffinitySpec]
     extra: Mapping[str, ExtraCostSpec]
     continuous: frozenset[str] = frozenset()
+    prioritised: frozenset[str] = frozenset()
 
     @staticmethod
     def of(config: Config, path: str | None = None) -> Models:
@@ -67,6 +69,7 @@ class Models:
         continuous: set[str] = set()
         affinity: dict[str, AffinitySpec] = {}
         extra: dict[str, ExtraCostSpec] = {}
+        prioritised: set[str] = set()
         for pool in config.pools.values():
             rule = pool.extra_path(path) if path is not None else None
             for model in pool.models:
@@ -74,17 +77,24 @@ class Models:
                     silent.add(model)
                 if pool.cost.continuous_usage:
                     continuous.add(model)
+                if config.owns_priority(model):
+                    prioritised.add(model)
                 if pool.affinity is not None:
                     affinity[model] = pool.affinity
                 if rule is not None:
                     extra[model] = rule.cost
-        return Models(frozenset(silent), affinity, extra, frozenset(continuous))
+        return Models(
+            frozenset(silent), affinity, extra, frozenset(continuous), frozenset(prioritised)
+        )
 
     def reports_stream_usage(self, model: str) -> bool:
         return model not in self.silent
 
     def continuous_usage(self, model: str) -> bool:
         return model in self.continuous
+
+    def owns_priority(self, model: str) -> bool:
+        return model in self.prioritised
 
     def affinity_of(self, model: str) -> AffinitySpec | None:
         return self.affinity.get(model)
@@ -128,10 +138,10 @@ Outcome = tuple[InferenceRequest, bool] | Refusal | Failure
 def parse_here(job: Job, raw: bytes) -> Outcome:
     """What the worker does with a body: parse it as the loop would."""
     try:
+        models = job.models
         if job.kind is Kind.EXTRA:
-            request = parse_extra(raw, job.path, job.models.rule_of)
+            request = parse_extra(raw, job.path, models.rule_of, models.owns_priority)
         else:
-            models = job.models
             request = parse(
                 job.kind,
                 raw,
@@ -139,6 +149,7 @@ def parse_here(job: Job, raw: bytes) -> Outcome:
                 models.affinity_of,
                 job.caps,
                 models.continuous_usage,
+                models.owns_priority,
             )
     except ApiError as err:
         return Refusal(err.status, err.message, err.code)

@@ -53,8 +53,8 @@ local function write_numbers(key, t)
   if #flat > 0 then redis.call('HSET', key, unpack(flat)) end
 end
 
--- the pool's scalars (v, maxm, offset, queued, run, fence, born, reaped, paced, alf), read once per
--- call and written back once at its end: most of a call's work would otherwise be these
+-- the pool's scalars (v, maxm, offset, queued, run, fence, born, reaped, paced, alf, als), read
+-- once per call and written back once at its end: most of a call's work would otherwise be these
 -- reads and writes. Only the fields the call changed are written (one HSET, and one HDEL for
 -- those set to nil), not the whole hash again
 local M, meta_changed = {}, {}
@@ -614,12 +614,13 @@ end
 
 -- where a ticket of affinity `key` goes among the backends the caller does not hold down, and
 -- why (Placement.place): with a key and the pool's load factor (meta alf, set by configure),
--- the first of the key's order with a free slot and within the bounded load; else the least
--- loaded with a free slot (first listed on ties)
+-- the first of the key's order with a free slot and within the bounded load plus the slack
+-- (meta als); else the least loaded with a free slot (first listed on ties)
 local function choose(down, key)
   if backends == nil then load_backends() end
   local factor = meta('alf')
   if key and factor > 0 then
+    local slack = meta('als')
     local order, total, busy = {}, 0, 0
     for i, b in ipairs(backends) do
       if not down[b[1]] then
@@ -635,7 +636,7 @@ local function choose(down, key)
     local bound = factor * (busy + 1)
     for at, b in ipairs(order) do
       local running = inflight[b[1]] or 0
-      if running < b[2] and running * total < bound * b[2] then
+      if running < b[2] and (running - slack) * total < bound * b[2] then
         return b[1], at == 1 and 'affinity' or 'overflow'
       end
     end
@@ -852,10 +853,11 @@ local function run(op)
 
   -- the operations that dispatch reply {1, grants, wake} (dispatch's two values)
   if op == 'configure' then  -- backends [[name, slots], ...], org caps, class caps, down, rpm,
-    -- tpm, affinity's load factor ('': affinity off)
+    -- tpm, affinity's load factor ('': affinity off) and slack
     set_rate('r', A[7])
     set_rate('t', A[8])
     set_meta('alf', A[9] and A[9] ~= '' and tonumber(A[9]) or nil)
+    set_meta('als', A[10] and tonumber(A[10]) or nil)
     redis.call('SET', P .. 'backends', A[3])
     backends = nil
     redis.call('DEL', P .. 'ocap', P .. 'ccap')

@@ -116,6 +116,7 @@ class Pool:
             spec.backends,
             failures_to_down=spec.health.consecutive_failures,
             load_factor=spec.affinity.load_factor if spec.affinity else None,
+            slack=spec.affinity.slack if spec.affinity else 0,
         )
         org_caps, class_caps, rate = pool_limits(config, spec)
         self.throttle = Throttle()  # the provider's own 429s and rate-limit headers
@@ -149,6 +150,7 @@ class Pool:
         self.placement.failures_to_down = self.spec.health.consecutive_failures
         affinity = self.spec.affinity
         self.placement.load_factor = affinity.load_factor if affinity else None
+        self.placement.slack = affinity.slack if affinity else 0
         self.scheduler.set_limits(*pool_limits(config, self.spec))
         self.memory.limit = config.limits.queue_memory_bytes  # newcomers see it; none leaves
         for view in self.scheduler.queue.flows():

@@ -150,10 +150,12 @@ class RedisDispatch:
         down: Iterable[str] = (),
         rate: Rate | None = None,
         load_factor: float | None = None,
+        slack: int = 0,
     ) -> Grants:
         """The pool's backends (in placement order, with their slots), in-flight caps,
         provider rate, whose buckets Redis keeps with a second's burst (``pool_limits``), and
-        affinity's load factor (None: affinity off, every ticket goes to the least loaded)."""
+        affinity's load factor (None: affinity off, every ticket goes to the least loaded)
+        and slack (``Placement.place``)."""
         call = self._call(
             "configure",
             json.dumps([[name, slots] for name, slots in backends]),
@@ -163,6 +165,7 @@ class RedisDispatch:
             _per_minute(rate.requests if rate else None),
             _per_minute(rate.tokens if rate else None),
             "" if load_factor is None else f"{load_factor:.17g}",
+            slack,
         )
         reply = _checked(await call)
         return _grants(reply[1], reply[2])

@@ -139,9 +139,11 @@ class LeasedPool(Pool):
     async def _configure(self) -> Grants:
         org_caps, class_caps, rate = pool_limits(self._config, self.spec)
         backends = [(b.name, b.slots) for b in self.placement.backends]
+        placement = self.placement
         return await self.dispatch.configure(
-            backends, org_caps, class_caps, self._down(), rate, self.placement.load_factor
-        )
+            backends, org_caps, class_caps, self._down(), rate, placement.load_factor,
+            placement.slack,
+        )  # fmt: skip
 
     async def _call(self, work: Awaitable[Grants | None]) -> None:
         """A call whose failure only delays: the grants it made are carried out; if Redis is

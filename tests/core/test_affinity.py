@@ -34,9 +34,9 @@ from sfq_proxy.core.scheduler import Scheduler, Ticket
 KEYS = [affinity.digest("p", f"conversation {i}") for i in range(400)]
 
 
-def placement(*slots: int, load_factor: float | None = 1.25) -> Placement:
+def placement(*slots: int, load_factor: float | None = 1.25, slack: int = 0) -> Placement:
     specs = [BackendSpec(url=f"http://10.0.0.{i}:8000", slots=n) for i, n in enumerate(slots, 1)]
-    return Placement(specs, load_factor=load_factor)
+    return Placement(specs, load_factor=load_factor, slack=slack)
 
 
 def firsts(p: Placement, keys: list[str]) -> dict[str, str]:
@@ -114,14 +114,15 @@ def test_health_down_moves_the_key_to_the_next_of_its_order_as_its_first_choice(
     ),
     key=st.sampled_from(KEYS[:20]),
     factor=st.sampled_from([1.0, 1.1, 1.25, 2.0]),
+    slack=st.integers(0, 3),
 )
 def test_a_key_always_finds_its_place_while_a_slot_is_free(
-    pool: list[tuple[int, int, int | None]], key: str, factor: float
+    pool: list[tuple[int, int, int | None]], key: str, factor: float, slack: int
 ) -> None:
     """Some backend of a key's order is within the bound whenever one has a free slot, even
     when a replica runs more than its share (Redis lost): the least-loaded fallback is only
     for requests without a key, and no request waits for affinity's sake."""
-    p = placement(*(slots for slots, _, _ in pool), load_factor=factor)
+    p = placement(*(slots for slots, _, _ in pool), load_factor=factor, slack=slack)
     for backend, (_, running, part) in zip(p.backends, pool, strict=True):
         backend.in_flight, backend.share = running, part
     placed = p.place(key)
@@ -146,9 +147,11 @@ STEPS = st.lists(
 )
 
 
-def play(slots: list[int], factor: float, steps: list[Step]) -> list[tuple[str, str] | None]:
+def play(
+    slots: list[int], factor: float, steps: list[Step], slack: int = 0
+) -> list[tuple[str, str] | None]:
     """Place and finish as ``steps`` say, checking every placement; returns them."""
-    p = placement(*slots, load_factor=factor)
+    p = placement(*slots, load_factor=factor, slack=slack)
     running: list[Backend] = []
     out: list[tuple[str, str] | None] = []
     for step in steps:
@@ -165,14 +168,14 @@ def play(slots: list[int], factor: float, steps: list[Step]) -> list[tuple[str, 
             out.append(None)
             continue
         backend, reason = placed
-        bound = math.ceil(factor * (total_running + 1) * backend.slots / total_slots)
+        bound = math.ceil(factor * (total_running + 1) * backend.slots / total_slots) + slack
         order = key_order(key, p.backends) if key is not None else []
         if reason == "affinity":
             assert backend is order[0]
         if reason in ("affinity", "overflow"):
             assert backend.in_flight + 1 <= bound  # the bounded load
             for earlier in order[: order.index(backend)]:  # each skipped one: full or over
-                cap = math.ceil(factor * (total_running + 1) * earlier.slots / total_slots)
+                cap = math.ceil(factor * (total_running + 1) * earlier.slots / total_slots) + slack
                 assert earlier.in_flight >= earlier.slots or earlier.in_flight + 1 > cap
         else:
             assert key is None  # with every backend healthy and whole, never a fallback
@@ -188,11 +191,12 @@ def play(slots: list[int], factor: float, steps: list[Step]) -> list[tuple[str, 
     slots=st.lists(st.integers(1, 6), min_size=1, max_size=4),
     factor=st.sampled_from([1.0, 1.1, 1.25, 2.0, 3.7]),
     steps=STEPS,
+    slack=st.integers(0, 3),
 )
 def test_placement_is_deterministic_bounded_and_never_over_a_slot(
-    slots: list[int], factor: float, steps: list[Step]
+    slots: list[int], factor: float, steps: list[Step], slack: int
 ) -> None:
-    assert play(slots, factor, steps) == play(slots, factor, steps)
+    assert play(slots, factor, steps, slack) == play(slots, factor, steps, slack)
 
 
 @given(slots=st.lists(st.integers(1, 8), min_size=2, max_size=5), data=st.data())
@@ -261,6 +265,50 @@ def test_one_key_on_every_request_cannot_fill_one_backend() -> None:
     assert all(b.in_flight == 8 for b in p.backends)
     assert where[0] == first.name  # then its next ones go down its order, within the bound
     assert max(where[:16].count(b.name) for b in p.backends) <= 5  # ⌈1.25 · 16 · 8 / 32⌉
+
+
+@given(
+    slots=st.lists(st.integers(1, 12), min_size=1, max_size=5),
+    factor=st.sampled_from([1.0, 1.1, 1.25, 2.0]),
+    slack=st.integers(0, 4),
+    keys=st.lists(st.sampled_from(KEYS[:4]), min_size=1, max_size=3),
+)
+def test_a_flood_of_few_keys_puts_no_backend_over_the_bound_plus_the_slack(
+    slots: list[int], factor: float, slack: int, keys: list[str]
+) -> None:
+    """The slack loosens the bound by a constant, never more: a client sending one key (or a
+    few) on every request until the pool is full places at most ⌈load_factor · n · slots /
+    S⌉ + slack of them on any backend at each placement (n the requests placed), and still
+    fills the pool."""
+    p = placement(*slots, load_factor=factor, slack=slack)
+    total = sum(slots)
+    for n in range(1, total + 1):
+        placed = p.place(keys[n % len(keys)])
+        assert placed is not None
+        backend, reason = placed
+        assert reason != "fallback"
+        p.acquire(backend)
+        for b in p.backends:
+            assert b.in_flight <= math.ceil(factor * n * b.slots / total) + slack
+    assert p.place(keys[0]) is None  # full: every slot was given
+
+
+def test_the_slack_keeps_a_light_load_on_the_keys_first_choice() -> None:
+    """At light load the bound alone is 1 or 2: a key's second request at once leaves its
+    first choice (2 on it is over ⌈1.25 · 2 · 8 / 32⌉ = 1), its fourth comes back (⌈1.25 ·
+    4 · 8 / 32⌉ = 2). With the default slack of 2 it stays, up to the bound plus two: the
+    fifth is over ⌈1.25 · 5 · 8 / 32⌉ + 2 = 4."""
+    key = KEYS[3]
+    for slack, expected in ((0, "abba"), (2, "aaaab")):
+        p = placement(8, 8, 8, 8, slack=slack)
+        first = key_order(key, p.backends)[0]
+        runs = ""
+        for _ in expected:
+            backend, _ = p.place(key) or (None, None)
+            assert backend is not None
+            p.acquire(backend)
+            runs += "a" if backend is first else "b"
+        assert runs == expected
 
 
 # -- the scheduler: placement decides where, never which ----------------------------------------
@@ -423,9 +471,9 @@ def test_affinity_is_off_by_default_and_has_its_defaults_when_set() -> None:
     assert parse_config(yaml.safe_dump(plain), environ={}).pools["llama"].affinity is None
     spec = parse_config(yaml.safe_dump(config_with({})), environ={}).pools["llama"].affinity
     assert spec is not None
-    assert (spec.prefix_chars, spec.session_header, spec.use_user_field, spec.load_factor) == (
-        4096, None, False, 1.25,
-    )  # fmt: skip
+    assert (
+        spec.prefix_chars, spec.session_header, spec.use_user_field, spec.load_factor, spec.slack
+    ) == (4096, None, False, 1.25, 2)  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -437,6 +485,8 @@ def test_affinity_is_off_by_default_and_has_its_defaults_when_set() -> None:
         ({"load_factor": float("inf")}, ".load_factor: must be a finite number"),
         ({"load_factor": float("nan")}, ".load_factor: must be a finite number"),
         ({"load_factor": 101}, ".load_factor: must be <= 100"),
+        ({"slack": -1}, ".slack: must be >= 0"),
+        ({"slack": 1.5}, ".slack: expected an integer"),
         ({"session_header": "x session"}, ".session_header: must be an HTTP header name"),
         ({"session_header": "Authorization"}, ".session_header: must not be a credential header"),
         ({"use_user_field": "yes"}, ".use_user_field: expected true or false"),
@@ -460,6 +510,6 @@ def test_check_config_shows_a_pools_affinity() -> None:
     assert line == (
         "  affinity: by the session named by header X-Session-Id or the body's user field, "
         "else the prompt's first 2048 chars (chat: up to its first answer); a backend takes at "
-        "most 1.25× the pool's average load, else the key's next"
+        "most 1.25× the pool's average load + 2, else the key's next"
     )
     assert "affinity" not in summary(parse_config(yaml.safe_dump(config_with(None)), environ={}))

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from sfq_proxy.config import MAX_OUTPUT_TOKENS
 from sfq_proxy.core import inference_request
+from sfq_proxy.core.cost import with_output_limit
 from sfq_proxy.core.errors import ApiError
 from sfq_proxy.core.inference_request import (
     _FAST,
@@ -25,7 +26,6 @@ from sfq_proxy.core.inference_request import (
     _strictly,
     parse,
     parse_extra,
-    with_output_limit,
 )
 from sfq_proxy.core.media import Media
 
