@@ -89,7 +89,9 @@ class Placement:
         failures_to_down: int = 1,
         load_factor: float | None = None,
     ) -> None:
-        self.backends = [Backend(name=s.name or s.url, url=s.url, slots=s.slots) for s in specs]
+        self.backends = [
+            Backend(name=s.name or s.url, url=s.url, slots=starting_slots(s)) for s in specs
+        ]
         self.failures_to_down = failures_to_down
         self.load_factor = load_factor
 
@@ -102,9 +104,9 @@ class Placement:
         for spec in specs:
             backend = current.get(spec.url)
             if backend is None:
-                backend = Backend(name=spec.name or spec.url, url=spec.url, slots=spec.slots)
+                backend = Backend(name=spec.name or spec.url, url=spec.url, slots=1)
                 backend.healthy = False  # joins after its first good probe
-            backend.name, backend.slots = spec.name or spec.url, spec.slots
+            backend.name, backend.slots = spec.name or spec.url, starting_slots(spec)
             backends.append(backend)
         self.backends = backends
 
@@ -177,3 +179,9 @@ class Placement:
 
     def any_healthy(self) -> bool:
         return any(b.healthy for b in self.backends)
+
+
+def starting_slots(spec: BackendSpec) -> int:
+    """A backend's slots until its gate says (``set_gate``): ``slots``, or for ``auto`` its
+    ``capacity``, else 1."""
+    return spec.slots if isinstance(spec.slots, int) else spec.capacity or 1
