@@ -192,11 +192,14 @@ class Faults:
     die_after_tokens: int | None = None
     refuse_connections: bool = False
     health_status: int = 200
+    # /metrics: its status (vLLM's answer, or a broken one) and how long it hangs first
+    metrics_status: int = 200
+    metrics_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fail_rate <= 1.0:
             raise ValueError("fail_rate must be within [0, 1]")
-        for status in (self.fail_status, self.health_status):
+        for status in (self.fail_status, self.health_status, self.metrics_status):
             if not isinstance(status, int) or status < 200 or status not in _HTTP_STATUSES:
                 raise ValueError(f"{status!r} is not a final HTTP status code")
         die = self.die_after_tokens
@@ -204,6 +207,9 @@ class Faults:
             raise ValueError("die_after_tokens must be None or an int >= 0")
         if not isinstance(self.refuse_connections, bool):
             raise ValueError("refuse_connections must be a bool")
+        delay = self.metrics_delay_s
+        if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay < 3600:
+            raise ValueError("metrics_delay_s must be seconds in [0, 3600)")
 
 
 @dataclass(slots=True)
@@ -515,7 +521,12 @@ class SimBackend:
         """vLLM's scheduler metrics, labelled as vLLM labels them (``engine="0"`` and the
         first served model name): the batch, the engine's queue (every request accepted and
         not in the batch: waiting for room, held, or preempted), the KV cache in use, the
-        preemptions, and the prompt and generated tokens."""
+        preemptions, and the prompt and generated tokens. The faults may delay it, or make
+        it another status (an engine whose metrics are broken or gone)."""
+        if self.faults.metrics_delay_s:
+            await asyncio.sleep(self.faults.metrics_delay_s)
+        if self.faults.metrics_status != 200:
+            return error_response(self.faults.metrics_status, "Injected failure (metrics)")
         label = f'engine="0",model_name="{self.config.models[0]}"'
         s = self.stats
         series: list[tuple[str, str, str, list[tuple[str, float]]]] = [
