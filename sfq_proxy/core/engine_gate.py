@@ -1,5 +1,5 @@
 """Whether a backend may take one more request now, judged by its engine's own readings.
-No I/O, no clock (docs/engine-dispatch-draft.md, to be merged into docs/design.md §5).
+No I/O, no clock (docs/design.md §5, "Engine-aware dispatch").
 
 A backend's static ``slots`` is a guess: too high and the queue moves from the proxy's fair
 queue into the engine's FCFS one, too low and GPUs idle. The gate dispatches only while the
