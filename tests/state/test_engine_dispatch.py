@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
-from proxy_lab import MODEL, Lab, Served, leftovers, proxy_config, scrape
+from proxy_lab import MODEL, Lab, Served, eventually, leftovers, proxy_config, scrape
 
 from sfq_proxy.core.engine_metrics import parse_vllm
 from sfq_proxy.sim.server import SimBackend
@@ -253,3 +253,30 @@ async def test_a_class_ceiling_leaves_room_for_interactive(lab: Lab) -> None:
     assert max(running + waiting for running, waiting in batch_only) <= 3, batch_only
     assert max(running for running, _ in batch_only) == 3
     assert loaded < unloaded + 0.05, (loaded, unloaded)
+
+
+async def test_a_reload_turns_engine_dispatch_on_and_off(lab: Lab) -> None:
+    """A reload gives the backends gates (told of the request already running, so its end
+    is counted) and takes them away again; the scrape loop follows."""
+    sim = await lab.backend(max_num_seqs=4, time_scale=1.0, decode_tokens_per_s=50.0)
+    served = await lab.proxy(engine_config([sim.url], 4))
+    backend = served.state.pools["sim"].placement.backends[0]
+    assert backend.gate is None
+    stream = await lab.client(served, "A").chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=10, stream=True
+    )
+    assert served.state.reload(engine_config([sim.url], 4, dispatch={})) == []
+    gate = backend.gate
+    assert gate is not None
+    assert gate.in_flight == 1
+    async for _ in stream:
+        pass
+    await flood(lab, served, "AB", 3, tokens=4)
+    assert gate.in_flight == 0
+    # scraped since the reload (within the static pool's interval, 0.5 s: the loop's sleep)
+    await eventually(lambda: gate.reading is not None, within=1.0)
+    assert served.state.reload(engine_config([sim.url], 4)) == []
+    assert backend.gate is None
+    assert served.state.pools["sim"].scheduler.ceilings is None
+    await flood(lab, served, "AB", 3, tokens=4)
+    assert not leftovers(served)
