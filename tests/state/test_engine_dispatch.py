@@ -24,10 +24,9 @@ from sfq_proxy.core.engine_metrics import parse_vllm
 from sfq_proxy.sim.server import SimBackend
 
 CHAT = [{"role": "user", "content": "hi"}]
-# a reading every 50 ms (the least interval), stale after 0.5 s; a dispatch is counted as
-# unseen by a reading for 0.1 s before it was requested: on two shared, busy cores a
-# request may take more than the 50 ms default to reach the engine's scheduler
-FAST = {"interval_s": 0.05, "timeout_s": 0.2, "max_age_s": 0.5, "settle_s": 0.1}
+# a reading every 0.1 s, stale after 0.5 s; settle_s well below the interval, else every
+# completion would fall in the settle window after some reading and wait for the next one
+FAST = {"interval_s": 0.1, "timeout_s": 0.2, "max_age_s": 0.5, "settle_s": 0.03}
 
 
 def engine_config(urls: list[str], slots: int | str, **options: Any) -> Any:
@@ -96,7 +95,9 @@ async def engine_queue(
     engine shows it runs fewer (requests waiting for room; docs/design.md §5)."""
     sim = await lab.backend(max_num_seqs=4, time_scale=2.0)
     served = await lab.proxy(engine_config([sim.url], slots, dispatch=dispatch))
-    await flood(lab, served, "C", 8, tokens=12)
+    await flood(lab, served, "C", 8, tokens=60)  # ~0.4 s saturated: several readings
+    gate = served.state.pools["sim"].placement.backends[0].gate
+    assert gate is None or gate.capacity() == 4
     served.state.pools["sim"].recent.clear()
     async with sampled(lab, sim) as samples:
         await flood(lab, served, "AB", 20, tokens=12)
