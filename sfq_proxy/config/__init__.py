@@ -64,6 +64,7 @@ from .paths import ExtraCostSpec, ExtraPathSpec, Kind
 from .pools import (
     AffinitySpec,
     BackendSpec,
+    DispatchSpec,
     Family,
     HealthSpec,
     PoolSpec,
@@ -98,6 +99,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "CostSpec",
+    "DispatchSpec",
     "ExtraCostSpec",
     "ExtraPathSpec",
     "Family",

@@ -89,6 +89,10 @@ class ClassSpec(StrictModel):
     # served first, and may preempt running requests of a higher value: docs/design.md §5,
     # Engine priority); unset: none is sent
     engine_priority: EnginePriority | None = None
+    # in a pool with engine dispatch (docs/design.md §5): the fraction of an engine's
+    # capacity (and of its KV ceiling) past which this class is not sent there, so that the
+    # classes above find room at once; below 1 the class never queues in the engine
+    engine_ceiling: float = Field(1.0, gt=0, le=1, allow_inf_nan=False)
 
     def overtaking(self, cost: float) -> tuple[int, int | None]:
         """A request of ``cost``'s size bucket and ``max_overtaken`` in this class, or

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BeforeValidator,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from .cost import CostSpec
 from .errors import Errors
@@ -38,6 +45,16 @@ _DEFAULT_FAILURES: dict[str, int] = {"active": 1, "passive": 5}
 _PROBE_FIELDS = ("path", "method", "send_key")
 
 
+def _absolute(value: str) -> str:
+    """A path appended to a backend's URL must be absolute."""
+    if not value.startswith("/"):
+        raise ValueError("must start with '/'")
+    return value
+
+
+BackendPath = Annotated[str, AfterValidator(_absolute)]
+
+
 class HealthSpec(StrictModel):
     """How a pool judges its backends' health (docs/design.md §5).
 
@@ -51,7 +68,7 @@ class HealthSpec(StrictModel):
     """
 
     mode: HealthMode = "active"
-    path: str = "/health"
+    path: BackendPath = "/health"
     method: Literal["GET", "HEAD"] = "GET"
     send_key: bool = True  # send the pool's upstream key (if any) with the probe
     interval_s: Seconds = 5.0
@@ -81,14 +98,6 @@ class HealthSpec(StrictModel):
                     )
         return self
 
-    @field_validator("path")
-    @classmethod
-    def _absolute_path(cls, value: str) -> str:
-        """The path is appended to the backend URL, so it must be absolute."""
-        if not value.startswith("/"):
-            raise ValueError("must start with '/'")
-        return value
-
 
 class TimeoutSpec(StrictModel):
     """Upstream timeouts: TCP/TLS connect, time to the response headers, and the longest
@@ -101,16 +110,35 @@ class TimeoutSpec(StrictModel):
     client_write_s: Seconds = 30.0
 
 
+def _slots(value: Any) -> Any:
+    """A positive integer or ``auto``, told in one message rather than as a union's two."""
+    if isinstance(value, str) and value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError("expected an integer, or auto")
+    if value <= 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+# a backend's static concurrency, or ``auto``: as many as its engine's readings allow
+# (engine dispatch only, docs/design.md §5 "Engine-aware dispatch")
+Slots = Annotated[int | Literal["auto"], BeforeValidator(_slots)]
+
+
 class BackendSpec(StrictModel):
     """One upstream server. ``name`` (metric label) defaults to the URL's ``host:port``.
 
     The URL's trailing slash is stripped so paths can be appended. Credentials in the URL
     are refused: they would leak into logs and metrics; use ``upstream_key_env``.
+    ``capacity``: the requests its engine runs at once, when the operator knows it (engine
+    dispatch only: the gate then needs not learn it).
     """
 
     url: str
-    slots: PositiveInt
+    slots: Slots
     name: NonEmptyStr | None = Field(None, validate_default=True)
+    capacity: PositiveInt | None = None
 
     @field_validator("url")
     @classmethod
@@ -206,6 +234,31 @@ class AffinitySpec(StrictModel):
         return self
 
 
+DispatchMode = Literal["static", "engine"]
+# the families whose /metrics core/engine_metrics.parse reads (not a hosted provider's)
+ENGINE_FAMILIES = ("vllm", "llamacpp", "tgi")
+
+
+class DispatchSpec(StrictModel):
+    """How a pool decides that a backend may take one more request (docs/design.md §5,
+    "Engine-aware dispatch"). ``static``: while it has a free slot. ``engine``: while its
+    engine's own ``/metrics`` (read every ``interval_s``) say it would run the request at
+    once, or hold at most ``allowance`` waiting; a reading older than ``max_age_s`` falls
+    back to static slots. The bounds are the draft's: a scrape per backend at most 20 a
+    second, a body of at most 64 MiB."""
+
+    mode: DispatchMode = "static"
+    interval_s: float = Field(0.5, ge=0.05, le=60, allow_inf_nan=False)
+    timeout_s: Seconds = 1.0
+    max_age_s: Seconds = 2.0
+    allowance: int = Field(1, ge=1, le=1000)
+    kv_ceiling: float | None = Field(0.95, gt=0, le=1, allow_inf_nan=False)
+    settle_s: float = Field(0.05, ge=0, le=10, allow_inf_nan=False)
+    fallback_slots: PositiveInt = 1
+    max_bytes: int = Field(1 << 20, ge=4096, le=64 << 20)
+    metrics_path: BackendPath = "/metrics"
+
+
 class PoolSpec(StrictModel):
     """Backends serving the same models; one scheduler each (docs/design.md §1)."""
 
@@ -218,6 +271,7 @@ class PoolSpec(StrictModel):
     rate: RateSpec | None = None
     family: Family = "vllm"
     affinity: AffinitySpec | None = None  # None: every request to the least loaded backend
+    dispatch: DispatchSpec = DispatchSpec()
     extra_paths: list[ExtraPathSpec] = Field(default_factory=list, max_length=64)
     # model (or "*": its other models) → price, for money (docs/usage-and-budgets.md)
     prices: dict[NonEmptyStr, PriceSpec] = {}  # noqa: RUF012 -- pydantic copies it per instance
@@ -246,6 +300,20 @@ class PoolSpec(StrictModel):
         if default_path and health.get("mode", "active") == "active" and "path" not in health:
             health["path"] = default_path
         return {**data, "health": health}
+
+    @property
+    def engine(self) -> bool:
+        """Whether dispatch reads the engines' own metrics (``dispatch.mode: engine``)."""
+        return self.dispatch.mode == "engine"
+
+    def slots_of(self, backend: BackendSpec) -> int:
+        """A backend's slots where a number is needed before its engine says (the band's
+        check, check-config's shares, the descriptors' reserve): ``slots``, or for ``auto``
+        its ``capacity``, else ``dispatch.fallback_slots`` (what it runs on stale readings
+        until a capacity is learned)."""
+        if isinstance(backend.slots, int):
+            return backend.slots
+        return backend.capacity or self.dispatch.fallback_slots
 
     @property
     def stream_usage(self) -> bool:
@@ -282,7 +350,35 @@ def check_backends(pools: Mapping[str, PoolSpec]) -> Errors:
                 errors.append((f"{path}.name", f"same name as backends[{first}]"))
             if pool.family == "llamacpp" and backend.slots != 1:
                 errors.append((f"{path}.slots", _ONE_AT_A_TIME))
+    return errors + check_dispatch(pools)
+
+
+def check_dispatch(pools: Mapping[str, PoolSpec]) -> Errors:
+    """Engine dispatch reads what a known server family's ``/metrics`` says, on a timeline
+    that makes sense (a scrape ends before its reading would be stale, and one lost scrape
+    is no fallback); ``slots: auto`` and ``capacity`` mean nothing without it."""
+    errors: Errors = []
+    for name, pool in pools.items():
+        path, dispatch = f"pools.{name}.dispatch", pool.dispatch
+        if pool.engine and pool.family not in ENGINE_FAMILIES:
+            message = f"engine dispatch reads the metrics of {', '.join(ENGINE_FAMILIES)} servers"
+            errors.append((f"{path}.mode", f"{message}, not of family {pool.family!r}"))
+        if dispatch.timeout_s >= dispatch.max_age_s:
+            errors.append((f"{path}.timeout_s", "must be below max_age_s"))
+        if dispatch.max_age_s <= dispatch.interval_s:
+            errors.append((f"{path}.max_age_s", "must be above interval_s"))
+        if pool.engine:
+            continue
+        for i, backend in enumerate(pool.backends):
+            path = f"pools.{name}.backends[{i}]"
+            if backend.slots == "auto":
+                errors.append((f"{path}.slots", f"auto {_ENGINE_ONLY}; else a number"))
+            if backend.capacity is not None:
+                errors.append((f"{path}.capacity", _ENGINE_ONLY))
     return errors
+
+
+_ENGINE_ONLY = "only with dispatch.mode: engine (its engine's readings decide)"
 
 
 # llama-cpp-python serves one request at a time, and one that arrives while a stream runs
@@ -325,5 +421,5 @@ def check_extra_paths(pools: Mapping[str, PoolSpec]) -> Errors:
 
 
 def pool_slots(pool: PoolSpec) -> int:
-    """A pool's total slots as configured: the sum of its backends' slots."""
-    return sum(backend.slots for backend in pool.backends)
+    """A pool's total slots as configured: the sum of its backends' slots (``slots_of``)."""
+    return sum(pool.slots_of(backend) for backend in pool.backends)

@@ -23,7 +23,16 @@ from .cost import CostSpec
 from .errors import format_number as _num
 from .keys import Access, OrgSpec, usable_models
 from .paths import ExtraPathSpec
-from .pools import AffinitySpec, HealthSpec, PoolSpec, RateSpec, pool_slots, without_credentials
+from .pools import (
+    AffinitySpec,
+    BackendSpec,
+    DispatchSpec,
+    HealthSpec,
+    PoolSpec,
+    RateSpec,
+    pool_slots,
+    without_credentials,
+)
 from .proxy import Config
 from .state import RedisState
 from .usage import BudgetSpec
@@ -133,7 +142,8 @@ def _class_summary(spec: ClassSpec) -> str:
     if spec.size_buckets is not None:  # docs/design.md §3, Size buckets inside a flow
         bounds = ", ".join(_num(b) for b in spec.size_buckets)
         sizes = [f"size_buckets=[{bounds}] (cost), max_overtaken={spec.overtaken_at_most}"]
-    return ", ".join(head + _fmt_caps(spec, caps) + sizes)
+    engine = [] if spec.engine_ceiling == 1 else [f"engine_ceiling={_num(spec.engine_ceiling)}"]
+    return ", ".join(head + _fmt_caps(spec, caps) + sizes + engine)
 
 
 def _pct(share: float, *, up: bool) -> str:
@@ -244,6 +254,22 @@ def _affinity_summary(affinity: AffinitySpec) -> str:
     )
 
 
+def _backend_slots(backend: BackendSpec) -> str:
+    slots = "slots auto" if backend.slots == "auto" else f"{backend.slots} slots"
+    return slots + ("" if backend.capacity is None else f", capacity {backend.capacity}")
+
+
+def _dispatch_summary(dispatch: DispatchSpec) -> str:
+    """Engine dispatch's timeline and bounds, so that a reading's life can be checked."""
+    kv = "off" if dispatch.kv_ceiling is None else _num(dispatch.kv_ceiling)
+    return (
+        f"dispatch: engine (reads {dispatch.metrics_path} every {_num(dispatch.interval_s)} s, "
+        f"timeout {_num(dispatch.timeout_s)} s; older than {_num(dispatch.max_age_s)} s: "
+        f"static slots, at least {dispatch.fallback_slots} for auto), allowance "
+        f"{dispatch.allowance} waiting per engine, KV ceiling {kv}"
+    )
+
+
 def _extra_path_summary(extra: ExtraPathSpec) -> str:
     """A path and its cost rule, so that what such a request is charged (a fixed count, the
     text of which fields) can be checked before traffic shows it."""
@@ -269,7 +295,9 @@ def _pool_summary(name: str, pool: PoolSpec) -> list[str]:
         f"{_num(max(cost.input_weight, cost.output_weight) * cost.max_request_tokens)}), "
         f"more is {cost.over_limit.replace('refuse', 'refus')}ed; {_injection(cost)}",
     ]
-    lines += [f"  backend {b.name}: {b.url}, {b.slots} slots" for b in pool.backends]
+    lines += [f"  backend {b.name}: {b.url}, {_backend_slots(b)}" for b in pool.backends]
+    if pool.engine:
+        lines.append("  " + _dispatch_summary(pool.dispatch))
     if pool.extra_paths:
         lines.append("  extra paths: " + "; ".join(map(_extra_path_summary, pool.extra_paths)))
     if not pool.stream_usage:

@@ -1,5 +1,5 @@
 """Whether a backend may take one more request now, judged by its engine's own readings.
-No I/O, no clock (docs/engine-dispatch-draft.md, to be merged into docs/design.md §5).
+No I/O, no clock (docs/design.md §5, "Engine-aware dispatch").
 
 A backend's static ``slots`` is a guess: too high and the queue moves from the proxy's fair
 queue into the engine's FCFS one, too low and GPUs idle. The gate dispatches only while the
@@ -49,8 +49,10 @@ engine reports (llama.cpp's slots, TGI's ``max_batch_size``), and the one it sho
 saturated (running while requests wait for room: that running count is all it can run
 now, KV-limited perhaps). A later reading with nobody waiting and more running raises it:
 the ``allowance`` lets the engine show it, one reading at a time. Until any is known, the
-gate trusts ``slots`` when set, and with ``slots: auto`` the most it has seen running, so it
-ramps up by ``allowance`` a reading (or ``capacity`` skips the ramp).
+capacity is the most it has seen running, so it ramps up by ``allowance`` a reading (or
+``capacity`` skips the ramp), ``slots`` or not: ``slots`` is a ceiling, not what the engine
+runs, and trusting it let the first burst of a pool whose ``slots`` were too high wait in
+the engine's own queue (the lab's engine-slots scenario: 28 of 32, chat's answers 145 s).
 """
 
 from __future__ import annotations
@@ -217,7 +219,7 @@ class EngineGate:
 
     def capacity(self) -> int:
         """The requests the engine runs at once, as far as the gate knows (see the module's
-        docstring); without any bound yet, ``slots`` or the most seen running."""
+        docstring); without any bound yet, the most seen running."""
         bounds = [
             b
             for b in (
@@ -229,7 +231,7 @@ class EngineGate:
         ]
         if bounds:
             return min(bounds)
-        return self.learned if self.policy.slots is None else max(self.learned, self.policy.slots)
+        return self.learned
 
     def fresh(self, now: float) -> bool:
         return self.reading is not None and now - self.requested_at <= self.policy.max_age_s

@@ -1,5 +1,5 @@
 """What an inference engine says of its own load: its ``/metrics`` text in, a reading out.
-No I/O, no clock (docs/engine-dispatch-draft.md, to be merged into docs/design.md §5).
+No I/O, no clock (docs/design.md §5, "Engine-aware dispatch").
 
 A backend's ``slots`` is a guess; the engine knows how many requests it runs and how many
 wait in its own FCFS queue. The engine gate (``engine_gate``) dispatches on these readings,

@@ -12,10 +12,13 @@ rule, with the same hashes, in Redis.
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 from ..config import BackendSpec, api_base
+from .engine_gate import EngineGate, GatePolicy
 
 
 @dataclass(slots=True, eq=False)
@@ -30,6 +33,10 @@ class Backend:
     # the slots this process may fill on its own decision: all (None), or its share when a
     # shared pool lost its state (0 while it must not decide alone at all)
     share: int | None = None
+    # engine dispatch (docs/design.md §5): whether its engine takes one more now, and the
+    # dispatch attempts it refused while a slot was free, by the gate's reason
+    gate: EngineGate | None = None
+    refused: Counter[str] = field(default_factory=Counter)
     base: str = field(init=False)  # the URL without a trailing /v1: API and health paths go here
 
     def __post_init__(self) -> None:
@@ -91,7 +98,9 @@ class Placement:
         load_factor: float | None = None,
         slack: int = 0,
     ) -> None:
-        self.backends = [Backend(name=s.name or s.url, url=s.url, slots=s.slots) for s in specs]
+        self.backends = [
+            Backend(name=s.name or s.url, url=s.url, slots=starting_slots(s)) for s in specs
+        ]
         self.failures_to_down = failures_to_down
         self.load_factor = load_factor
         self.slack = slack
@@ -105,9 +114,9 @@ class Placement:
         for spec in specs:
             backend = current.get(spec.url)
             if backend is None:
-                backend = Backend(name=spec.name or spec.url, url=spec.url, slots=spec.slots)
+                backend = Backend(name=spec.name or spec.url, url=spec.url, slots=1)
                 backend.healthy = False  # joins after its first good probe
-            backend.name, backend.slots = spec.name or spec.url, spec.slots
+            backend.name, backend.slots = spec.name or spec.url, starting_slots(spec)
             backends.append(backend)
         self.backends = backends
 
@@ -117,7 +126,9 @@ class Placement:
         placed = self.place(key)
         return None if placed is None else placed[0]
 
-    def place(self, key: str | None = None) -> tuple[Backend, Reason] | None:
+    def place(
+        self, key: str | None = None, admits: Callable[[Backend], bool] | None = None
+    ) -> tuple[Backend, Reason] | None:
         """Where a request goes, and why. With a ``key`` and affinity on: the first backend
         of the key's order among the healthy ones that has a free slot and whose load after
         placing stays within the bound, ``in_flight + 1 ≤ ⌈load_factor · (R + 1) · slots /
@@ -126,21 +137,43 @@ class Placement:
         slack as cache-aware routers' balance thresholds have, so that at light load, where
         the ceiling is 1 or 2, a key is not sent away from its cache by one request). Otherwise,
         or when no backend of the order is within it, the least loaded healthy backend with
-        a free slot (in-flight ÷ slots; the first listed on ties)."""
+        a free slot (in-flight ÷ slots; the first listed on ties). A backend ``admits`` refuses
+        (its engine's gate: see ``place_gated``) counts as full."""
         if key is not None and self.load_factor is not None:
             healthy = [b for b in self.backends if b.healthy]
             total = sum(b.limit for b in healthy)
             bound = self.load_factor * (sum(b.in_flight for b in healthy) + 1)
             for i, b in enumerate(key_order(key, healthy)):
+                if admits is not None and not admits(b):
+                    continue
                 # in_flight + 1 ≤ ⌈x⌉ + slack ⇔ in_flight − slack < x, multiplied out as
                 # dispatch.lua does
                 if b.in_flight < b.limit and (b.in_flight - self.slack) * total < bound * b.limit:
                     return b, "affinity" if i == 0 else "overflow"
         best = None
         for b in self.backends:
-            if b.healthy and b.in_flight < b.limit and (best is None or b.load < best.load):
+            if (
+                b.healthy
+                and b.in_flight < b.limit
+                and (best is None or b.load < best.load)
+                and (admits is None or admits(b))  # last: a gate's judgement costs the most
+            ):
                 best = b
         return None if best is None else (best, "fallback")
+
+    def place_gated(
+        self, key: str | None, now: float, ceiling: float
+    ) -> tuple[Backend, Reason] | None:
+        """``place`` with engine dispatch: a backend whose gate does not admit a request of a
+        class of engine ``ceiling`` now counts as full. When that leaves none, each gate that
+        refused a backend with a free slot counts it once (``refused``): once per dispatch
+        attempt (a request, a completion, a reading), whatever waits."""
+        placed = self.place(key, lambda b: b.gate is None or b.gate.admit(now, ceiling).admit)
+        if placed is None:
+            for b in self.backends:
+                if b.gate is not None and b.healthy and b.in_flight < b.limit:
+                    b.refused[b.gate.admit(now, ceiling).reason] += 1
+        return placed
 
     def acquire(self, backend: Backend) -> None:
         if backend.in_flight >= backend.limit:
@@ -183,3 +216,33 @@ class Placement:
 
     def any_healthy(self) -> bool:
         return any(b.healthy for b in self.backends)
+
+
+def starting_slots(spec: BackendSpec) -> int:
+    """A backend's slots until its gate says (``set_gate``): ``slots``, or for ``auto`` its
+    ``capacity``, else 1."""
+    return spec.slots if isinstance(spec.slots, int) else spec.capacity or 1
+
+
+def set_gate(backend: Backend, policy: GatePolicy | None, now: float) -> None:
+    """Give ``backend`` an engine gate of ``policy`` (a reload keeps what one learned), or
+    take it away (None: static dispatch). A new gate is told of the requests already in
+    flight, as if just dispatched: it may then count their completions."""
+    if policy is None:
+        backend.gate = None
+        return
+    if backend.gate is None:
+        backend.gate = EngineGate(policy)
+        for _ in range(backend.in_flight):
+            backend.gate.dispatched(now)
+    backend.gate.policy = policy
+    gated_slots(backend)
+
+
+def gated_slots(backend: Backend) -> None:
+    """With ``slots: auto`` (its gate has no static ceiling), the slots placement counts: the
+    most the gate lets it hold, its capacity as far as known (at least ``fallback_slots``)
+    and the allowance waiting. Called when a reading or a reload may have changed them."""
+    gate = backend.gate
+    if gate is not None and gate.policy.slots is None:
+        backend.slots = gate.fallback() + gate.policy.allowance

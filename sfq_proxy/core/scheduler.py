@@ -113,6 +113,9 @@ class Scheduler:
         self._class_running: Counter[str] = Counter()
         # ("org" | "class", name) of each cap → the flows it applies to that may be queued
         self._capped_flows: dict[tuple[str, str], set[str]] = {}
+        # engine dispatch (docs/design.md §5): each class's engine ceiling, and placement
+        # asks the backends' gates; None: static slots alone, at no cost per request
+        self.ceilings: Mapping[str, float] | None = None
 
     def set_limits(
         self, org_caps: Mapping[str, int], class_caps: Mapping[str, int], rate: Rate | None
@@ -167,6 +170,8 @@ class Scheduler:
             check_actual(actual)
         ticket.backend = None
         self.placement.release(backend)
+        if backend.gate is not None:
+            backend.gate.completed(now)
         self.running -= 1
         self.flow_running[ticket.flow] -= 1
         if not self.flow_running[ticket.flow]:
@@ -203,7 +208,11 @@ class Scheduler:
         self.wake_at = None
         dispatched = []
         while (ticket := self._band_next() or _item(self.queue.peek())) is not None:
-            placed = self.placement.place(ticket.affinity)
+            if self.ceilings is None:
+                placed = self.placement.place(ticket.affinity)
+            else:
+                ceiling = self.ceilings.get(ticket.cls, 1.0)
+                placed = self.placement.place_gated(ticket.affinity, now, ceiling)
             if placed is None:
                 break
             backend, reason = placed
@@ -214,6 +223,8 @@ class Scheduler:
                 self.wake_at = now + wait
                 break
             self.placement.acquire(backend)  # the one step that checks: it goes first
+            if backend.gate is not None:
+                backend.gate.dispatched(now)
             if self._rate is not None:
                 self._rate.take(ticket.tokens, now)
             if self.throttle is not None:

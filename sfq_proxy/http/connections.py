@@ -92,7 +92,10 @@ HEAD_LATE = _raw_answer(_HEAD_LATE)
 
 def fd_reserve(config: Config) -> int:
     """The open files a process of ``config`` keeps for everything but its clients."""
-    backends = sum(b.slots + 1 for pool in config.pools.values() for b in pool.backends)
+    # a backend's requests, and its probe (with engine dispatch, a scrape too)
+    backends = sum(
+        pool.slots_of(b) + 1 + pool.engine for pool in config.pools.values() for b in pool.backends
+    )
     return BASE_FDS + backends + (REDIS_CONNECTIONS if config.state is not None else 0)
 
 

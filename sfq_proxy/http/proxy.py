@@ -28,6 +28,7 @@ from ..observability.metrics import Metrics
 from ..observability.worker_metrics import WorkerGroup
 from ..state import calibration_file, key_store
 from ..state.backends import State, open_state
+from ..state.engine_scrape import scrape_forever
 from ..state.pool import Memory, Pool
 from ..state.redis_calibration import CalibrationSync
 from ..state.redis_limits import SharedLimits
@@ -196,9 +197,9 @@ class Proxy:
         return self.reload(config)
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
-        """The connections to the backends (the relay's and the probes'), the health
-        probes, and the calibration saved periodically and at shutdown (and shared, with
-        Redis)."""
+        """The connections to the backends (the relay's, the probes' and the engine
+        scrapes'), the health probes, the engines' readings (engine dispatch), and the
+        calibration saved periodically and at shutdown (and shared, with Redis)."""
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
         # no cookie jar: a backend's cookie must not ride on other orgs' requests
         self.session = aiohttp.ClientSession(
@@ -211,6 +212,9 @@ class Proxy:
             await self.keys.start()
         self._tasks = [
             asyncio.create_task(p.probe_forever(self.session)) for p in self.pools.values()
+        ]
+        self._tasks += [  # engine dispatch's readings, beside the probes
+            asyncio.create_task(scrape_forever(p, self.session)) for p in self.pools.values()
         ]
         loops = [asyncio.create_task(loop) for loop in self.storage.loops()]
         self._tasks += [asyncio.create_task(loop) for loop in self.storage.background()]

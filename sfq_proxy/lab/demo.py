@@ -85,7 +85,8 @@ async def demo(
         spec = next(iter(demo_config(admin).pools.values()))
         sim_ports = {}
         for env, backend in zip(SIM_PORT_ENVS, spec.backends, strict=True):
-            sim = SimBackend(SimConfig(models=list(spec.models), max_num_seqs=backend.slots))
+            seqs = spec.slots_of(backend)
+            sim = SimBackend(SimConfig(models=list(spec.models), max_num_seqs=seqs))
             await sim.start(host="127.0.0.1", port=0)
             stack.push_async_callback(sim.stop)
             sim_ports[env] = sim.port

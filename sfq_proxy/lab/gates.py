@@ -1,11 +1,11 @@
 """Engine-gated dispatch in the simulator: the core's ``EngineGate`` per backend, fed with
-readings of the simulated engine (docs/engine-dispatch-draft.md, for design.md §5).
+readings of the simulated engine (docs/design.md §5, Engine-aware dispatch).
 
-The rule is the core's, not a copy: each backend has an ``EngineGate`` of the pool's
-``GatePolicy`` (``PoolModel.gate_policy``), told of every dispatch and completion and of
-every reading, and asked before a request goes to the backend, with the ceiling of the
-request's class. What the lab adds is the I/O the proxy's scrape loop does: a reading of
-the engine (``reading_of``) every ``interval_s`` of virtual time, answered
+The rule and its wiring are the proxy's, not a copy: each backend of the core's
+``Placement`` gets an ``EngineGate`` of the pool's ``GatePolicy`` (``PoolModel.gate_policy``),
+and the core's ``Scheduler`` asks it with each request's class ceiling and tells it of every
+dispatch and completion. What the lab adds is the I/O the proxy's scrape loop does: a
+reading of the engine (``reading_of``) every ``interval_s`` of virtual time, answered
 ``scrape_delay_s`` after it was asked (the simulator's events).
 """
 
@@ -13,15 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from ..config import BackendSpec
-from ..core.engine_gate import EngineGate, GatePolicy
+from ..core.engine_gate import GatePolicy
 from ..core.engine_metrics import EngineReading
-from ..core.placement import Backend, Placement, Reason
-from ..core.queues import DispatchQueue
-from ..core.scheduler import Ticket
+from ..core.placement import Placement, gated_slots, set_gate
 from ..sim.engine import EngineScheduler
 
-__all__ = ["GatedPlacement", "reading_of"]
+__all__ = ["equip", "observe", "reading_of"]
 
 
 def reading_of(engine: EngineScheduler) -> EngineReading:
@@ -40,48 +37,22 @@ def reading_of(engine: EngineScheduler) -> EngineReading:
     )
 
 
-class GatedPlacement(Placement):
-    """``Placement`` whose backends count as full while their engine gate does not admit
-    the request being placed: the proxy's rule with ``dispatch.mode: engine``.
+def equip(placement: Placement, policy: GatePolicy) -> None:
+    """Give each backend an engine gate of ``policy``, as the proxy's pool does in engine
+    mode (``core/placement.py``'s ``set_gate``): the scheduler then asks them with each
+    request's class ceiling and tells them of every dispatch and completion."""
+    for backend in placement.backends:
+        set_gate(backend, policy, 0.0)
 
-    The scheduler asks ``place`` for the head of its queue (the lab has no strict band), so
-    that head's class gives the ceiling. The caller sets ``now`` before each call into the
-    scheduler: placement is told no time, the gates need one."""
 
-    def __init__(
-        self,
-        specs: list[BackendSpec],
-        policy: GatePolicy,
-        queue: DispatchQueue[Ticket],
-        ceilings: Mapping[str, float],
-    ) -> None:
-        super().__init__(specs)
-        self.gates = {b.name: EngineGate(policy) for b in self.backends}
-        self.queue = queue
-        self.ceilings = ceilings  # class → engine_ceiling
-        self.now = 0.0
-
-    def place(self, key: str | None = None) -> tuple[Backend, Reason] | None:
-        """Placement's own rule (least loaded, affinity) over the backends whose gates admit
-        one more of the head's class now: the others are out of the list for this call."""
-        head = self.queue.peek()
-        ceiling = 1.0 if head is None else self.ceilings.get(head[1].cls, 1.0)
-        every = self.backends
-        self.backends = [b for b in every if self.gates[b.name].admit(self.now, ceiling).admit]
-        try:
-            return super().place(key)
-        finally:
-            self.backends = every
-
-    def acquire(self, backend: Backend) -> None:
-        super().acquire(backend)
-        self.gates[backend.name].dispatched(self.now)
-
-    def release(self, backend: Backend) -> None:
-        super().release(backend)
-        self.gates[backend.name].completed(self.now)
-
-    def observe(self, readings: Mapping[str, EngineReading], requested_at: float) -> None:
-        """The answers to the scrapes asked at ``requested_at``, arriving ``now``."""
-        for name, reading in readings.items():
-            self.gates[name].observe(reading, requested_at, self.now)
+def observe(
+    placement: Placement, readings: Mapping[str, EngineReading], requested_at: float, now: float
+) -> None:
+    """The answers to the scrapes asked at ``requested_at``, arriving ``now``: each gate
+    hears its engine's, and a backend with ``slots: auto`` counts the slots it now allows,
+    as the proxy's scrape loop does (``state/engine_scrape.py``)."""
+    for backend in placement.backends:
+        reading = readings.get(backend.name)
+        if reading is not None and backend.gate is not None:
+            backend.gate.observe(reading, requested_at, now)
+            gated_slots(backend)

@@ -43,7 +43,7 @@ from ..core.placement import Placement
 from ..core.queues import DispatchQueue
 from ..core.scheduler import Scheduler, Ticket
 from ..sim.engine import Changes, EngineRequest
-from .gates import GatedPlacement, reading_of
+from .gates import equip, observe, reading_of
 from .scenario import PoolModel, Request, Scenario, Served
 
 __all__ = [
@@ -61,8 +61,6 @@ POOL = "lab"  # the pool's name, in the simulator as in the proxy config of a re
 # at one instant: completions, then tokens taking cache, then a scrape asked (it sees
 # them), then a reading's answer, then pacing, then arrivals
 _FINISH, _TOKEN, _SCRAPE, _READING, _PUMP, _ARRIVE = 0, 1, 2, 3, 4, 5
-# placement's slots of a backend with ``slots: auto``: no static ceiling, the gate decides
-AUTO_SLOTS = 1 << 30
 
 
 def cost_spec(pool: PoolModel) -> CostSpec:
@@ -286,16 +284,21 @@ def simulate(
     every event that changed it.
     """
     pool = scenario.pool
-    slots = AUTO_SLOTS if pool.slots == "auto" else pool.slots
     specs = [
-        BackendSpec(url=f"http://backend-{i}.sim", slots=slots, name=f"backend-{i}")
+        BackendSpec(
+            url=f"http://backend-{i}.sim",
+            slots=pool.slots,
+            capacity=pool.capacity,
+            name=f"backend-{i}",
+        )
         for i in range(pool.backends)
     ]
-    gated: GatedPlacement | None = None
-    if pool.dispatch.engine:
-        ceilings = {team.cls: team.engine_ceiling for team in scenario.teams}
-        gated = GatedPlacement(specs, pool.gate_policy(), policy, ceilings)
-    scheduler = Scheduler(gated or Placement(specs), queue=policy)
+    placement = Placement(specs)
+    scheduler = Scheduler(placement, queue=policy)
+    gated = pool.dispatch.engine
+    if gated:
+        equip(placement, pool.gate_policy())
+        scheduler.ceilings = {team.cls: team.engine_ceiling for team in scenario.teams}
     engines = _Engines(pool, [spec.name or spec.url for spec in specs])
     costs = cost_model(cost_spec(pool))
     teams = {team.name: team for team in scenario.teams}
@@ -308,7 +311,7 @@ def simulate(
     unarrived = len(heap)
     interval, delay = pool.dispatch.interval_s, pool.dispatch.scrape_delay_s
     scrapes = 0  # asked so far: the k-th is asked at k × interval − delay, answered at k × interval
-    if gated is not None:
+    if gated:
         heap.append((-delay, _SCRAPE, seq, None, 0))
         seq += 1
     heapq.heapify(heap)
@@ -355,15 +358,12 @@ def simulate(
         now, kind, _, job, run = heapq.heappop(heap)
         if isinstance(job, _Job) and run != job.run:
             continue  # an event of a run a preemption ended
-        if gated is not None:
-            gated.now = now
         if kind == _SCRAPE:
             scrape(now)
             continue
         if kind == _READING:
             assert isinstance(job, _Readings)
-            assert gated is not None
-            gated.observe(job.readings, job.requested_at)
+            observe(placement, job.readings, job.requested_at, now)
             dispatched = scheduler.pump(now)
         elif kind == _TOKEN:
             assert isinstance(job, _Job)

@@ -66,6 +66,17 @@ HISTOGRAMS = {
                                  "for requests dispatched to a backend", WAIT_BUCKETS),
 }  # fmt: skip
 
+# engine dispatch's gauges per backend (sfq_engine_<name>): its last usable reading
+ENGINE_GAUGES = {
+    "running": "Requests the engine ran at its last usable reading",
+    "waiting": "Requests waiting in the engine's own queue at its last usable reading",
+    "kv_usage": "The engine's KV cache in use at its last usable reading (1 is full)",
+    "reading_age_seconds": "Time since the last usable reading was requested (past the "
+    "pool's dispatch.max_age_s: static slots)",
+    "capacity": "Requests the gate takes the engine to run at once (configured, reported or "
+    "learned)",
+}
+
 Key = tuple[str, str, str]  # (org, class, pool) as labelled
 
 
@@ -226,6 +237,7 @@ class Metrics(Collector):
         yield from self._flow_histograms()
         yield from self._flow_gauges()
         yield from self._backend_metrics()
+        yield from self._engine_metrics()
         yield from self._provider_metrics()
         yield from self._calibration_metrics()
         yield from self._budget_metrics()
@@ -379,3 +391,39 @@ class Metrics(Collector):
                 if hist is not None:
                     first_byte.add_metric([pool_name, b.name], hist.cumulative(), hist.total)
         yield from (slots, busy, healthy, first_byte, placements)
+
+    def _engine_metrics(self) -> Iterable[Metric]:
+        """Engine dispatch (docs/design.md §5): each gated backend's last usable reading,
+        its age, the gate's capacity, and the dispatch attempts its gate refused while a
+        static slot was free. A reading's gauges are absent until there is one."""
+        labels = ["pool", "backend"]
+        gauges = {
+            name: GaugeMetricFamily(f"sfq_engine_{name}", doc, labels=labels)
+            for name, doc in ENGINE_GAUGES.items()
+        }
+        gated = CounterMetricFamily(
+            "sfq_dispatch_gated",
+            "Dispatch attempts (a request, a completion, a reading) in which the engine's "
+            "gate refused a backend with a free slot, by reason: engine_queue, kv_cache, "
+            "capacity, stale",
+            labels=[*labels, "reason"],
+        )
+        for pool_name, pool in self._pools.items():
+            now = pool.clock()
+            for b in pool.placement.backends:
+                gate = b.gate
+                if gate is None:
+                    continue
+                at = [pool_name, b.name]
+                gauges["capacity"].add_metric(at, gate.capacity())
+                for reason, n in sorted(b.refused.items()):
+                    gated.add_metric([*at, reason], n)
+                reading = gate.reading
+                if reading is None:
+                    continue
+                gauges["reading_age_seconds"].add_metric(at, now - gate.requested_at)
+                for name in ("running", "waiting", "kv_usage"):
+                    value = getattr(reading, name)
+                    if value is not None:
+                        gauges[name].add_metric(at, value)
+        yield from (*gauges.values(), gated)

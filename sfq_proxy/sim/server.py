@@ -311,7 +311,12 @@ class SimBackend:
         """vLLM's scheduler metrics, labelled as vLLM labels them (``engine="0"`` and the
         first served model name): the batch, the engine's queue (every request accepted and
         not in the batch: waiting for room, held, or preempted), the KV cache in use, the
-        preemptions, and the prompt and generated tokens."""
+        preemptions, and the prompt and generated tokens. The faults may delay it, or make
+        it another status (an engine whose metrics are broken or gone)."""
+        if self.faults.metrics_delay_s:
+            await asyncio.sleep(self.faults.metrics_delay_s)
+        if self.faults.metrics_status != 200:
+            return error_response(self.faults.metrics_status, "Injected failure (metrics)")
         label = f'engine="0",model_name="{self.config.models[0]}"'
         s = self.stats
         series: list[tuple[str, str, str, list[tuple[str, float]]]] = [

@@ -149,11 +149,14 @@ class Faults:
     die_after_tokens: int | None = None
     refuse_connections: bool = False
     health_status: int = 200
+    # /metrics: its status (vLLM's answer, or a broken one) and how long it hangs first
+    metrics_status: int = 200
+    metrics_delay_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.fail_rate <= 1.0:
             raise ValueError("fail_rate must be within [0, 1]")
-        for status in (self.fail_status, self.health_status):
+        for status in (self.fail_status, self.health_status, self.metrics_status):
             if not isinstance(status, int) or status < 200 or status not in HTTP_STATUSES:
                 raise ValueError(f"{status!r} is not a final HTTP status code")
         die = self.die_after_tokens
@@ -161,6 +164,9 @@ class Faults:
             raise ValueError("die_after_tokens must be None or an int >= 0")
         if not isinstance(self.refuse_connections, bool):
             raise ValueError("refuse_connections must be a bool")
+        delay = self.metrics_delay_s
+        if isinstance(delay, bool) or not isinstance(delay, int | float) or not 0 <= delay < 3600:
+            raise ValueError("metrics_delay_s must be seconds in [0, 3600)")
 
 
 @dataclass(slots=True)

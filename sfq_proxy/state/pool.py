@@ -25,6 +25,7 @@ from ..core.placement import Backend, Placement
 from ..core.queue_memory import QueueMemory, evicted
 from ..core.scheduler import Scheduler, Ticket
 from ..core.throttle import Throttle
+from .engine_scrape import engine_state, equip
 
 if TYPE_CHECKING:
     from .redis_limits import Intake
@@ -127,6 +128,7 @@ class Pool:
             rate=rate,
             throttle=self.throttle,
         )
+        equip(self)  # engine dispatch: the backends' gates (engine_scrape.py)
         self.calibration = calibration
         self.cost = CostModel(spec.cost, f"pools.{name}.cost", pool=name, calibration=calibration)
         self.upstream_key = config.upstream_key(name)
@@ -152,6 +154,7 @@ class Pool:
         self.placement.load_factor = affinity.load_factor if affinity else None
         self.placement.slack = affinity.slack if affinity else 0
         self.scheduler.set_limits(*pool_limits(config, self.spec))
+        equip(self)
         self.memory.limit = config.limits.queue_memory_bytes  # newcomers see it; none leaves
         for view in self.scheduler.queue.flows():
             org, cls = org_and_class(view.flow)
@@ -402,6 +405,7 @@ class Pool:
                     "in_flight": b.in_flight,
                     "healthy": b.healthy,
                     "failures": b.failures,
+                    "engine": engine_state(b, now),
                 }
                 for b in self.placement.backends
             ],

@@ -490,12 +490,12 @@ ERROR_CASES: list[tuple[str, Mutation, str]] = [
     (
         "slots as string",
         _set("pools.llama-8b.backends.0.slots", "32"),
-        "pools.llama-8b.backends[0].slots: expected an integer",
+        "pools.llama-8b.backends[0].slots: expected an integer, or auto",
     ),
     (
         "slots fractional",
         _set("pools.llama-8b.backends.0.slots", 2.5),
-        "pools.llama-8b.backends[0].slots: expected an integer",
+        "pools.llama-8b.backends[0].slots: expected an integer, or auto",
     ),
     (
         "weight as string",

@@ -186,10 +186,17 @@ def test_the_least_known_capacity_wins() -> None:
     assert g.capacity() == 4
 
 
-def test_until_a_capacity_is_known_slots_are_trusted_and_auto_ramps() -> None:
+def test_until_a_capacity_is_known_the_gate_ramps_slots_or_not() -> None:
+    """``slots`` is a ceiling, not what the engine runs: with slots 16 and an idle engine
+    the gate lets one in (the idle engine's), and then only what it has seen running plus the
+    allowance, as with ``auto``."""
     g = gate(slots=16)
     g.observe(reading(0), requested_at=0.0, now=0.0)
-    send(g, 0.0, 16)
+    send(g, 0.0, 1)  # an idle engine takes one; nothing seen running yet: no more
+    assert g.admit(0.0).reason == "engine_queue"
+    g.observe(reading(1), requested_at=0.1, now=0.1)
+    send(g, 0.1, 1)  # it ran that one: one more (1 seen running + the allowance)
+    assert g.admit(0.1).reason == "engine_queue"
     auto = gate(allowance=2)
     auto.observe(reading(3), requested_at=0.0, now=0.0)
     send(auto, 0.0, 2)  # 3 seen running + the allowance

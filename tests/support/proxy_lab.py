@@ -83,11 +83,18 @@ def _band_only_where_it_fits(data: dict[str, Any]) -> None:
     (docs/design.md §3), so a 1-slot pool, or a 4-slot one with the default cap 4, has none."""
     classes = data.get("classes") or {n: c.model_dump() for n, c in default_classes().items()}
     cap = classes.get("system", {}).get("max_in_flight")
-    slots = min(sum(b["slots"] for b in pool["backends"]) for pool in data["pools"].values())
+    slots = min(sum(_slots(b) for b in pool["backends"]) for pool in data["pools"].values())
     if cap is not None and cap >= slots:
         for key in data["keys"]:
             if key.get("key") == KEYS["OPS"]:
                 key["classes"] = [c for c in key["classes"] if c != "system"]
+
+
+def _slots(backend: dict[str, Any]) -> int:
+    """A backend's slots as the band's check counts them: ``slots: auto`` as its capacity,
+    else 1 (``dispatch.fallback_slots``' default)."""
+    slots = backend["slots"]
+    return slots if isinstance(slots, int) else backend.get("capacity", 1)
 
 
 @dataclass(frozen=True)

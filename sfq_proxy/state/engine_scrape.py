@@ -1,0 +1,170 @@
+"""Engine dispatch's I/O (docs/design.md §5, "Engine-aware dispatch"): each backend's own
+``/metrics`` read every ``interval_s``, its gate told, the pool's dispatch tried again.
+
+The decisions are the core's (``core/engine_gate.py``, ``core/engine_metrics.py``); this
+module only fetches, times and hands over. A failed scrape (a timeout, a refused
+connection, a 404 or a 5xx, a body over ``max_bytes``) is a reading without numbers: the
+gate's last one ages until it is stale and the backend falls back to static slots.
+Dispatch never waits for a scrape, nor stops because one failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import aiohttp
+
+from ..config import BackendSpec, Config, DispatchSpec, PoolSpec
+from ..core.engine_gate import GatePolicy
+from ..core.engine_metrics import EngineReading, parse, unavailable
+from ..core.placement import Backend, Placement, gated_slots, set_gate
+from ..core.scheduler import Scheduler
+
+
+class Pool(Protocol):
+    """What of a pool (``pool.py``) the scrapes use: named here, since that module imports
+    this one."""
+
+    name: str
+    spec: PoolSpec
+    config: Config
+    clock: Callable[[], float]
+    placement: Placement
+    scheduler: Scheduler
+    upstream_key: str | None
+
+    def pump(self) -> None: ...
+
+
+log = logging.getLogger(__name__)
+
+CHUNK = 65536
+# an identity body: the relay's session does not decompress, and the bound is on the bytes
+HEADERS = {"Accept-Encoding": "identity"}
+
+
+def gate_policy(dispatch: DispatchSpec, backend: BackendSpec) -> GatePolicy:
+    """A backend's gate rule: the pool's ``dispatch`` section and its own ``slots``."""
+    return GatePolicy(
+        slots=backend.slots if isinstance(backend.slots, int) else None,
+        capacity=backend.capacity,
+        allowance=dispatch.allowance,
+        max_age_s=dispatch.max_age_s,
+        kv_ceiling=dispatch.kv_ceiling,
+        fallback_slots=dispatch.fallback_slots,
+        settle_s=dispatch.settle_s,
+    )
+
+
+def equip(pool: Pool) -> None:
+    """Gates for the pool's backends, and its scheduler's class ceilings, as its config says
+    (at start and on a reload; what a gate learned stays). Static dispatch takes them away:
+    the scheduler then asks no gate."""
+    spec, now = pool.spec, pool.clock()
+    for backend, backend_spec in zip(pool.placement.backends, spec.backends, strict=True):
+        policy = gate_policy(spec.dispatch, backend_spec) if spec.engine else None
+        set_gate(backend, policy, now)
+    classes = pool.config.classes
+    ceilings = {name: c.engine_ceiling for name, c in classes.items()}
+    pool.scheduler.ceilings = ceilings if spec.engine else None
+
+
+async def scrape_forever(pool: Pool, session: aiohttp.ClientSession) -> None:
+    """Start a scrape of every gated, healthy backend each ``interval_s``, unless its last
+    one still runs (a hanging backend delays no other). A pool in static dispatch keeps the
+    loop, so that a reload may turn engine dispatch on."""
+    running: dict[Backend, asyncio.Task[None]] = {}
+    try:
+        while True:
+            running = {b: task for b, task in running.items() if not task.done()}
+            for backend in pool.placement.backends:
+                if backend.gate is not None and backend.healthy and backend not in running:
+                    running[backend] = asyncio.create_task(scrape(pool, session, backend))
+            await asyncio.sleep(pool.spec.dispatch.interval_s)
+    finally:
+        for task in running.values():
+            task.cancel()
+
+
+async def scrape(pool: Pool, session: aiohttp.ClientSession, backend: Backend) -> None:
+    """One reading of ``backend``'s engine, handed to its gate with the time read *before*
+    sending (what the reading may have missed is counted from then); then the pool tries
+    to dispatch again, as a reading may open the gate (or a failure turn it stale)."""
+    dispatch = pool.spec.dispatch
+    headers = dict(HEADERS)
+    if pool.upstream_key:
+        headers["Authorization"] = f"Bearer {pool.upstream_key}"
+    requested_at = pool.clock()
+    try:
+        reading = await read_metrics(
+            session, backend.base + dispatch.metrics_path, pool.spec.family, dispatch, headers
+        )
+    except Exception:  # a bug must not end the loop: the backend's readings age instead
+        log.exception("pool %s: reading backend %s's metrics failed", pool.name, backend.name)
+        reading = unavailable("no_metrics")
+    gate = backend.gate
+    if gate is None:  # a reload turned engine dispatch off meanwhile
+        return
+    was = gate.problem
+    gate.observe(reading, requested_at, pool.clock())
+    if gate.problem != was and (gate.problem is None or was is None):
+        log.warning(
+            "pool %s: backend %s's engine metrics %s", pool.name, backend.name,
+            "are read again" if gate.problem is None else f"unusable ({gate.problem})",
+        )  # fmt: skip
+    gated_slots(backend)
+    pool.pump()
+
+
+async def read_metrics(
+    session: aiohttp.ClientSession,
+    url: str,
+    family: str,
+    dispatch: DispatchSpec,
+    headers: dict[str, str],
+) -> EngineReading:
+    """GET ``url`` within ``timeout_s``, at most ``max_bytes`` of it read, parsed as
+    ``family``'s metrics; any failure is a reading without numbers."""
+    limit = aiohttp.ClientTimeout(total=dispatch.timeout_s)
+    body = bytearray()
+    try:
+        async with session.get(url, headers=headers, timeout=limit) as answer:
+            if answer.status != 200:
+                return unavailable("no_metrics")
+            if (answer.content_length or 0) > dispatch.max_bytes:
+                return unavailable("too_large")
+            async for chunk in answer.content.iter_chunked(CHUNK):
+                body += chunk
+                if len(body) > dispatch.max_bytes:
+                    return unavailable("too_large")
+    except (aiohttp.ClientError, TimeoutError):
+        return unavailable("no_metrics")
+    return parse(family, bytes(body), max_bytes=dispatch.max_bytes)
+
+
+def engine_state(backend: Backend, now: float) -> dict[str, Any] | None:
+    """A backend's engine in ``/admin/state``: its last usable reading and how old it is,
+    why the last scrape gave none (if so), the gate's capacity and its estimate now, and
+    the dispatches it refused; None in static dispatch."""
+    gate = backend.gate
+    if gate is None:
+        return None
+    reading, estimate = gate.reading, gate.estimate(now)
+    return {
+        "reading": None if reading is None else {
+            "running": reading.running, "waiting": reading.waiting,
+            "waiting_for_capacity": reading.waiting_for_capacity,
+            "kv_usage": reading.kv_usage, "capacity": reading.capacity,
+        },
+        "age_s": None if reading is None else now - gate.requested_at,
+        "fresh": gate.fresh(now),
+        "problem": gate.problem,
+        "capacity": gate.capacity(),
+        "estimate": None if estimate is None else {
+            "running": estimate.running, "waiting": estimate.waiting, "credit": estimate.credit,
+        },
+        "refused": dict(backend.refused),
+    }  # fmt: skip
