@@ -2,7 +2,7 @@
 
 Apart from ``scenario.py`` (the teams, classes and requests) because the pool is what the
 lab compares settings of: the proxy's static ``slots`` against engine-gated dispatch
-(``dispatch: {mode: engine, …}``, docs/engine-dispatch-draft.md, for design.md §5), on the same
+(``dispatch: {mode: engine, …}``, docs/design.md §5, Engine-aware dispatch), on the same
 engine (``sim/engine.py``: its batch ``max_num_seqs``, KV cache, scheduling policy). The
 ``dispatch`` section has the names and bounds of the proxy's ``pools.<p>.dispatch`` and
 becomes the core's own ``GatePolicy``, so the simulator's gate is the proxy's gate; only
