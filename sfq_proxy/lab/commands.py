@@ -38,7 +38,7 @@ from .policies import (
     make_policy,
     trues_up,
 )
-from .pool import DispatchMode
+from .pool import Dispatch, DispatchMode
 from .scenario import Scenario, Served, Team, load_scenario
 from .simulator import POOL, EngineSample, cost_of, simulate
 
@@ -137,18 +137,22 @@ def team_keys(scenario: Scenario) -> dict[str, str]:
     return {team.name: f"sk-lab-{team.name}" for team in scenario.teams}
 
 
-def proxy_config(scenario: Scenario, backend_urls: Sequence[str]) -> Config:
-    """The proxy's config for ``scenario``: its flows' weights and its classes' size buckets,
-    and nothing the simulator does not model (no caps, rate limits, queue limits or
-    deadlines)."""
+def proxy_config(
+    scenario: Scenario, backend_urls: Sequence[str], time_scale: float = 1.0
+) -> Config:
+    """The proxy's config for ``scenario``: its flows' weights, its classes' size buckets,
+    engine ceilings and priorities, its pool's dispatch (engine dispatch's periods in real
+    seconds: ``time_scale`` times shorter, within the proxy's bounds), and nothing the
+    simulator does not model (no caps, rate limits, queue limits or deadlines)."""
     org_weights: dict[str, float] = {}
     for team in scenario.teams:
         if org_weights.setdefault(team.org, team.weight) != team.weight:
             raise ValueError(f"org {team.org} has teams of different weights: not expressible")
     keys = team_keys(scenario)
     pool = scenario.pool
-    slots = pool.slots
-    assert slots != "auto"  # engine dispatch only, which a real run refuses (check_replayable)
+    backend: dict[str, Any] = {"slots": pool.slots}
+    if pool.capacity is not None:
+        backend["capacity"] = pool.capacity
     data: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "keys": [{"key": keys[t.name], "org": t.org, "classes": [t.cls]} for t in scenario.teams],
@@ -163,7 +167,8 @@ def proxy_config(scenario: Scenario, backend_urls: Sequence[str]) -> Config:
                     "output_ratio": pool.output_ratio,
                 },
                 "timeouts": {"first_byte_s": 3600},
-                "backends": [{"url": url, "slots": slots} for url in backend_urls],
+                "backends": [{"url": url, **backend} for url in backend_urls],
+                **_dispatch_section(pool.dispatch, time_scale),
             }
         },
         "retry": {"budget_ratio": 0},
@@ -173,11 +178,29 @@ def proxy_config(scenario: Scenario, backend_urls: Sequence[str]) -> Config:
 
 def _class_section(team: Team) -> dict[str, Any]:
     """A team's class in the proxy's config: weight 1 (the org carries the team's weight),
-    and its size buckets."""
-    if team.size_buckets is None:
-        return {"weight": 1}
-    buckets = list(team.size_buckets)
-    return {"weight": 1, "size_buckets": buckets, "max_overtaken": team.max_overtaken}
+    its size buckets, its engine ceiling and its engine priority."""
+    section: dict[str, Any] = {"weight": 1, "engine_ceiling": team.engine_ceiling}
+    if team.engine_priority:
+        section["engine_priority"] = team.engine_priority
+    if team.size_buckets is not None:
+        section |= {"size_buckets": list(team.size_buckets), "max_overtaken": team.max_overtaken}
+    return section
+
+
+def _dispatch_section(dispatch: Dispatch, time_scale: float) -> dict[str, Any]:
+    """The pool's ``dispatch`` section: none for static dispatch; engine dispatch's periods
+    scaled to real seconds, at least the proxy's shortest interval (0.05 s), its age bound
+    four intervals at least and its scrape's timeout half of it."""
+    if not dispatch.engine:
+        return {}
+    interval = max(0.05, dispatch.interval_s / time_scale)
+    max_age = max(4 * interval, dispatch.max_age_s / time_scale)
+    return {"dispatch": {
+        "mode": "engine", "interval_s": interval, "max_age_s": max_age,
+        "timeout_s": max_age / 2, "allowance": dispatch.allowance,
+        "kv_ceiling": dispatch.kv_ceiling, "settle_s": dispatch.settle_s / time_scale,
+        "fallback_slots": dispatch.fallback_slots,
+    }}  # fmt: skip
 
 
 async def run_real(
@@ -207,7 +230,7 @@ async def run_real(
         for _ in range(pool.backends):
             sim = await stack.enter_async_context(SimBackend(sim_config))
             urls.append(sim.url)
-        runner = await stack.enter_async_context(running(proxy_config(scenario, urls)))
+        runner = await stack.enter_async_context(running(proxy_config(scenario, urls, time_scale)))
         if on_start is not None:
             on_start(runner.app[PROXY])
         served, refused = await run_load(

@@ -97,17 +97,7 @@ async def run_load(
 def check_replayable(scenario: Scenario) -> None:
     """Raise ValueError if ``scenario`` has requests a real run cannot send as they are: with
     hidden input tokens, which the proxy would see (it prices the prompt the simulated
-    server counts), so a real run would measure another workload. Nor can it set what the
-    lab's proxy config does not have yet: engine dispatch, classes' engine priorities."""
-    if scenario.pool.dispatch.engine:
-        raise ValueError(
-            "pool.dispatch.mode: a real run configures the proxy with static slots only; "
-            "simulate engine dispatch instead"
-        )
-    prioritized = sorted({t.cls for t in scenario.teams if t.engine_priority})
-    if prioritized:
-        fields = ", ".join(f"classes.{cls}.engine_priority" for cls in prioritized)
-        raise ValueError(f"{fields}: a real run does not send engine priorities; simulate instead")
+    server counts), so a real run would measure another workload."""
     hidden = sorted({r.team for r in scenario.requests if r.hidden_input_tokens})
     if hidden:
         fields = ", ".join(f"teams.{team}.hidden_input_tokens" for team in hidden)

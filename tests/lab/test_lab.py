@@ -19,6 +19,7 @@ from sfq_proxy.lab.commands import (
     default_quantum,
     run_real,
     simulate_all,
+    with_dispatch,
     with_max_overtaken,
     with_slots,
 )
@@ -512,6 +513,21 @@ async def test_the_real_proxy_shows_the_engines_queue_as_the_simulator_does() ->
     assert sim[16] > 2.5 * sim[4]
     assert real[16] > 2 * real[4], real
     assert 0.5 <= real[16] / sim[16] <= 2.5, (real, sim)  # 1.5-1.7 on an idle machine
+
+
+async def test_the_real_proxy_in_engine_dispatch_keeps_the_engines_queue_short() -> None:
+    """The same scenario through the real proxy in engine dispatch, its 16 slots a ceiling:
+    the proxy reads the simulated vLLM's /metrics and sends only what the engine runs (and
+    the allowance), so chat's answers take what they take with the engine's 4 static slots,
+    not the 16's (the simulator says the same); every request is served once."""
+    scenario = with_dispatch(with_slots(parse_scenario(SMALL_ENGINE, ROOT), 16), "engine")
+    sim = done_p50(sfq_run(scenario)[0], "chat")
+    static = await run_real(with_slots(parse_scenario(SMALL_ENGINE, ROOT), 16), time_scale=20)
+    engine = await run_real(scenario, time_scale=20)
+    assert sorted(s.request.id for s in engine) == list(range(len(scenario.requests)))
+    static_sim = done_p50(sfq_run(with_slots(parse_scenario(SMALL_ENGINE, ROOT), 16))[0], "chat")
+    assert sim < 0.5 * static_sim
+    assert done_p50(engine, "chat") < 0.5 * done_p50(static, "chat")
 
 
 def test_simulate_overrides_the_slots_and_prints_the_engines_queue() -> None:
