@@ -78,3 +78,12 @@ def test_no_module_is_over_the_length_one_reads() -> None:
 def test_every_subpackage_has_its_place_in_the_layers() -> None:
     subpackages = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert subpackages == set(LAYERS)
+
+
+def test_test_modules_have_names_of_their_own() -> None:
+    """tests/ mirrors the package, one folder a subpackage, with no ``__init__.py``: pytest
+    imports each test module by its name alone, so two of one name in two folders would not
+    both run (the second fails to collect)."""
+    names = [p.name for p in (PACKAGE.parent / "tests").rglob("test_*.py")]
+    assert len(names) > 100
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
