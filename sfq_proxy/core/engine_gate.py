@@ -272,6 +272,16 @@ class EngineGate:
         kv = self.reading.kv_usage
         if policy.kv_ceiling is not None and kv is not None and kv >= ceiling * policy.kv_ceiling:
             return Decision(False, "kv_cache")
-        if ceiling < 1 and est.load + 1 > max(1, math.floor(ceiling * est.capacity + 1e-9)):
+        share = max(1, math.floor(ceiling * est.capacity + 1e-9))
+        if ceiling < 1 and self.bounded() and est.load + 1 > share:
             return Decision(False, "capacity")
         return OK
+
+    def bounded(self) -> bool:
+        """Whether the engine's capacity is known (configured, reported, or shown by
+        saturation) rather than ramped to. A class ceiling applies to a known capacity only:
+        applied to the ramp, a class below 1 sending alone held it at what it had seen
+        running (⌊0.75 × 1⌋ = 1, for ever: found on a real vLLM); while ramping, the
+        allowance alone bounds what waits in the engine."""
+        policy = self.policy
+        return policy.capacity is not None or self.reported is not None or self.saturated

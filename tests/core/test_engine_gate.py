@@ -584,3 +584,23 @@ def test_however_late_completions_are_heard_the_engine_queues_at_most_the_allowa
         horizon=40.0 + 2 * capacity * interval, durations=(1.0, 4.0),
     )  # fmt: skip
     assert trace.first_full is not None
+
+
+def test_a_class_below_one_sending_alone_still_ramps_and_then_keeps_its_share() -> None:
+    """A ceiling applies to a known capacity: batch at 0.75 alone on an engine of 8 ramps
+    (a ceiling applied to the ramp held it at ⌊0.75 × 1⌋ = 1 for ever, on a real vLLM), and
+    once the engine has shown its 8 (running 8, one waiting), batch stays at 6 as its
+    requests end."""
+    g, now, most = gate(), 0.0, 0
+    for _ in range(40):  # a reading a second; once it is known, a request ends after each
+        now += 1.0
+        running, waiting = min(g.in_flight, 8), max(0, g.in_flight - 8)
+        g.observe(reading(running, waiting), requested_at=now, now=now)
+        while g.admit(now, 0.75).admit:
+            g.dispatched(now)
+        most, held = max(most, g.in_flight), g.in_flight
+        if g.bounded():
+            g.completed(now + 0.5)
+    assert most == 9  # it ramped to the engine's batch and the allowance
+    assert g.capacity() == 8
+    assert held == 6  # then 0.75 × 8
