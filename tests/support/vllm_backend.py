@@ -95,6 +95,7 @@ class VllmServer(ServerProcess):
     """One vLLM API server: eager mode, the uni executor, one OpenMP thread, 64 MiB of KV."""
 
     max_num_seqs: int = 16
+    scheduling_policy: str = "fcfs"  # "priority": a request's `priority` orders vLLM's queue
     family = "vllm"
     ready_within_s = 300.0
     env: dict[str, str] = field(default_factory=lambda: dict(SERVER_ENV))
@@ -107,6 +108,7 @@ class VllmServer(ServerProcess):
             "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
             "--max-num-seqs", str(self.max_num_seqs), "--kv-cache-memory-bytes", str(64 << 20),
             "--enforce-eager", "--distributed-executor-backend", "uni",
+            "--scheduling-policy", self.scheduling_policy,
         ]  # fmt: skip
 
 

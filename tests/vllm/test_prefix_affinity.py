@@ -19,29 +19,15 @@ hashes the conversations anew and how many overflow the bounded load varies with
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
+import benches
 import pytest
 from vllm_backend import VllmServer
 
 pytestmark = pytest.mark.vllm
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "prefix_affinity.py"
 ROUNDS = 3  # pooled: one round's gap moves with where its random nonce hashes each chat
-
-
-def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("prefix_affinity", BENCH)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def pooled(runs: list[Any], mode: str) -> float:
@@ -53,7 +39,7 @@ def pooled(runs: list[Any], mode: str) -> float:
 async def test_affinity_hits_vllms_prefix_cache_more_than_least_loaded(
     vllm_servers: list[VllmServer],
 ) -> None:
-    module = bench()
+    module = benches.load("prefix_affinity")
     workload = module.Workload(
         orgs=4, conversations=4, turns=4, max_tokens=4, system_words=40, question_words=60,
         think_ms=300,
