@@ -40,7 +40,8 @@ def serve_workers(config: Config, config_path: Path, workers: int) -> int:
     reserved = _reserve(config.listen.host, config.listen.port)
     port = reserved.getsockname()[1]
     config = config.model_copy(update={"listen": config.listen.model_copy(update={"port": port})})
-    announce(f"sfq-proxy: {workers} workers on http://{config.listen.host}:{port}")
+    url = f"http://{config.listen.host}:{port}"
+    announce(f"sfq-proxy: {workers} workers on {url}", url=url)
     # each worker's sfq_* counts, which every worker serves (worker_metrics.py)
     base = Path(_SHM or tempfile.gettempdir())
     remove_stale(base)

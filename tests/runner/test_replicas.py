@@ -21,7 +21,7 @@ from pathlib import Path
 import openai
 import pytest
 import redis.asyncio as aioredis
-from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually
+from proxy_lab import KEYS, MODEL, Lab, banner_url, config_yaml, eventually
 from redis_server import queued_is
 
 from sfq_proxy.runner.workers import METRICS_PREFIX, STALE_AFTER_S
@@ -47,7 +47,7 @@ class Replica:
         )  # fmt: skip
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        url = next(word for word in line.split() if word.startswith("http://"))
+        url = banner_url(line)
         return cls(proc, url)
 
     def client(self, org: str) -> openai.AsyncOpenAI:
@@ -177,7 +177,7 @@ async def test_workers_share_the_port_and_one_fairness_domain(
     try:
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        url = next(word for word in line.split() if word.startswith("http://"))
+        url = banner_url(line)
         await eventually(lambda: _holders(redis_url, 2), within=15)
         assert not left.exists()
         assert len(list(shm.glob(f"{METRICS_PREFIX}{proc.pid}-*"))) == 1  # the group's

@@ -35,6 +35,16 @@ AccessLines = Callable[[], Awaitable[list[dict[str, Any]]]]
 KEYS = {"A": "sk-test-org-a", "B": "sk-test-org-b", "C": "sk-test-org-c", "OPS": "sk-test-ops"}
 
 
+BANNER_URL = re.compile(r'http://[^\s",]+')
+
+
+def banner_url(line: str) -> str:
+    """The URL a first line of ``serve`` (or ``demo``) names, written as text or JSON."""
+    found = BANNER_URL.search(line)
+    assert found, line
+    return found[0]
+
+
 def proxy_config(
     backend_urls: list[str], *, environ: dict[str, str] | None = None, **options: Any
 ) -> Config:
@@ -273,7 +283,7 @@ async def serve_process(
         proc.kill()
         await proc.wait()
         raise
-    url = next(word for word in lines[0].split() if word.startswith("http://"))
+    url = banner_url(lines[0])
     asyncio.get_running_loop().create_task(_discard(proc.stdout))
     return proc, url
 
