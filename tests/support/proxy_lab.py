@@ -291,3 +291,14 @@ async def serve_process(
 async def _discard(stream: asyncio.StreamReader) -> None:
     while await stream.read(65536):
         pass
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):  # gone meanwhile: read as "", or fails
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return sorted(found)
