@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import pytest
+from aiohttp import web
 from provider_double import CHAT_PATH, PROVIDER_KEY, ProviderDouble
 from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
 
@@ -161,6 +162,22 @@ async def test_a_backend_hanging_before_its_headers_is_taken_out_after_its_strea
     assert [(await post(lab, served))[0] for _ in range(5)] == [200] * 5
     assert (len(hanging.chats()), len(healthy.chats())) == (streak, 5)
     assert not backend.healthy
+
+
+async def test_an_active_probe_that_hangs_past_its_timeout_is_a_failure(lab: Lab) -> None:
+    """The probe's side of it: a health path that accepts and never answers."""
+
+    async def hang(_: web.Request) -> web.Response:
+        await asyncio.sleep(1)  # five times the probe's timeout (and the server's stop waits)
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/health", hang)
+    url = f"http://127.0.0.1:{await lab.serve(app)}"
+    health = {"mode": "active", "interval_s": 0.05, "timeout_s": 0.2, "cooldown_s": 60}
+    served = await lab.proxy(proxy_config([url], pool={"health": health}))
+    backend = served.state.pools["sim"].placement.backends[0]
+    await eventually(lambda: not backend.healthy, within=5)
 
 
 # --- cooldowns on the loop clock ----------------------------------------------------------
