@@ -207,13 +207,12 @@ async def test_a_dead_collector_neither_delays_answers_nor_holds_the_exit(lab: L
         drain_timeout_s=1,
         tracing=tracing(
             dead_port,
-            export_timeout_s=60,
+            export_timeout_s=30,
             schedule_delay_s=0.01,
             max_queue_size=4,
             max_export_batch_size=2,
         ),
     )
-    started = time.monotonic()
     async with running(config) as runner:
         client = openai.AsyncOpenAI(
             base_url=f"{bound_url(runner)}/v1", api_key=KEYS["A"], max_retries=0
@@ -231,11 +230,10 @@ async def test_a_dead_collector_neither_delays_answers_nor_holds_the_exit(lab: L
     dead.close()
     for writer in hung:
         writer.close()
-    print(f"40 answers in {answered:.2f} s, stopped in {stopped:.2f} s, a hung export of 60 s")
-    # generous bounds: each export hangs for 60 s, and would hold these as long
-    assert answered < 20
+    print(f"40 answers in {answered:.2f} s, stopped in {stopped:.2f} s, a hung export of 30 s")
+    # generous bounds: each export hangs for 30 s, and would hold these as long
+    assert answered < 10
     assert stopped < config.drain_timeout_s + 1
-    assert time.monotonic() - started < 40
 
 
 async def test_each_worker_exports_its_own_spans_and_the_last_leave_at_the_drain(
