@@ -45,6 +45,9 @@ from .access_log import AccessRecord
 from .process_metrics import version
 
 log = logging.getLogger(__name__)
+# a client's tracestate that OpenTelemetry cannot parse is dropped (W3C allows it), and the
+# API would log a warning quoting it: a line per request, of a client's text
+logging.getLogger("opentelemetry.trace.span").setLevel(logging.ERROR)
 End = Callable[[AccessRecord], None]  # ends a request's span with what its record says
 _PROPAGATOR = TraceContextTextMapPropagator()
 # the HTTP methods the semantic conventions name; any other is "_OTHER"

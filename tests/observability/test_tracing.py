@@ -6,6 +6,7 @@ and the proxy's span sent upstream; a dead collector never holds an answer or th
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -187,6 +188,24 @@ async def test_a_trace_the_client_did_not_start_is_sampled_at_the_ratio(lab: Lab
     unsampled = [context(r.headers) for r in provider.chats()[:3]]
     assert [sampled for *_, sampled in unsampled] == [False] * 3
     assert len({trace_id for trace_id, *_ in unsampled}) == 3  # a trace of its own each
+
+
+async def test_a_tracestate_the_sdk_cannot_parse_is_dropped_without_a_log_line(
+    lab: Lab, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A client's text is never logged per request: OpenTelemetry warns of each tracestate
+    member it cannot parse, quoting it; the proxy keeps the trace and drops the state."""
+    receiver, provider, _, served = await tracing_proxy(lab, {})
+    state = "vendor=opaque,CLIENT TEXT=" + "x" * 200
+    caplog.set_level(logging.DEBUG)
+    await lab.client(served).chat.completions.create(
+        **CHAT, extra_headers={"traceparent": TRACEPARENT, "tracestate": state}
+    )
+    await eventually(lambda: len(receiver.spans) == 1, within=10)
+    assert receiver.spans[0].parent_span_id == CLIENT_SPAN
+    (sent,) = provider.chats()
+    assert "tracestate" not in sent.headers
+    assert "CLIENT TEXT" not in caplog.text
 
 
 async def test_a_dead_collector_neither_delays_answers_nor_holds_the_exit(lab: Lab) -> None:
