@@ -272,10 +272,44 @@ class EngineGate:
         kv = self.reading.kv_usage
         if policy.kv_ceiling is not None and kv is not None and kv >= ceiling * policy.kv_ceiling:
             return Decision(False, "kv_cache")
-        share = max(1, math.floor(ceiling * est.capacity + 1e-9))
-        if ceiling < 1 and self.bounded() and est.load + 1 > share:
+        if ceiling < 1 and self.bounded() and est.load + 1 > self.share(ceiling):
             return Decision(False, "capacity")
         return OK
+
+    def leases(self, now: float) -> int:
+        """What the backend may hold when the pool's replicas share it through leases in
+        Redis (``state: redis``), each counting every replica's dispatches where no gate
+        sees the others': its capacity as far as known and the allowance on a fresh reading
+        (the ramp as ``admit``'s), within ``slots``; static dispatch's on a stale one. The
+        leases over-count what the engine runs by the ends not yet heard, as static slots
+        do: the allowance covers that turnover."""
+        if not self.fresh(now):
+            return self.fallback()
+        room = self.capacity() + self.policy.allowance
+        return room if self.policy.slots is None else min(self.policy.slots, room)
+
+    def class_leases(self, now: float, ceiling: float) -> int | None:
+        """Fewer ``leases`` for a class of engine ``ceiling``, on a fresh reading: its share
+        of a known capacity (``admit``'s ``capacity``), and while the KV cache is at or
+        above the class's ceiling what the engine runs (at least one: ``admit``'s engine
+        running nothing takes one). None: the backend's leases bound it alone."""
+        if not (0 < ceiling <= 1):
+            raise ValueError("a class's engine ceiling is in (0, 1]")
+        reading = self.reading
+        if reading is None or not self.fresh(now):
+            return None
+        bounds = []
+        kv, kv_ceiling = reading.kv_usage, self.policy.kv_ceiling
+        if kv_ceiling is not None and kv is not None and kv >= ceiling * kv_ceiling:
+            bounds.append(max(1, reading.running or 0))
+        if ceiling < 1 and self.bounded():
+            bounds.append(self.share(ceiling))
+        return min(bounds, default=None)
+
+    def share(self, ceiling: float) -> int:
+        """The requests a class of engine ``ceiling`` may have the engine run: its part of
+        the capacity, at least one."""
+        return max(1, math.floor(ceiling * self.capacity() + 1e-9))
 
     def bounded(self) -> bool:
         """Whether the engine's capacity is known (configured, reported, or shown by

@@ -37,7 +37,7 @@ class Pool(Protocol):
     upstream_key: str | None
     ended: asyncio.Event  # set when one of its requests ends
 
-    def pump(self) -> None: ...
+    def after_reading(self) -> None: ...
 
 
 log = logging.getLogger(__name__)
@@ -107,8 +107,8 @@ async def scrape_forever(pool: Pool, session: aiohttp.ClientSession) -> None:
 
 async def scrape(pool: Pool, session: aiohttp.ClientSession, backend: Backend) -> None:
     """One reading of ``backend``'s engine, handed to its gate with the time read *before*
-    sending (what the reading may have missed is counted from then); then the pool tries
-    to dispatch again, as a reading may open the gate (or a failure turn it stale)."""
+    sending (what the reading may have missed is counted from then); then the pool hears
+    of it, as a reading may open the gate (or a failure turn it stale)."""
     dispatch = pool.spec.dispatch
     headers = dict(HEADERS)
     if pool.upstream_key:
@@ -132,7 +132,7 @@ async def scrape(pool: Pool, session: aiohttp.ClientSession, backend: Backend) -
             "are read again" if gate.problem is None else f"unusable ({gate.problem})",
         )  # fmt: skip
     gated_slots(backend)
-    pool.pump()
+    pool.after_reading()
 
 
 async def read_metrics(

@@ -109,14 +109,7 @@ def test_a_class_ceiling_is_a_fraction(ceiling: float) -> None:
     assert any(line.startswith("classes.batch.engine_ceiling: must be") for line in errors(data))
 
 
-def test_engine_mode_is_refused_with_shared_state() -> None:
-    """Each replica's gate would credit only its own dispatches: not supported yet."""
+def test_engine_mode_is_accepted_with_shared_state() -> None:
+    """The replicas' gates bound the leases in Redis (docs/design.md §5)."""
     data = config({"mode": "engine"}, state={"redis": "redis://127.0.0.1:6379/0"})
-    lines = errors(data)
-    assert any(
-        line.startswith(
-            f"{POOL}.dispatch.mode: engine dispatch is not supported with state: "
-            "redis yet: each replica's gate would count only its own dispatches"
-        )
-        for line in lines
-    ), lines
+    assert parse_config(yaml.safe_dump(data), environ={}).pools[POOL.split(".")[1]].engine
