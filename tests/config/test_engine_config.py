@@ -94,13 +94,23 @@ def test_errors_name_the_field(
     assert any(line.startswith(expected) for line in lines), lines
 
 
-def test_engine_mode_reads_known_families_only() -> None:
+@pytest.mark.parametrize("family", ["openai", "llamacpp"])
+def test_engine_mode_reads_known_families_only(family: str) -> None:
+    """A hosted API has no engine metrics, nor has llama-cpp-python's server."""
     data = config({"mode": "engine"})
-    data["pools"]["llama-8b"]["family"] = "openai"
+    data["pools"]["llama-8b"]["family"] = family
     assert (
-        f"{POOL}.dispatch.mode: engine dispatch reads the metrics of vllm, llamacpp, tgi "
-        "servers, not of family 'openai'" in errors(data)
+        f"{POOL}.dispatch.mode: engine dispatch reads the metrics of vllm, llama-server, tgi "
+        f"servers, not of family '{family}'" in errors(data)
     )
+
+
+def test_llama_server_is_a_family_of_its_own() -> None:
+    """llama.cpp's C++ server: several slots, /health, its metrics for engine dispatch."""
+    data = config({"mode": "engine"}, {"slots": "auto"})
+    data["pools"]["llama-8b"]["family"] = "llama-server"
+    pool = parse_config(yaml.safe_dump(data), environ={}).pools["llama-8b"]
+    assert (pool.engine, pool.health.path, pool.stream_usage) == (True, "/health", True)
 
 
 @pytest.mark.parametrize("ceiling", [0, 1.5, -0.5])

@@ -82,6 +82,25 @@ async def test_engine_dispatch_keeps_the_engine_queue_within_the_allowance(lab: 
     assert max(gaps) <= 1, order
 
 
+async def test_a_llama_server_says_its_slots_and_the_gate_skips_the_ramp(lab: Lab) -> None:
+    """A llama-server (simulated: its metrics and ``/props``) tells its slots: the gate knows
+    the capacity from the first reading, before the engine was ever full, and the first
+    burst neither waits in the engine beyond the allowance nor leaves a slot idle while the
+    ramp would."""
+    sim = await lab.backend(max_num_seqs=4, time_scale=2.0, metrics_format="llama-server")
+    config = engine_config([sim.url], "auto", dispatch={}, family="llama-server")
+    served = await lab.proxy(config)
+    gate = served.state.pools["sim"].placement.backends[0].gate
+    assert gate is not None
+    await eventually(lambda: gate.reported == 4)
+    assert (gate.capacity(), gate.bounded(), gate.learned) == (4, True, 0)
+    async with sampled(lab, sim) as samples:
+        await flood(lab, served, "AB", 6, tokens=12)
+    assert max(w for _, w in samples) <= 1 + 1, samples  # as in the test above
+    assert max(r for r, _ in samples) == 4, samples
+    assert not leftovers(served)
+
+
 async def test_gate_metrics_and_admin_state(lab: Lab) -> None:
     """The readings, their age and the gate's capacity are in /metrics and /admin/state;
     refusals are counted by reason."""

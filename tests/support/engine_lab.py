@@ -10,7 +10,7 @@ from typing import Any
 
 from proxy_lab import Lab, proxy_config
 
-from sfq_proxy.core.engine_metrics import parse_vllm
+from sfq_proxy.core.engine_metrics import parse
 from sfq_proxy.sim.server import SimBackend
 
 # a reading every 0.1 s, stale after 0.5 s; settle_s well below the interval, else every
@@ -45,7 +45,7 @@ async def sampled(lab: Lab, sim: SimBackend) -> AsyncIterator[list[tuple[int, in
                 samples.append((sim.stats.running, sim.stats.waiting))
             else:
                 async with http.get(f"{sim.url}/metrics") as r:
-                    reading = parse_vllm(await r.read())
+                    reading = parse(sim.config.metrics_format, await r.read())
                 assert reading.running is not None
                 assert reading.waiting is not None
                 samples.append((reading.running, reading.waiting))
