@@ -60,7 +60,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from .engine_metrics import EngineReading
 
@@ -115,6 +115,37 @@ class GatePolicy:
             raise ValueError("settle_s must be a number of seconds, 0 or more")
         if self.kv_ceiling is not None and not (0 < self.kv_ceiling <= 1):
             raise ValueError("kv_ceiling must be in (0, 1]")
+
+
+class DispatchRule(Protocol):
+    """A pool's engine-dispatch settings, as the proxy's config (``pools.<p>.dispatch``) and
+    the lab's scenario both hold them."""
+
+    @property
+    def allowance(self) -> int: ...
+    @property
+    def max_age_s(self) -> float: ...
+    @property
+    def kv_ceiling(self) -> float | None: ...
+    @property
+    def fallback_slots(self) -> int: ...
+    @property
+    def settle_s(self) -> float: ...
+
+
+def policy_of(rule: DispatchRule, slots: int | str, capacity: int | None) -> GatePolicy:
+    """A backend's gate: its pool's ``rule``, its ``slots`` (``auto``: no static ceiling)
+    and the ``capacity`` its operator knows. One builder, so that the lab's gate is the
+    proxy's."""
+    return GatePolicy(
+        slots=slots if isinstance(slots, int) else None,
+        capacity=capacity,
+        allowance=rule.allowance,
+        max_age_s=rule.max_age_s,
+        kv_ceiling=rule.kv_ceiling,
+        fallback_slots=rule.fallback_slots,
+        settle_s=rule.settle_s,
+    )
 
 
 @dataclass(frozen=True, slots=True)

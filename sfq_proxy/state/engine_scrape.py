@@ -18,8 +18,8 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from ..config import BackendSpec, Config, DispatchSpec, PoolSpec
-from ..core.engine_gate import GatePolicy
+from ..config import Config, DispatchSpec, PoolSpec
+from ..core.engine_gate import policy_of
 from ..core.engine_metrics import (
     DISCOVERY_PATHS,
     NOTHING_DISCOVERED,
@@ -59,26 +59,15 @@ DISCOVERY_REFRESH_S = 60.0
 HEADERS = {"Accept-Encoding": "identity"}
 
 
-def gate_policy(dispatch: DispatchSpec, backend: BackendSpec) -> GatePolicy:
-    """A backend's gate rule: the pool's ``dispatch`` section and its own ``slots``."""
-    return GatePolicy(
-        slots=backend.slots if isinstance(backend.slots, int) else None,
-        capacity=backend.capacity,
-        allowance=dispatch.allowance,
-        max_age_s=dispatch.max_age_s,
-        kv_ceiling=dispatch.kv_ceiling,
-        fallback_slots=dispatch.fallback_slots,
-        settle_s=dispatch.settle_s,
-    )
-
-
 def equip(pool: Pool) -> None:
     """Gates for the pool's backends, and its scheduler's class ceilings, as its config says
     (at start and on a reload; what a gate learned stays). Static dispatch takes them away:
     the scheduler then asks no gate."""
     spec, now = pool.spec, pool.clock()
     for backend, backend_spec in zip(pool.placement.backends, spec.backends, strict=True):
-        policy = gate_policy(spec.dispatch, backend_spec) if spec.engine else None
+        policy = None
+        if spec.engine:
+            policy = policy_of(spec.dispatch, backend_spec.slots, backend_spec.capacity)
         set_gate(backend, policy, now)
     classes = pool.config.classes
     ceilings = {name: c.engine_ceiling for name, c in classes.items()}
