@@ -5,7 +5,10 @@ replica) and a real Sentinel with a 1 s ``down-after-milliseconds``, two real pr
 through the ``openai`` SDK. Checked where it matters: every request gets exactly one answer
 (200, or 503 with Retry-After and an OpenAI-style error), the backend sees each request at
 most once (and none that was refused), never more than its slots, dispatch resumes on the
-new primary, and the orgs' shares after it keep the SFQ bound."""
+new primary, no lease is left behind in it once every request is answered, and the orgs'
+shares after it keep the SFQ bound. The replica's link to the primary goes through a relay
+that holds back the primary's last writes: the replica lags, as one over a busy network
+does, and the primary's death loses them (``state/redis_functions.py`` ``Replicated``)."""
 
 from __future__ import annotations
 
@@ -19,10 +22,11 @@ from dataclasses import dataclass, field
 
 import openai
 import pytest
+import redis.asyncio as aioredis
 from proxy_lab import MODEL, Lab, Served, eventually, proxy_config
 from redis_server import ReplicatedRedis, running_replicated_redis
 
-from sfq_proxy.state.redis_dispatch import Grants
+from sfq_proxy.state.redis_dispatch import Grants, pool_prefix
 from sfq_proxy.state.redis_pool import SharedPool
 
 pytestmark = pytest.mark.redis
@@ -37,12 +41,13 @@ AFTER_S = 3.0  # how long the load goes on once dispatch resumed
 # when its own settling ends), so both orgs are backlogged in it
 LANDED_S = 0.5
 ANSWER_WITHIN_S = 20.0  # a request still unanswered then has been lost
+LAG_S = 0.3  # how far behind the replica is when the primary dies
 
 
 @pytest.fixture
 def replicated() -> Iterator[ReplicatedRedis]:
     """Stopped after the proxies (asked for before ``lab``, it is torn down after it)."""
-    with running_replicated_redis(down_after_ms=1000, failover_timeout_ms=3000) as redis:
+    with running_replicated_redis(down_after_ms=1000) as redis:
         yield redis
 
 
@@ -125,15 +130,17 @@ def beyond_bound(order: str) -> float:
 
 
 @pytest.mark.parametrize(
-    ("when_unreachable", "ttl_s"),
+    ("when_unreachable", "ttl_s", "lag_s"),
     [
-        ("fail_closed", 5.0),  # the default TTL: the failover (~2-3 s) ends within it
-        ("local", 5.0),
-        ("fail_closed", 1.5),  # shorter than the failover: leases lapse, replicas join again
+        # the replica lags: the primary's last writes never reach it. A TTL well over the
+        # failover (~2-3 s): the leases outlive it, so what the new primary lacks counts
+        ("fail_closed", 10.0, LAG_S),
+        ("local", 5.0, LAG_S),  # the default TTL: the replicas settle, then go on in Redis
+        ("fail_closed", 1.5, 0.0),  # shorter than the failover: leases lapse, replicas rejoin
     ],
 )
 async def test_a_primary_killed_under_load_fails_over(
-    replicated: ReplicatedRedis, lab: Lab, when_unreachable: str, ttl_s: float
+    replicated: ReplicatedRedis, lab: Lab, when_unreachable: str, ttl_s: float, lag_s: float
 ) -> None:
     sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=80.0, max_num_seqs=16)
     state = {
@@ -149,8 +156,10 @@ async def test_a_primary_killed_under_load_fails_over(
     running = asyncio.create_task(load.run())
     await eventually(lambda: len(sim.stats.log) >= 20, within=10)  # backlogged, served
 
+    replicated.link.hold()
+    await asyncio.sleep(lag_s)
     killed_at = time.monotonic()
-    replicated.primary.kill()
+    replicated.kill_primary()
 
     def resumed() -> float | None:  # a request reached the backend after the failover
         late = [r.arrived_at for r in sim.stats.log if r.arrived_at > killed_at + 0.5]
@@ -164,22 +173,56 @@ async def test_a_primary_killed_under_load_fails_over(
     stopped_at = time.monotonic()
     load.stopped.set()
     await asyncio.wait_for(running, ANSWER_WITHIN_S + 5)
+    # every request answered: the leases go back (in the background), none is left behind
+    # to keep a slot taken for as long as its holder lives
+    primary = aioredis.Redis(port=replicated.replica.port)
+    try:
+        with contextlib.suppress(AssertionError):
+            await eventually(lambda: _no_lease(primary), within=3)
+        leases = await primary.hlen(pool_prefix("sim") + "lease")
+    finally:
+        await primary.aclose()
 
     fates = Counter(load.answers.values())
     seen = Counter(r.user for r in sim.stats.log)
     after = granted.order(resumed_at + LANDED_S, stopped_at)
     print(
-        f"\n{when_unreachable}, TTL {ttl_s:g} s: dispatch resumed "
+        f"\n{when_unreachable}, TTL {ttl_s:g} s, lag {lag_s:g} s: dispatch resumed "
         f"{resumed_at - killed_at:.2f} s after SIGKILL; answers {dict(fates)}; duplicates "
         f"{sum(n - 1 for n in seen.values())}; max concurrent {sim.stats.max_concurrent} of "
         f"{SLOTS} slots; after: A {after.count('A')} B {after.count('B')} (2:1), "
-        f"beyond the SFQ bound by {max(0.0, beyond_bound(after)):.2f}"
+        f"beyond the SFQ bound by {max(0.0, beyond_bound(after)):.2f}; {leases} leases left"
     )
     assert set(fates) <= {"200", "503"}, fates  # one clear answer each, nothing lost
     assert seen.most_common(1)[0][1] == 1  # nothing dispatched twice
     answered = {tag for tag, fate in load.answers.items() if fate == "200"}
     assert set(seen) == answered  # every 200 reached the backend, no refused request did
     assert sim.stats.max_concurrent <= SLOTS
+    assert leases == 0
     assert resumed_at - killed_at < RESUME_WITHIN_S
     assert len(after) >= 12, after
     assert beyond_bound(after) <= 0, after
+
+
+async def _no_lease(primary: aioredis.Redis) -> bool:
+    return await primary.hlen(pool_prefix("sim") + "lease") == 0
+
+
+async def test_a_replica_that_does_not_acknowledge_does_not_stop_the_proxy(
+    replicated: ReplicatedRedis, lab: Lab, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its writes are no longer acknowledged (its link is held for good): each call waits
+    for it at most ACK_MS, then calls go on without waiting for a while; requests are
+    served, and the log says it once."""
+    sim = await lab.backend()
+    state = {"sentinel": {"hosts": replicated.hosts, "service": replicated.sentinel.service}}
+    served = await lab.proxy(proxy_config([sim.url], state=state))
+    replicated.link.hold()
+    client = lab.client(served, "A")
+    for _ in range(3):
+        await asyncio.wait_for(
+            client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2), 10
+        )
+    warned = [r for r in caplog.records if "no replica acknowledged" in r.getMessage()]
+    assert len(warned) == 1
+    assert len(sim.stats.log) == 3

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
+from lag_relay import LagRelay
 from redis.crc import key_slot
 from server_process import ServerProcess, free_port
 from tools import need_tool
@@ -164,17 +165,23 @@ class RedisSentinel(RedisServer):
 class ReplicatedRedis:
     """A primary, its replica and a Sentinel with short timings (``down_after_ms``): what a
     Redis run highly available is, on loopback ports. start() returns once the replica is in
-    sync and the sentinel knows it, so that a primary killed then is failed over to it."""
+    sync and the sentinel knows it, so that a primary killed then is failed over to it. The
+    replica's link to the primary goes through ``link``, which can make it lag
+    (``LagRelay.hold``)."""
 
     down_after_ms: int = 1000
-    failover_timeout_ms: int = 3000
+    # also how long Sentinel leaves a replica pointed at another address than the primary's
+    # (``link``'s) before it points it at the primary itself (+fix-slave-config)
+    failover_timeout_ms: int = 60_000
     primary: RedisServer = field(default_factory=RedisServer)
+    link: LagRelay = field(init=False)
     replica: RedisReplica = field(init=False)
     sentinel: RedisSentinel = field(init=False)
     ready_within_s = 20.0
 
     def __post_init__(self) -> None:
-        self.replica = RedisReplica(primary_port=self.primary.port)
+        self.link = LagRelay(self.primary.port)
+        self.replica = RedisReplica(primary_port=self.link.port)
         self.sentinel = RedisSentinel(
             primary_port=self.primary.port, down_after_ms=self.down_after_ms,
             failover_timeout_ms=self.failover_timeout_ms,
@@ -186,8 +193,10 @@ class ReplicatedRedis:
 
     def start(self) -> None:
         try:
-            for server in (self.primary, self.replica, self.sentinel):
-                server.start()
+            self.primary.start()
+            self.link.start()
+            self.replica.start()
+            self.sentinel.start()
             deadline = time.monotonic() + self.ready_within_s
             while not self.sentinel.knows_replica(self.replica.port):
                 if time.monotonic() > deadline:
@@ -200,6 +209,12 @@ class ReplicatedRedis:
     def stop(self) -> None:
         for server in (self.sentinel, self.replica, self.primary):
             server.stop()
+        self.link.cut()
+
+    def kill_primary(self) -> None:
+        """SIGKILL the primary: what ``link`` held back the replica never gets."""
+        self.primary.kill()
+        self.link.cut()
 
 
 @dataclass
