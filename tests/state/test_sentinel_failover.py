@@ -26,7 +26,7 @@ import redis.asyncio as aioredis
 from proxy_lab import MODEL, Lab, Served, eventually, proxy_config
 from redis_server import ReplicatedRedis, running_replicated_redis
 
-from sfq_proxy.state.redis_dispatch import Grants, pool_prefix
+from sfq_proxy.state.redis_dispatch import Grant, Grants, pool_prefix
 from sfq_proxy.state.redis_pool import SharedPool
 
 pytestmark = pytest.mark.redis
@@ -226,3 +226,28 @@ async def test_a_replica_that_does_not_acknowledge_does_not_stop_the_proxy(
     warned = [r for r in caplog.records if "no replica acknowledged" in r.getMessage()]
     assert len(warned) == 1
     assert len(sim.stats.log) == 3
+
+
+async def test_a_grant_given_twice_does_not_free_the_slot_of_its_running_request(
+    lab: Lab, redis_url: str
+) -> None:
+    """A failover that lost the inbox's read of a grant gives it again while its request
+    runs: it is not handed back (that would free a slot in use)."""
+    sim = await lab.backend(time_scale=1.0, decode_tokens_per_s=40.0)
+    served = await lab.proxy(proxy_config([sim.url], slots=1, state={"redis": redis_url}))
+    pool = served.state.pools["sim"]
+    assert isinstance(pool, SharedPool)
+    running = asyncio.create_task(
+        lab.client(served, "A").chat.completions.create(model=MODEL, messages=CHAT, max_tokens=80)
+    )
+    await eventually(lambda: sim.stats.running == 1, within=10)
+    ((ticket, (lease, _)),) = pool._held.items()
+    assert ticket.backend is not None
+    pool._grant(Grants([Grant(ticket.payload, lease, ticket.backend.name)]))  # read again
+    await asyncio.sleep(0.2)  # a hand-back would have landed
+    admin = aioredis.Redis.from_url(redis_url)
+    try:
+        assert await admin.hexists(pool_prefix("sim") + "lease", lease)
+    finally:
+        await admin.aclose()
+    await running
