@@ -40,7 +40,8 @@ class Replicated:
     primary (a slot counted free while its request runs, or taken for as long as its holder
     lives; a request waiting for good). So each call is followed, on its connection, by
     ``WAIT 1 ACK_MS``, and its reply is acted on once a replica holds its writes: Sentinel
-    promotes the replica with the most data, so a failover loses none of them.
+    promotes the replica with the most data (of those of equal ``replica-priority``), so a
+    failover loses none of them.
 
     A replica that has not acknowledged within ``ACK_MS`` (none connected, or lagging
     further) does not stop the proxy: the call's reply is used, said once in the log, and
