@@ -188,15 +188,17 @@ class LeasedPool(Pool):
 
     def _grant(self, grants: Grants) -> None:
         """Wake the requests given a slot; a grant that nobody waits for any more (its
-        client left, its deadline passed) is handed back at once. When pacing held a ticket
-        back, pump the pool once it allows."""
+        client left, its deadline passed) is handed back at once, unless its request runs:
+        the inbox gave it twice (a failover lost its read, docs/shared-state.md). When
+        pacing held a ticket back, pump the pool once it allows."""
         if grants.wake_s is not None:
             self._wake_in(grants.wake_s)
         for grant in grants:
             waiting = self._waiting.pop(grant.ticket, None)
             backend = next((b for b in self.placement.backends if b.name == grant.backend), None)
             if waiting is None or waiting[1].done() or backend is None:
-                self._later(self._finish(grant.lease))
+                if all(lease != grant.lease for lease, _ in self._held.values()):
+                    self._later(self._finish(grant.lease))
                 continue
             ticket, future, task = waiting
             backend.in_flight += 1  # this process's share, for its metrics and state
