@@ -40,8 +40,10 @@ from .usage import PriceSpec
 HealthMode = Literal["active", "passive"]
 # The server software of a pool's backends, named only where the proxy must behave apart
 # (docs/operations.md "Server families"): the health probe's default, and whether a stream
-# reports its usage when asked.
-Family = Literal["vllm", "llamacpp", "tgi", "openai"]
+# reports its usage when asked, and which metrics engine dispatch reads. ``llama-server`` is
+# llama.cpp's own C++ server (``/health``, ``--parallel`` slots, its ``--metrics`` and
+# ``/props``); ``llamacpp`` is llama-cpp-python's (one request at a time, no metrics).
+Family = Literal["vllm", "llama-server", "llamacpp", "tgi", "openai"]
 # where each family answers a probe without queueing behind generation: llama-cpp-python
 # has no /health, and every route with the model's lock (/v1/models too) cuts a running
 # stream; FastAPI's own /openapi.json takes no lock
@@ -234,7 +236,7 @@ class AffinitySpec(StrictModel):
 
 DispatchMode = Literal["static", "engine"]
 # the families whose /metrics core/engine_metrics.parse reads (not a hosted provider's)
-ENGINE_FAMILIES = ("vllm", "llamacpp", "tgi")
+ENGINE_FAMILIES = ("vllm", "llama-server", "tgi")
 
 
 class DispatchSpec(StrictModel):

@@ -271,6 +271,11 @@ class Pool:
         """Dispatch what capacity allows now: a backend came back, or the config changed."""
         self._run(self.scheduler.pump(self.clock()))
 
+    def after_reading(self) -> None:
+        """An engine's reading arrived (engine dispatch): it may open a gate, or a failure
+        turn one stale, so try to dispatch."""
+        self.pump()
+
     def release(self, ticket: Ticket, *, refund: bool = False, actual: float | None = None) -> None:
         """The request holding a slot is over (done, failed or cancelled); ``refund`` when
         the upstream generated nothing, so the pool's pacing gives its tokens back;

@@ -123,6 +123,8 @@ class SharedPool(LeasedPool):
     async def _acquire_shared(
         self, ticket: Ticket, expires_at: float | None, expiry: Expiry, front: bool
     ) -> Backend:
+        if not self._joined:  # fenced: joining again forgets whatever Redis still holds of
+            raise unavailable(self.name)  # this holder, so a ticket queued now would wait for good
         ticket_id = f"{self.dispatch.holder}.{next(self._ids)}"
         ticket.payload = ticket_id  # what ``evict`` finds it by
         future: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
