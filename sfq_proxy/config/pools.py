@@ -24,7 +24,16 @@ from pydantic import (
 
 from .cost import CostSpec
 from .errors import Errors
-from .fields import NonEmptyStr, NonNegativeSeconds, PerMinute, PositiveInt, Seconds, StrictModel
+from .fields import (
+    HEADER_NAME_PATTERN,
+    NonEmptyStr,
+    NonNegativeSeconds,
+    PerMinute,
+    PositiveInt,
+    Seconds,
+    StrictModel,
+    http_url,
+)
 from .paths import ExtraPathSpec
 from .usage import PriceSpec
 
@@ -145,17 +154,7 @@ class BackendSpec(StrictModel):
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str) -> str:
-        """Catch typos at load time rather than as connection errors under load."""
-        try:
-            parts = urlsplit(value)
-            parts.port  # noqa: B018 -- raises ValueError on a malformed port
-        except ValueError:
-            raise ValueError("must be a valid http:// or https:// URL") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        if parts.username is not None or parts.password is not None:
-            raise ValueError("must not contain credentials; use upstream_key_env")
-        return value.rstrip("/")
+        return http_url(value, "upstream_key_env").rstrip("/")
 
     @field_validator("name")
     @classmethod
@@ -192,9 +191,8 @@ class RateSpec(StrictModel):
     tokens_per_minute: PerMinute | None = None
 
 
-# an HTTP field name (RFC 9110 token); never a credential, whose value has no business
-# deciding placement
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# a session header: never a credential, whose value has no business deciding placement
+_HEADER_NAME = re.compile(HEADER_NAME_PATTERN)
 _CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
 
 
