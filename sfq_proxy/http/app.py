@@ -59,6 +59,7 @@ def build_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/admin/state", _answering_errors(_admin_state))
+    app.router.add_get("/admin/history", _answering_errors(_admin_history))
     app.router.add_post("/admin/reload", _answering_errors(_admin_reload))
     for method, path, serve in admin_keys.ROUTES:
         app.router.add_route(method, path, _answering_errors(_as_admin(serve)))
@@ -172,6 +173,13 @@ async def _readyz(request: web.Request) -> web.Response:
 async def _admin_state(request: web.Request) -> web.Response:
     proxy = _admin(request)
     return web.json_response({"pools": proxy.state()})
+
+
+async def _admin_history(request: web.Request) -> web.Response:
+    """The admin page's charts: each pool's samples (``observability/history.py``)."""
+    proxy = _admin(request)
+    pools = {name: history.view() for name, history in proxy.history.items()}
+    return web.json_response({"now": proxy.wall(), "pools": pools})
 
 
 async def _admin_reload(request: web.Request) -> web.Response:

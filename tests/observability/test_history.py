@@ -1,0 +1,93 @@
+"""The admin page's history (``observability/history.py``): bounded whatever the uptime,
+merged without losing a unit of cost, and wait quantiles within a bucket of the truth."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+
+import pytest
+
+from sfq_proxy.observability.history import (
+    LONG_POINTS,
+    MAX_FLOWS,
+    OTHER,
+    RECENT_POINTS,
+    Point,
+    PoolHistory,
+    entitlement,
+    wait_bucket,
+    wait_quantile,
+)
+
+START = 1_760_000_000.0
+
+
+def point(i: int, flows: int = 2) -> Point:
+    """The ``i``-th second's sample: flow f0 served 3 per second, the others 1 each."""
+    served = {f"org{n}/batch": 3.0 if n == 0 else 1.0 for n in range(flows)}
+    return Point(
+        end=START + i, span_s=1.0, served=served, entitled=entitlement(sum(served.values()),
+        dict.fromkeys(served, 1.0)), queued=i % 7, waits=Counter({wait_bucket(i % 5 / 10): 2}),
+        backends={"b1": (i % 3, 4, int(i % 100 != 0))},
+    )  # fmt: skip
+
+
+def test_a_day_of_samples_keeps_a_bounded_series_that_still_adds_up() -> None:
+    history = PoolHistory()
+    seconds = 86_400
+    for i in range(seconds):
+        history.add(point(i))
+    assert len(history.recent) == RECENT_POINTS
+    assert [p.end for p in history.recent] == [START + i for i in range(seconds - 300, seconds)]
+    view = history.view()
+    since_start = view["since_start"]
+    assert LONG_POINTS // 2 <= len(since_start) <= LONG_POINTS  # bounded, and not collapsed
+    assert sum(p["span_s"] for p in since_start) == seconds  # every second, once
+    assert sum(p["dispatches"] for p in since_start) == 2 * seconds
+    assert since_start[-1]["end"] == START + seconds - 1
+    widths = {p["span_s"] for p in since_start[:-1]}
+    assert len(widths) == 1  # neighbours merged pairwise: every closed point is as wide
+    served = Counter[str]()
+    for p in since_start:
+        served.update(p["served"])
+        assert p["queued"] == 6  # the most waiting at one of its samples
+        assert sum(p["entitled"].values()) == pytest.approx(sum(p["served"].values()))
+    assert served == {"org0/batch": 3 * seconds, "org1/batch": seconds}
+    b1 = since_start[0]["backends"]["b1"]
+    assert b1["slots"] == 4
+    assert b1["in_flight"] == pytest.approx(1, abs=0.01)  # the mean of 0, 1, 2
+    assert 0.98 < b1["healthy"] < 1  # down one sample in a hundred
+
+
+def test_many_flows_are_capped_and_the_rest_summed_as_other() -> None:
+    history = PoolHistory()
+    for i in range(4):
+        history.add(point(i, flows=40))
+    first, merged = history.view()["recent"][0], history.view()["since_start"]
+    for p in [first, *merged]:
+        assert len(p["served"]) == MAX_FLOWS
+        assert OTHER in p["served"]
+    assert first["served"]["org0/batch"] == 3
+    assert sum(first["served"].values()) == 3 + 39
+    assert sum(sum(p["served"].values()) for p in merged) == 4 * 42
+
+
+def test_entitlement_splits_what_was_served_by_weight() -> None:
+    assert entitlement(8.0, {"A/batch": 3.0, "B/batch": 1.0}) == {"A/batch": 6.0, "B/batch": 2.0}
+    assert entitlement(5.0, {}) == {}
+
+
+def test_wait_quantiles_are_within_a_bucket_above_the_truth() -> None:
+    rng = random.Random(7)
+    waits = [rng.lognormvariate(-1, 1.5) for _ in range(5000)]
+    counts = Counter(wait_bucket(w) for w in waits)
+    ordered = sorted(waits)
+    for q in (0.5, 0.99):
+        truth = ordered[math.ceil(q * len(waits)) - 1]
+        found = wait_quantile(counts, q)
+        assert found is not None
+        assert truth <= found <= truth * 2**0.25 * 1.000001
+    assert wait_quantile(Counter(), 0.5) is None
+    assert wait_quantile(Counter({wait_bucket(0.0): 3}), 0.99) == 0.001  # under a millisecond
