@@ -14,13 +14,13 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, Served, eventually, keep_asking, proxy_config
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support import expected_conditions
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
 from tools import need_tool
 
 from sfq_proxy.config import Config
@@ -28,6 +28,8 @@ from sfq_proxy.core.flows import org_and_class
 from sfq_proxy.sim.server import SimBackend
 
 ADMIN = "sk-admin-page-test"
+# the page's screenshot with its charts, for a human to look at (git ignores the folder)
+SCREENSHOT = Path(__file__).resolve().parents[2] / "test-artifacts" / "admin-page.png"
 # a backend's name is free text in the config (orgs, classes and aliases are names)
 XSS = "<img src=x onerror=alert(1)>"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -372,3 +374,71 @@ async def test_a_key_made_on_the_page_shows_its_secret_once_and_works(
     await tenant.close()
     assert reply.http_response.status_code == 200
     assert await asyncio.to_thread(errors, browser) == []
+
+
+# what the page drew: each chart's kind, its points, and its series' names and path data
+DRAWN = """return [...document.querySelectorAll('#charts figure.chart')].map((f) => ({
+  kind: f.dataset.chart, points: Number(f.dataset.points),
+  series: Object.fromEntries([...f.querySelectorAll('path.series')]
+    .map((p) => [p.dataset.series, p.getAttribute('d')])),
+}));"""
+PLOT_BOTTOM, PLOT_TOP = 150 - 22, 10  # admin.js's PLOT: the y of 0 and of the chart's top
+
+
+def last_y(path: str) -> float:
+    """The y of a path's last point (``M x,y L x,y …``)."""
+    return float(path.replace("h0.5", "").split("L")[-1].split(",")[-1])
+
+
+async def test_the_charts_draw_two_orgs_shares_queue_waits_and_slots_from_live_traffic(
+    lab: Lab, tmp_path: Path, browser: WebDriver
+) -> None:
+    """A (weight 3) and B (weight 1) backlogged on 2 slots: the page draws each flow's
+    served share beside its entitled one (about 3/4 for A), the queue, the waits and the
+    backend's load, read back from the SVG; a screenshot goes to ``SCREENSHOT``."""
+    sim = await lab.backend()
+    backends = [{"url": sim.url, "slots": 2, "name": "gpu-1"}]
+    config = page_config(sim, tmp_path, orgs={"A": {"weight": 3}}, pool={"backends": backends})
+    served = await lab.proxy(config)
+    stop = asyncio.Event()
+    loads = [keep_asking(lab, served, org, 4, stop, max_tokens=40) for org in "AB"]
+    load = asyncio.gather(*loads)
+    await asyncio.to_thread(browser.set_window_size, 1500, 1100)
+    await asyncio.to_thread(sign_in, browser, served.url, ADMIN)
+
+    def drawn(driver: WebDriver) -> list[dict[str, Any]] | bool:
+        charts: list[dict[str, Any]] = driver.execute_script(DRAWN)
+        return len(charts) == 4 and all(c["points"] >= 6 for c in charts) and charts
+
+    charts = {c["kind"]: c for c in await asyncio.to_thread(wait, browser, drawn)}
+    stop.set()
+    assert all(answered > 0 for answered in await load)
+    shares = charts["shares"]["series"]
+    assert set(shares) == {f"{f}/batch {what}" for f in "AB" for what in ("served", "entitled")}
+    assert all(path.count("L") >= 4 for path in shares.values())  # lines, not a dot
+
+    def share(series: str) -> float:  # the y of its newest point, back to a fraction
+        return (PLOT_BOTTOM - last_y(shares[series])) / (PLOT_BOTTOM - PLOT_TOP)
+
+    print(f"A/batch on the chart: served {share('A/batch served'):.2f}, "
+          f"entitled {share('A/batch entitled'):.2f}")  # fmt: skip
+    assert share("A/batch entitled") == pytest.approx(0.75, abs=0.03)
+    assert share("A/batch served") == pytest.approx(0.75, abs=0.15)
+    assert share("B/batch served") == pytest.approx(1 - share("A/batch served"), abs=0.02)
+    assert set(charts["queue"]["series"]) == {"queued"}
+    assert set(charts["wait"]["series"]) == {"p50", "p99"}
+    assert set(charts["backends"]["series"]) == {"gpu-1 in flight", "gpu-1 slots"}
+    assert all(len(path) > 10 for c in charts.values() for path in c["series"].values())
+
+    def window(choice: str, caption: str) -> None:
+        """Show the series ``choice``; wait for the share chart to say it is drawn so."""
+        Select(browser.find_element(By.ID, "chart-window")).select_by_value(choice)
+        shares = "#charts figure[data-chart=shares] figcaption"
+        wait(browser, lambda d: caption in d.find_element(By.CSS_SELECTOR, shares).text)
+
+    await asyncio.to_thread(window, "since_start", "per point")  # a point each (merged) span
+    await asyncio.to_thread(window, "recent", "trailing 10 s")
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    assert await asyncio.to_thread(browser.save_screenshot, str(SCREENSHOT))
+    print(f"the admin page's screenshot: {SCREENSHOT}")
+    assert await asyncio.to_thread(errors, browser) == []  # no console error: the CSP held
