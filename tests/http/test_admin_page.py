@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -22,6 +23,7 @@ from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import Select, WebDriverWait
 from tools import need_tool
+from wall import Wall
 
 from sfq_proxy.config import Config
 from sfq_proxy.core.flows import org_and_class
@@ -238,11 +240,20 @@ def rows_when(driver: WebDriver, section: str, ready: Callable[[Rows], bool]) ->
     return wait(driver, lambda d: (found := rows(d, section)) and ready(found) and found)
 
 
+def marked(driver: WebDriver, status: str) -> list[str]:
+    """The ids of the keys whose row is marked ``status`` (its class and its badge)."""
+    script = """return [...document.querySelectorAll(`#keys tr.key.${arguments[0]}`)]
+                .filter((tr) => tr.querySelector(`.badge.${arguments[0]}`))
+                .map((tr) => tr.cells[0].textContent);"""
+    found: list[str] = driver.execute_script(script, status)
+    return found
+
+
 def revoke(driver: WebDriver, key_id: str) -> None:
-    """Click the key's Revoke button and confirm; wait until the list no longer shows it."""
+    """Click the key's Revoke button and confirm; wait until the list marks it revoked."""
     driver.find_element(By.CSS_SELECTOR, f'button.revoke[data-id="{key_id}"]').click()
     wait(driver, expected_conditions.alert_is_present()).accept()
-    wait(driver, lambda d: all(row[0] != key_id for row in rows(d, "keys")))
+    wait(driver, lambda d: key_id in marked(d, "revoked"))
 
 
 def errors(driver: WebDriver) -> list[dict[str, Any]]:
@@ -290,6 +301,7 @@ async def test_the_page_shows_a_live_flow_and_a_key_revoked_there_stops_working(
     assert {row[0] for row in usage} >= {"A"}
 
     await asyncio.to_thread(revoke, browser, key_id)
+    assert await asyncio.to_thread(marked, browser, "revoked") == [key_id]  # listed, marked
     with pytest.raises(openai.AuthenticationError) as refused:
         await tenant.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
     assert refused.value.status_code == 401
@@ -339,8 +351,16 @@ async def test_a_wrong_key_is_said_and_forgotten_and_a_failing_endpoint_stays_in
 async def test_a_key_made_on_the_page_shows_its_secret_once_and_works(
     lab: Lab, tmp_path: Path, browser: WebDriver
 ) -> None:
+    """Org B is kept to pool ``sim`` of two: the key made for it lists no pool, and the page
+    shows what it may use in fact; past its expiry, the page marks it expired."""
     sim = await lab.backend()
-    served = await lab.proxy(page_config(sim, tmp_path))
+    pools = {
+        name: {"models": [model], "backends": [{"url": sim.url, "slots": 1}]}
+        for name, model in (("sim", MODEL), ("other", "other-model"))
+    }
+    config = page_config(sim, tmp_path, pools=pools, orgs={"B": {"pools": ["sim"]}})
+    wall = Wall(time.time())
+    served = await lab.proxy(config, wall=wall)
     await asyncio.to_thread(sign_in, browser, served.url, ADMIN)
 
     def create() -> str:
@@ -361,7 +381,9 @@ async def test_a_key_made_on_the_page_shows_its_secret_once_and_works(
     assert secret not in storage
     keys = await asyncio.to_thread(rows_when, browser, "keys", lambda rs: len(rs) == 5)
     [made] = [row for row in keys if row[1] == "nightly"]
-    assert made[2:6] == ["B", "batch", "all", "all"]
+    assert made[2:6] == ["B", "batch", "sim (by org B)", "all"]  # its own list: none
+    assert [row[4] for row in keys if row[0] == "B#1"] == ["sim (by org B)"]
+    assert [row[4] for row in keys if row[0] == "A#0"] == ["all"]
     status, listed = await admin(await lab.http(), served, "GET", "/admin/keys")
     [record] = [k for k in listed["keys"] if k["alias"] == "nightly"]
     created, expires = (datetime.fromisoformat(record[f]) for f in ("created", "expires"))
@@ -371,8 +393,14 @@ async def test_a_key_made_on_the_page_shows_its_secret_once_and_works(
     reply = await tenant.chat.completions.with_raw_response.create(
         model=MODEL, messages=CHAT, max_tokens=2
     )
-    await tenant.close()
     assert reply.http_response.status_code == 200
+    assert await asyncio.to_thread(marked, browser, "expired") == []
+    wall.now += 2 * 86400
+    with pytest.raises(openai.AuthenticationError):
+        await tenant.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    await tenant.close()
+    expired = await asyncio.to_thread(wait, browser, lambda d: marked(d, "expired"))
+    assert expired == [record["id"]]
     assert await asyncio.to_thread(errors, browser) == []
 
 

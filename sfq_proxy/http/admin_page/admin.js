@@ -60,9 +60,10 @@ function list(values) {
 }
 
 // a table of ``rows``, each an array of cells: a string, a number (right-aligned), or a node
+// (a row's ``className``, if it has one, is its tr's)
 function table(headings, rows) {
   const head = el("tr", null, ...headings.map((h) => el("th", null, h)));
-  const body = rows.map((row) => el("tr", null, ...row.map((cell) => {
+  const body = rows.map((row) => el("tr", row.className, ...row.map((cell) => {
     if (typeof cell === "number") return el("td", "num", num(cell));
     return el("td", null, cell);
   })));
@@ -284,15 +285,28 @@ function renderRecent(pools) {
 }
 
 function renderKeys(keys) {
-  const rows = keys.map((k) => [
-    k.id, k.alias, k.org, k.classes.join(", "), list(k.pools), list(k.models),
-    k.expires || "never", k.last_used || "—", k.created || "—", keyAction(k),
-  ]);
+  const rows = keys.map((k) => {
+    const row = [
+      k.id, k.alias, k.org, k.classes.join(", "), access(k.access.pools, k.pools, k.org),
+      access(k.access.models, k.models, k.org), k.expires || "never", k.last_used || "—",
+      k.created || "—", el("span", `badge ${k.status}`, k.status), keyAction(k),
+    ];
+    row.className = `key ${k.status}`;
+    return row;
+  });
   return [table(["Id", "Alias", "Org", "Classes", "Pools", "Models", "Expires", "Last used",
-    "Created", ""], rows)];
+    "Created", "Status", ""], rows)];
+}
+
+// what a key may use in fact (its list met with its org's); marked where its org narrows it
+function access(effective, own, org) {
+  const shown = list(effective);
+  if (list(own) === shown) return shown;
+  return el("span", null, shown, " ", el("span", "via-org", `(by org ${org})`));
 }
 
 function keyAction(key) {
+  if (key.status === "revoked") return el("span", "muted", `revoked ${key.revoked}`);
   if (key.source !== "api") return el("span", "muted", "read-only (config file)");
   const button = el("button", "revoke", "Revoke");
   button.type = "button";
