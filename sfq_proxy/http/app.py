@@ -24,6 +24,7 @@ from ..config import Config, ConfigError
 from ..core.errors import ApiError, cut
 from ..core.flows import credential, key_digest, may_use
 from ..core.inference_request import Kind
+from ..observability.history import SERIES
 from . import admin_keys, admin_page
 from .admin_usage import usage_handler
 from .error_response import error_response
@@ -176,9 +177,13 @@ async def _admin_state(request: web.Request) -> web.Response:
 
 
 async def _admin_history(request: web.Request) -> web.Response:
-    """The admin page's charts: each pool's samples (``observability/history.py``)."""
+    """The admin page's charts: each pool's samples (``observability/history.py``), both
+    series or the one ``?series=`` names (what the page shows: half the bytes)."""
     proxy = _admin(request)
-    pools = {name: history.view() for name, history in proxy.history.items()}
+    series = request.query.getall("series", list(SERIES))
+    if not set(series) <= set(SERIES):
+        raise ApiError(400, f"series must be one of: {', '.join(SERIES)}.")
+    pools = {name: history.view(series) for name, history in proxy.history.items()}
     return web.json_response({"now": proxy.wall(), "pools": pools})
 
 

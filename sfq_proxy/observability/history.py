@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import takewhile
 from typing import Any
@@ -36,6 +36,7 @@ SAMPLE_S = 1.0  # one sample a second
 RECENT_POINTS = 300  # the last five minutes, a point a second
 LONG_POINTS = 240  # since start: at most this many points, each covering 2^k samples
 MAX_FLOWS = 12  # flows drawn per point; the others are summed as OTHER
+SERIES = ("recent", "since_start")  # what /admin/history may be asked for
 OTHER = "(other)"  # no flow is named so: a flow's name is org/class
 WAIT_FLOOR_S = 0.001  # waits below this share the first bucket
 BUCKETS_PER_DOUBLING = 4  # a bucket's upper edge is 2^(1/4) = 1.19 times its lower one
@@ -147,14 +148,15 @@ class PoolHistory:
             self.long = [a.merged(b) for a, b in zip(self.long[::2], self.long[1::2], strict=True)]
             self._width *= 2
 
-    def view(self) -> dict[str, Any]:
-        """The pool in ``/admin/history``, oldest point first in each series."""
-        since_start = [*self.long, *([self._filling] if self._filling else [])]
-        return {
-            "sample_s": SAMPLE_S,
-            "recent": [point.view() for point in self.recent],
-            "since_start": [point.view() for point in since_start],
+    def view(self, series: Iterable[str] = SERIES) -> dict[str, Any]:
+        """The pool in ``/admin/history``: the ``series`` asked for (of ``SERIES``), oldest
+        point first in each."""
+        points = {
+            "recent": list(self.recent),
+            "since_start": [*self.long, *([self._filling] if self._filling else [])],
         }
+        views = {name: [point.view() for point in points[name]] for name in series}
+        return {"sample_s": SAMPLE_S, **views}
 
 
 async def sample_forever(

@@ -86,3 +86,8 @@ async def test_the_history_shows_served_against_entitled_shares_queue_waits_and_
     served_recent = sum(sum(p["served"].values()) for p in recent)
     assert served_since == pytest.approx(served_recent, rel=0.01)
     assert KEYS["A"] not in str(pool)
+    headers = {"Authorization": f"Bearer {ADMIN}"}
+    async with http.get(f"{served.url}/admin/history?series=recent", headers=headers) as r:
+        assert set((await r.json())["pools"]["sim"]) == {"sample_s", "recent"}  # that one alone
+    async with http.get(f"{served.url}/admin/history?series=<b>", headers=headers) as r:
+        assert (r.status, (await r.json())["error"]["type"]) == (400, "invalid_request_error")

@@ -11,7 +11,6 @@ const PLOT = { width: 460, height: 150, left: 52, right: 12, top: 10, bottom: 22
 const SHARE_POINTS = 10; // a share in the last minutes: over the trailing 10 points (10 s)
 const COLOURS = 8; // the series' colours: classes c0 to c7 in admin.css
 let timer = null;
-let history = null; // the last /admin/history, drawn again when the window changes
 
 class Failure extends Error {
   constructor(status, message) {
@@ -221,10 +220,9 @@ function poolCharts(points, recent) {
   ];
 }
 
-function renderCharts() {
-  if (history === null) return [];
-  const series = document.getElementById("chart-window").value;
-  return Object.entries(history.pools).flatMap(([name, pool]) => {
+// each pool's charts of ``series`` (recent or since_start) of an /admin/history answer
+function renderCharts(answer, series) {
+  return Object.entries(answer.pools).flatMap(([name, pool]) => {
     const points = pool[series];
     return [
       el("h3", null, name),
@@ -372,10 +370,11 @@ async function refreshState() {
   }
 }
 
+// the series the page shows, alone (half the bytes of both)
 async function refreshHistory() {
+  const series = document.getElementById("chart-window").value;
   try {
-    history = await call("history");
-    show("charts", renderCharts());
+    show("charts", renderCharts(await call(`history?series=${series}`), series));
   } catch (failure) {
     handle("charts", failure);
   }
@@ -474,9 +473,7 @@ document.addEventListener("DOMContentLoaded", () => {
     signOut("Enter the admin key to see the proxy.");
   });
   document.getElementById("new-key").addEventListener("submit", createKey);
-  document.getElementById("chart-window").addEventListener("change", () => {
-    show("charts", renderCharts());
-  });
+  document.getElementById("chart-window").addEventListener("change", refreshHistory);
   document.querySelector("#secret button").addEventListener("click", hideSecret);
   if (sessionStorage.getItem(KEY_ITEM) !== null) signIn();
 });
