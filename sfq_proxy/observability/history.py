@@ -109,16 +109,16 @@ class PoolHistory:
         last = now - SAMPLE_S if self._last is None else self._last
         self._last = now
         fresh = list(takewhile(lambda d: d.at > last, reversed(pool.recent)))
-        served: dict[str, float] = {}
+        dispatched: dict[str, float] = {}
         for dispatch in fresh:
-            if fair_weight(pool.config, dispatch.flow) is not None:
-                served[dispatch.flow] = served.get(dispatch.flow, 0.0) + dispatch.cost
+            dispatched[dispatch.flow] = dispatched.get(dispatch.flow, 0.0) + dispatch.cost
         backlogged = {view.flow for view in pool.flow_views() if view.backlog}
         weights = {
             flow: weight
-            for flow in self._backlogged | backlogged | set(served)
+            for flow in self._backlogged | backlogged | set(dispatched)
             if (weight := fair_weight(pool.config, flow)) is not None
         }
+        served = {flow: cost for flow, cost in dispatched.items() if flow in weights}
         self._backlogged = backlogged
         self.add(
             Point(

@@ -431,16 +431,19 @@ async def test_the_charts_draw_two_orgs_shares_queue_waits_and_slots_from_live_t
     stop = asyncio.Event()
     loads = [keep_asking(lab, served, org, 4, stop, max_tokens=40) for org in "AB"]
     load = asyncio.gather(*loads)
-    await asyncio.to_thread(browser.set_window_size, 1500, 1100)
-    await asyncio.to_thread(sign_in, browser, served.url, ADMIN)
 
     def drawn(driver: WebDriver) -> list[dict[str, Any]] | bool:
         charts: list[dict[str, Any]] = driver.execute_script(DRAWN)
         return len(charts) == 4 and all(c["points"] >= 6 for c in charts) and charts
 
-    charts = {c["kind"]: c for c in await asyncio.to_thread(wait, browser, drawn)}
-    stop.set()
-    assert all(answered > 0 for answered in await load)
+    try:
+        await asyncio.to_thread(browser.set_window_size, 1500, 1100)
+        await asyncio.to_thread(sign_in, browser, served.url, ADMIN)
+        charts = {c["kind"]: c for c in await asyncio.to_thread(wait, browser, drawn)}
+    finally:
+        stop.set()
+        answered = await load
+    assert all(n > 0 for n in answered)
     shares = charts["shares"]["series"]
     assert set(shares) == {f"{f}/batch {what}" for f in "AB" for what in ("served", "entitled")}
     assert all(path.count("L") >= 4 for path in shares.values())  # lines, not a dot
