@@ -42,6 +42,9 @@ WAIT_FLOOR_S = 0.001  # waits below this share the first bucket
 BUCKETS_PER_DOUBLING = 4  # a bucket's upper edge is 2^(1/4) = 1.19 times its lower one
 
 
+Load = tuple[int, int, int, int]  # a backend's samples, and its in-flight, slots, healthy
+
+
 @dataclass(slots=True)
 class Point:
     """A span of samples of one pool: ``end`` (Unix time) and ``span_s`` before it."""
@@ -56,15 +59,15 @@ class Point:
     entitled: dict[str, float] = field(default_factory=dict)
     queued: int = 0  # the most requests waiting at one of its samples
     waits: Counter[int] = field(default_factory=Counter)  # dispatches per wait bucket
-    # per backend: in-flight summed over the samples, slots summed, samples it was healthy
-    backends: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    # per backend, sums over the samples it was in: (samples, in flight, slots, healthy)
+    backends: dict[str, Load] = field(default_factory=dict)
 
     def merged(self, later: Point) -> Point:
         """This point and the one right after it, as one."""
         backends = dict(self.backends)
-        for name, (running, slots, healthy) in later.backends.items():
-            was = backends.get(name, (0, 0, 0))
-            backends[name] = (was[0] + running, was[1] + slots, was[2] + healthy)
+        for name, (n, running, slots, healthy) in later.backends.items():
+            was = backends.get(name, (0, 0, 0, 0))
+            backends[name] = (was[0] + n, was[1] + running, was[2] + slots, was[3] + healthy)
         served, entitled = _capped(
             _add(self.served, later.served), _add(self.entitled, later.entitled)
         )
@@ -76,7 +79,6 @@ class Point:
     def view(self) -> dict[str, Any]:
         """The point in ``/admin/history``: costs (the page sums them over any window it
         draws), the wait's quantiles, and the backends' means over the samples."""
-        n = self.samples
         return {
             "end": round(self.end, 3),
             "span_s": round(self.span_s, 3),
@@ -87,8 +89,12 @@ class Point:
             "wait_p50_s": wait_quantile(self.waits, 0.5),
             "wait_p99_s": wait_quantile(self.waits, 0.99),
             "backends": {
-                name: {"in_flight": running / n, "slots": slots / n, "healthy": healthy / n}
-                for name, (running, slots, healthy) in self.backends.items()
+                name: {
+                    "in_flight": round(running / n, 3),
+                    "slots": round(slots / n, 3),
+                    "healthy": round(healthy / n, 3),
+                }
+                for name, (n, running, slots, healthy) in self.backends.items()
             },
         }
 
@@ -129,7 +135,8 @@ class PoolHistory:
                 queued=pool.queued(),
                 waits=Counter(wait_bucket(dispatch.waited) for dispatch in fresh),
                 backends={
-                    b.name: (b.in_flight, b.slots, int(b.healthy)) for b in pool.placement.backends
+                    b.name: (1, b.in_flight, b.slots, int(b.healthy))
+                    for b in pool.placement.backends
                 },
             )
         )

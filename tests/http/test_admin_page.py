@@ -195,6 +195,15 @@ async def test_with_shared_state_the_recent_dispatches_are_this_processs_untagge
     assert recent == [("A/batch", None, None, None), ("C/interactive", None, None, None)]
     assert set(pool["served_recent"]["shares"]) == {"A/batch", "C/interactive"}
 
+    async def sampled() -> bool:  # the charts' history: this process's grants, sampled
+        _, history = await admin(await lab.http(), served, "GET", "/admin/history")
+        points = history["pools"]["sim"]["recent"]
+        return sum(p["dispatches"] for p in points) == 2 and {
+            f for p in points for f in p["served"]
+        } == {"A/batch", "C/interactive"}
+
+    await eventually(sampled, within=5)
+
 
 # -- in a real browser ------------------------------------------------------------------------
 

@@ -25,13 +25,15 @@ START = 1_760_000_000.0
 
 
 def point(i: int, flows: int = 2) -> Point:
-    """The ``i``-th second's sample: flow f0 served 3 per second, the others 1 each."""
+    """The ``i``-th second's sample: flow org0 served 3, the others 1 each; backend b1 down
+    one sample in a hundred, b2 in every other sample only (a reload added it)."""
     served = {f"org{n}/batch": 3.0 if n == 0 else 1.0 for n in range(flows)}
-    return Point(
-        end=START + i, span_s=1.0, served=served, entitled=entitlement(sum(served.values()),
-        dict.fromkeys(served, 1.0)), queued=i % 7, waits=Counter({wait_bucket(i % 5 / 10): 2}),
-        backends={"b1": (i % 3, 4, int(i % 100 != 0))},
-    )  # fmt: skip
+    entitled = entitlement(sum(served.values()), dict.fromkeys(served, 1.0))
+    backends = {"b1": (1, i % 3, 4, int(i % 100 != 0))}
+    if i % 2:
+        backends["b2"] = (1, 2, 2, 1)
+    waits = Counter({wait_bucket(i % 5 / 10): 2})
+    return Point(START + i, 1.0, 1, served, entitled, i % 7, waits, backends)
 
 
 def test_a_day_of_samples_keeps_a_bounded_series_that_still_adds_up() -> None:
@@ -59,6 +61,8 @@ def test_a_day_of_samples_keeps_a_bounded_series_that_still_adds_up() -> None:
     assert b1["slots"] == 4
     assert b1["in_flight"] == pytest.approx(1, abs=0.01)  # the mean of 0, 1, 2
     assert 0.98 < b1["healthy"] < 1  # down one sample in a hundred
+    b2 = since_start[0]["backends"]["b2"]  # in every other sample: its means are of those
+    assert (b2["in_flight"], b2["slots"], b2["healthy"]) == (2, 2, 1)
 
 
 def test_many_flows_are_capped_and_the_rest_summed_as_other() -> None:

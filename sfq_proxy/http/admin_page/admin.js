@@ -298,8 +298,8 @@ function renderKeys(keys) {
 
 // what a key may use in fact (its list met with its org's); marked where its org narrows it
 function access(effective, own, org) {
-  const shown = list(effective);
-  if (list(own) === shown) return shown;
+  const shown = list(effective); // sorted, as the proxy sends it
+  if (list(own && [...own].sort()) === shown) return shown;
   return el("span", null, shown, " ", el("span", "via-org", `(by org ${org})`));
 }
 
