@@ -22,6 +22,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import Select, WebDriverWait
+from server_process import free_port
 from tools import need_tool
 from wall import Wall
 
@@ -413,11 +414,13 @@ async def test_a_key_made_on_the_page_shows_its_secret_once_and_works(
     assert await asyncio.to_thread(errors, browser) == []
 
 
-# what the page drew: each chart's kind, its points, and its series' names and path data
+# what the page drew: each chart's kind, its points, its series' names and path data, and
+# the labels of its shaded spans
 DRAWN = """return [...document.querySelectorAll('#charts figure.chart')].map((f) => ({
   kind: f.dataset.chart, points: Number(f.dataset.points),
   series: Object.fromEntries([...f.querySelectorAll('path.series')]
     .map((p) => [p.dataset.series, p.getAttribute('d')])),
+  bands: [...f.querySelectorAll('rect.down-band')].map((r) => r.textContent),
 }));"""
 PLOT_BOTTOM, PLOT_TOP = 150 - 22, 10  # admin.js's PLOT: the y of 0 and of the chart's top
 
@@ -432,11 +435,16 @@ async def test_the_charts_draw_two_orgs_shares_queue_waits_and_slots_from_live_t
 ) -> None:
     """A (weight 3) and B (weight 1) backlogged on 2 slots: the page draws each flow's
     served share beside its entitled one (about 3/4 for A), the queue, the waits and the
-    backend's load, read back from the SVG; a screenshot goes to ``SCREENSHOT``."""
+    backends' load, with the one that does not answer shaded as down, read back from the
+    SVG; a screenshot goes to ``SCREENSHOT``."""
     sim = await lab.backend()
-    backends = [{"url": sim.url, "slots": 2, "name": "gpu-1"}]
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: its probes fail
+    backends = [{"url": sim.url, "slots": 2, "name": "gpu-1"},
+                {"url": dead, "slots": 1, "name": "gpu-2"}]  # fmt: skip
     config = page_config(sim, tmp_path, orgs={"A": {"weight": 3}}, pool={"backends": backends})
     served = await lab.proxy(config)
+    gpu_2 = served.state.pools["sim"].placement.backends[1]
+    await eventually(lambda: not gpu_2.healthy, within=5)
     stop = asyncio.Event()
     loads = [keep_asking(lab, served, org, 4, stop, max_tokens=40) for org in "AB"]
     load = asyncio.gather(*loads)
@@ -467,7 +475,12 @@ async def test_the_charts_draw_two_orgs_shares_queue_waits_and_slots_from_live_t
     assert share("B/batch served") == pytest.approx(1 - share("A/batch served"), abs=0.02)
     assert set(charts["queue"]["series"]) == {"queued"}
     assert set(charts["wait"]["series"]) == {"p50", "p99"}
-    assert set(charts["backends"]["series"]) == {"gpu-1 in flight", "gpu-1 slots"}
+    assert set(charts["backends"]["series"]) == {
+        f"gpu-{n} {what}" for n in (1, 2) for what in ("in flight", "slots")
+    }
+    bands = charts["backends"]["bands"]
+    assert len(bands) >= 6
+    assert set(bands) == {"gpu-2 down"}  # a span a point, gpu-1 never
     assert all(len(path) > 10 for c in charts.values() for path in c["series"].values())
 
     def window(choice: str, caption: str) -> None:

@@ -143,9 +143,10 @@ function plot(kind, title, times, series, format, { top = null, bands = [] } = {
   const y = (v) => height - bottom - (Math.min(v, high) / high) * (height - bottom - pad);
   const root = svg("svg", { viewBox: `0 0 ${width} ${height}`, class: "plot", role: "img",
     "aria-label": title });
-  for (const [from, to, label] of bands) {
-    root.append(svg("rect", { class: "down-band", x: x(from), y: pad,
-      width: Math.max(1, x(to) - x(from)), height: height - bottom - pad }, svg("title", {}, label)));
+  for (const [from, to, label] of bands) { // within the plot, a point's span at least 1 px
+    const [x0, x1] = [Math.max(left, x(from)), Math.min(width - right, x(to))];
+    root.append(svg("rect", { class: "down-band", x: Math.min(x0, x1 - 1), y: pad,
+      width: Math.max(1, x1 - x0), height: height - bottom - pad }, svg("title", {}, label)));
   }
   root.append(
     svg("line", { class: "axis", x1: left, y1: y(0), x2: width - right, y2: y(0) }),
@@ -163,7 +164,8 @@ function plot(kind, title, times, series, format, { top = null, bands = [] } = {
       svg("title", {}, s.name)));
   }
   const legend = el("ul", "legend", ...series.map((s) =>
-    el("li", `c${s.colour % COLOURS}${s.dashed ? " dashed" : ""}`, s.name)));
+    el("li", `c${s.colour % COLOURS}${s.dashed ? " dashed" : ""}`, s.name)),
+    ...[...new Set(bands.map((band) => band[2]))].map((label) => el("li", "band", label)));
   const figure = el("figure", "chart", el("figcaption", null, title), root, legend);
   figure.dataset.chart = kind;
   figure.dataset.points = String(times.length);
