@@ -1,4 +1,4 @@
-"""What the admin page draws over time (docs/admin-page.md, Charts): per pool, a sample a
+"""What the admin page draws over time (docs/admin-page.md, Over time): per pool, a sample a
 second of who was served against what they were entitled to, the queue, the waits in it,
 and the backends' load and health.
 
@@ -52,9 +52,8 @@ class Point:
     end: float
     span_s: float
     samples: int = 1
-    # the cost dispatched per fair-queued flow, and what each was entitled to of it: the
-    # same total split by the weights of the flows backlogged then (design.md §3: SFQ's
-    # guarantee is among backlogged flows)
+    # the cost dispatched per fair-queued flow, and what each was entitled to of it
+    # (``entitlement``): the same total, split otherwise
     served: dict[str, float] = field(default_factory=dict)
     entitled: dict[str, float] = field(default_factory=dict)
     queued: int = 0  # the most requests waiting at one of its samples
@@ -118,20 +117,21 @@ class PoolHistory:
         dispatched: dict[str, float] = {}
         for dispatch in fresh:
             dispatched[dispatch.flow] = dispatched.get(dispatch.flow, 0.0) + dispatch.cost
+        config = pool.config
+        served = {f: cost for f, cost in dispatched.items() if fair_weight(config, f) is not None}
         backlogged = {view.flow for view in pool.flow_views() if view.backlog}
-        weights = {
+        waiting = {  # the flows backlogged at the interval's start or end, by weight
             flow: weight
-            for flow in self._backlogged | backlogged | set(dispatched)
-            if (weight := fair_weight(pool.config, flow)) is not None
+            for flow in self._backlogged | backlogged
+            if (weight := fair_weight(config, flow)) is not None
         }
-        served = {flow: cost for flow, cost in dispatched.items() if flow in weights}
         self._backlogged = backlogged
         self.add(
             Point(
                 end=wall,
                 span_s=now - last,
                 served=served,
-                entitled=entitlement(sum(served.values()), weights),
+                entitled=entitlement(served, waiting),
                 queued=pool.queued(),
                 waits=Counter(wait_bucket(dispatch.waited) for dispatch in fresh),
                 backends={
@@ -185,10 +185,17 @@ def fair_weight(config: Config, flow: str) -> float | None:
     return None if spec is None or spec.priority else config.flow_weight(org, cls)
 
 
-def entitlement(total: float, weights: Mapping[str, float]) -> dict[str, float]:
-    """``total`` split among the flows in proportion to their weights."""
-    whole = sum(weights.values())
-    return {flow: total * weight / whole for flow, weight in weights.items()} if whole else {}
+def entitlement(served: Mapping[str, float], waiting: Mapping[str, float]) -> dict[str, float]:
+    """What each flow was entitled to of what was ``served`` in an interval. SFQ's guarantee
+    is among the flows that wait (design.md §3): those of ``waiting`` (by their weights;
+    backlogged at the interval's start or end) are entitled to what they were served
+    together, split by weight, so a flow served less than its part was short of its share.
+    A flow that did not wait had all it asked for: it is entitled to what it had."""
+    together = sum(served.get(flow, 0.0) for flow in waiting)
+    whole = sum(waiting.values())
+    entitled = {flow: cost for flow, cost in served.items() if flow not in waiting}
+    entitled.update({flow: together * weight / whole for flow, weight in waiting.items()})
+    return entitled
 
 
 def wait_bucket(seconds: float) -> int:

@@ -28,7 +28,7 @@ def point(i: int, flows: int = 2) -> Point:
     """The ``i``-th second's sample: flow org0 served 3, the others 1 each; backend b1 down
     one sample in a hundred, b2 in every other sample only (a reload added it)."""
     served = {f"org{n}/batch": 3.0 if n == 0 else 1.0 for n in range(flows)}
-    entitled = entitlement(sum(served.values()), dict.fromkeys(served, 1.0))
+    entitled = entitlement(served, dict.fromkeys(served, 1.0))
     backends = {"b1": (1, i % 3, 4, int(i % 100 != 0))}
     if i % 2:
         backends["b2"] = (1, 2, 2, 1)
@@ -78,9 +78,18 @@ def test_many_flows_are_capped_and_the_rest_summed_as_other() -> None:
     assert sum(sum(p["served"].values()) for p in merged) == 4 * 42
 
 
-def test_entitlement_splits_what_was_served_by_weight() -> None:
-    assert entitlement(8.0, {"A/batch": 3.0, "B/batch": 1.0}) == {"A/batch": 6.0, "B/batch": 2.0}
-    assert entitlement(5.0, {}) == {}
+def test_the_flows_that_waited_are_entitled_to_what_they_had_together_by_weight() -> None:
+    waiting = {"A/batch": 3.0, "B/batch": 1.0}
+    assert entitlement({"A/batch": 4.0, "B/batch": 4.0}, waiting) == {
+        "A/batch": 6.0, "B/batch": 2.0,
+    }  # fmt: skip
+    # B waited and had nothing: it was entitled to a quarter of what A had
+    assert entitlement({"A/batch": 8.0}, waiting) == {"A/batch": 6.0, "B/batch": 2.0}
+    # C never waited: it had what it asked for, and A and B share the rest
+    served = {"A/batch": 5.0, "B/batch": 3.0, "C/batch": 9.0}
+    assert entitlement(served, waiting) == {"A/batch": 6.0, "B/batch": 2.0, "C/batch": 9.0}
+    # nobody waited (a pool with room): everyone is entitled to what it had
+    assert entitlement(served, {}) == served
 
 
 def test_wait_quantiles_are_within_a_bucket_above_the_truth() -> None:

@@ -202,8 +202,8 @@ function poolCharts(points, recent) {
     .map((p) => [p.end - p.span_s, p.end, `${name} down`]));
   const over = recent ? `trailing ${SHARE_POINTS} s` : "per point";
   return [
-    plot("shares", `Share of the cost served (solid, ${over}) and entitled (dashed: by weight ` +
-      "among the flows backlogged)", times, flows.flatMap((flow, i) => [
+    plot("shares", `Share of the cost served (solid, ${over}) and entitled to (dashed: what ` +
+      "the waiting flows had together, split by weight)", times, flows.flatMap((flow, i) => [
       { name: `${flow} served`, colour: i, values: shares(points, "served", flow, span) },
       { name: `${flow} entitled`, colour: i, dashed: true,
         values: shares(points, "entitled", flow, span) },
