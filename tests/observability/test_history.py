@@ -6,9 +6,12 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
+from proxy_lab import proxy_config
 
+from sfq_proxy.core.flows import org_and_class
 from sfq_proxy.observability.history import (
     LONG_POINTS,
     MAX_FLOWS,
@@ -20,6 +23,7 @@ from sfq_proxy.observability.history import (
     wait_bucket,
     wait_quantile,
 )
+from sfq_proxy.state.pool import Dispatch, Pool
 
 START = 1_760_000_000.0
 
@@ -90,6 +94,32 @@ def test_the_flows_that_waited_are_entitled_to_what_they_had_together_by_weight(
     assert entitlement(served, waiting) == {"A/batch": 6.0, "B/batch": 2.0, "C/batch": 9.0}
     # nobody waited (a pool with room): everyone is entitled to what it had
     assert entitlement(served, {}) == served
+
+
+def test_a_sample_entitles_the_flows_waiting_at_its_start_or_end_and_no_other() -> None:
+    """Nobody waiting (a pool with room): each flow is entitled to what it had. A and C
+    waiting at the end of the next interval: they split what they had by weight."""
+    config = proxy_config(["http://127.0.0.1:9"], orgs={"A": {"weight": 3}})
+    pool = Pool("sim", config, clock=lambda: 0.0)
+    history = PoolHistory()
+
+    def second(at: float, costs: dict[str, float]) -> dict[str, Any]:
+        for flow, cost in costs.items():
+            pool.recent.append(Dispatch(flow, "b", cost, 1.0, None, None, at - 0.5, 0.2))
+        history.sample(pool, at, START + at)
+        view: dict[str, Any] = history.view()["recent"][-1]
+        return view
+
+    room = second(1.0, {"A/batch": 3.0, "C/interactive": 9.0})
+    assert room["served"] == room["entitled"] == {"A/batch": 3.0, "C/interactive": 9.0}
+    for flow in ("A/batch", "C/interactive"):
+        pool.scheduler.queue.push(flow, object(), 1.0, config.flow_weight(*org_and_class(flow)))
+    busy = second(2.0, {"A/batch": 2.0, "C/interactive": 6.0})
+    weights = {f: config.flow_weight(*org_and_class(f)) for f in ("A/batch", "C/interactive")}
+    assert busy["entitled"] == {
+        f: pytest.approx(8.0 * w / sum(weights.values()), abs=1e-3) for f, w in weights.items()
+    }
+    assert busy["wait_p50_s"] == pytest.approx(0.2, rel=0.19)
 
 
 def test_wait_quantiles_are_within_a_bucket_above_the_truth() -> None:
