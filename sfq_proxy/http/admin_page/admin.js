@@ -154,14 +154,15 @@ function plot(kind, title, times, series, format, { top = null, bands = [] } = {
     svg("text", { class: "tick", x: left - 4, y: pad + 8, "text-anchor": "end" }, format(high)),
     svg("text", { class: "tick", x: left - 4, y: y(0), "text-anchor": "end" }, format(0)),
     svg("text", { class: "tick", x: left, y: height - 6 }, clock(t0)),
-    svg("text", { class: "tick", x: width - right, y: height - 6, "text-anchor": "end" }, clock(t1)),
+    svg("text", { class: "tick", x: width - right, y: height - 6, "text-anchor": "end" },
+      clock(t1)),
   );
   const xs = times.map(x);
   for (const s of series) {
     const ys = s.values.map((v) => (v === null ? null : y(v)));
     const colour = `c${s.colour % COLOURS}${s.dashed ? " dashed" : ""}`;
-    root.append(svg("path", { class: `series ${colour}`, d: pathData(xs, ys), "data-series": s.name },
-      svg("title", {}, s.name)));
+    root.append(svg("path", { class: `series ${colour}`, d: pathData(xs, ys),
+      "data-series": s.name }, svg("title", {}, s.name)));
   }
   const legend = el("ul", "legend", ...series.map((s) =>
     el("li", `c${s.colour % COLOURS}${s.dashed ? " dashed" : ""}`, s.name)),
@@ -196,7 +197,10 @@ function poolCharts(points, recent) {
     ...Object.keys(p.entitled)]))].sort();
   const span = recent ? SHARE_POINTS : 1;
   const backends = [...new Set(points.flatMap((p) => Object.keys(p.backends)))];
-  const load = (name, field) => points.map((p) => (p.backends[name] ? p.backends[name][field] : null));
+  const load = (name, field) => points.map((p) => {
+    const backend = p.backends[name];
+    return backend ? backend[field] : null; // not in the pool then (a reload)
+  });
   const down = backends.flatMap((name) => points
     .filter((p) => p.backends[name] && p.backends[name].healthy < 1)
     .map((p) => [p.end - p.span_s, p.end, `${name} down`]));
