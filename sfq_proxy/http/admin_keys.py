@@ -4,8 +4,9 @@ Every route is behind the admin key (``app._admin``). The file's keys are listed
 ``source: config``, and are read-only here: they change by editing the config. A secret
 exists only in the answer to its create; the store, the logs and every list hold its
 SHA-256 digest or the id made from it. Each key is listed with what it may use in fact
-(``access``: its lists met with its org's) and its ``status`` (active, expired, revoked):
-the page shows those, not only what the key itself lists.
+(``access``: its classes the config still has, its lists met with its org's) and its
+``status`` (active, expired, revoked, or inactive: not in force here): the page shows
+those, not only what the key itself lists.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from redis.exceptions import RedisError
 
 from ..config import Config, ResolvedKey
 from ..core.errors import ApiError
-from ..core.keys import KeyRecord, budget_json, changed_record, new_record
+from ..core.keys import KeyRecord, budget_json, changed_record, in_force, new_record
 from ..state.key_store import KeyStore, unavailable, usage_times
 from .proxy import Proxy
 
@@ -150,8 +151,11 @@ def _sorted(store: KeyStore) -> list[KeyRecord]:
 def _api_key(
     config: Config, record: KeyRecord, last_used: float | None, now: float
 ) -> dict[str, Any]:
-    """A key of the API's; ``pools`` and ``models`` as it lists them, ``access`` as they
-    meet its org's under ``config``."""
+    """A key of the API's; ``classes``, ``pools`` and ``models`` as it lists them,
+    ``access`` as ``config`` resolves them."""
+    pools, models = config.key_access(record.org, record.pools, record.models)
+    classes = tuple(cls for cls in record.classes if cls in config.classes)
+    working = bool(in_force([record], config))
     return {
         "id": record.id,
         "alias": record.alias,
@@ -159,8 +163,8 @@ def _api_key(
         "classes": list(record.classes),
         "pools": _names(record.pools),
         "models": _names(record.models),
-        "access": _access(*config.key_access(record.org, record.pools, record.models)),
-        "status": _status(record.expires, record.revoked, now),
+        "access": _access(classes, pools, models),
+        "status": _status(record.expires, record.revoked, now, working=working),
         "created": _iso(record.created),
         "expires": _iso(record.expires),
         "revoked": _iso(record.revoked),
@@ -183,7 +187,7 @@ def _file_key(
         "classes": list(key.classes),
         "pools": _names(spec.pools),
         "models": _names(spec.models),
-        "access": _access(key.pools, key.models),
+        "access": _access(key.classes, key.pools, key.models),
         "status": _status(key.expires, None, now),
         "created": None,
         "expires": _iso(key.expires),
@@ -198,17 +202,25 @@ def _names(names: tuple[str, ...] | list[str] | None) -> list[str] | None:
     return None if names is None else list(names)
 
 
-def _access(pools: frozenset[str] | None, models: frozenset[str] | None) -> dict[str, Any]:
-    """The pools and models a key may use in fact (None: every one), sorted."""
-    return {"pools": None if pools is None else sorted(pools),
+def _access(
+    classes: tuple[str, ...], pools: frozenset[str] | None, models: frozenset[str] | None
+) -> dict[str, Any]:
+    """The classes, pools and models a key may use in fact (None: every one), the latter
+    sorted."""
+    return {"classes": list(classes), "pools": None if pools is None else sorted(pools),
             "models": None if models is None else sorted(models)}  # fmt: skip
 
 
-def _status(expires: float | None, revoked: float | None, now: float) -> str:
-    """Whether a key works: ``revoked``, ``expired`` (as the authenticator judges it) or
-    ``active``."""
+def _status(
+    expires: float | None, revoked: float | None, now: float, *, working: bool = True
+) -> str:
+    """Whether a key works: ``revoked``; ``inactive`` (not ``working``: not in force here,
+    its classes all removed by a reload, or its alias a name of this process's file);
+    ``expired`` (as the authenticator judges it); else ``active``."""
     if revoked is not None:
         return "revoked"
+    if not working:
+        return "inactive"
     return "expired" if expires is not None and now >= expires else "active"
 
 

@@ -175,8 +175,12 @@ async def test_the_list_shows_what_a_key_may_use_in_fact_and_marks_expired_and_r
 
     keys = await listed()
     assert (keys[narrowed]["pools"], keys[narrowed]["models"]) == (None, None)  # as it lists
-    assert keys[narrowed]["access"] == {"pools": ["sim"], "models": None}  # as it is held
-    assert keys["A#0"]["access"] == {"pools": None, "models": None}
+    assert keys[narrowed]["access"] == {  # as it is held
+        "classes": ["interactive", "batch"], "pools": ["sim"], "models": None,
+    }  # fmt: skip
+    assert keys["A#0"]["access"] == {
+        "classes": ["batch", "interactive"], "pools": None, "models": None,
+    }  # fmt: skip
     assert {keys[i]["status"] for i in (narrowed, expiring, "A#0")} == {"active"}
     async with openai.AsyncOpenAI(
         base_url=f"{served.url}/v1", api_key=secret, max_retries=0
@@ -208,6 +212,32 @@ async def test_the_list_shows_what_a_key_may_use_in_fact_and_marks_expired_and_r
     keys = await listed()
     assert narrowed not in keys  # revoked long ago: forgotten
     assert keys[expiring]["status"] == "revoked"
+
+
+async def test_a_key_a_reload_left_without_a_class_is_listed_inactive(
+    lab: Lab, tmp_path: Path
+) -> None:
+    sim = await lab.backend()
+    file_key = [{"key": KEYS["A"], "org": "A", "classes": ["batch"]}]
+
+    def config(*classes: str) -> Config:
+        return keys_config(
+            [sim.url], key_store_file=str(tmp_path / "keys.json"), keys=file_key,
+            classes={name: {"weight": 1} for name in classes},
+        )  # fmt: skip
+
+    served = await lab.proxy(config("batch", "nightly"))
+    http = await lab.http()
+    key_id, secret = await create(http, served, alias="nightly-bot", classes=["nightly"])
+    assert await chat(served, secret) == "ok"
+    served.state.reload(config("batch"))  # the class is gone: the key works no more
+    assert await chat(served, secret) == "401 invalid_api_key"
+    _, listing = await admin(http, served, "GET")
+    (key,) = [k for k in listing["keys"] if k["id"] == key_id]
+    assert (key["status"], key["classes"], key["access"]["classes"]) == (
+        "inactive", ["nightly"], [],
+    )  # fmt: skip
+    assert [k["status"] for k in listing["keys"] if k["source"] == "config"] == ["active"]
 
 
 async def test_no_log_holds_a_keys_secret(

@@ -291,7 +291,8 @@ function renderRecent(pools) {
 function renderKeys(keys) {
   const rows = keys.map((k) => {
     const row = [
-      k.id, k.alias, k.org, k.classes.join(", "), access(k.access.pools, k.pools, k.org),
+      k.id, k.alias, k.org, k.access.classes.join(", ") || "none",
+      access(k.access.pools, k.pools, k.org),
       access(k.access.models, k.models, k.org), k.expires || "never", k.last_used || "—",
       k.created || "—", el("span", `badge ${k.status}`, k.status), keyAction(k),
     ];
