@@ -431,7 +431,7 @@ def last_y(path: str) -> float:
 
 
 async def test_the_charts_draw_two_orgs_shares_queue_waits_and_slots_from_live_traffic(
-    lab: Lab, tmp_path: Path, browser: WebDriver
+    lab: Lab, tmp_path: Path, browser: WebDriver, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A (weight 3) and B (weight 1) backlogged on 2 slots: the page draws each flow's
     served share beside its entitled one (about 3/4 for A), the queue, the waits and the
@@ -493,5 +493,6 @@ async def test_the_charts_draw_two_orgs_shares_queue_waits_and_slots_from_live_t
     await asyncio.to_thread(window, "recent", "trailing 10 s")
     SCREENSHOT.parent.mkdir(exist_ok=True)
     assert await asyncio.to_thread(browser.save_screenshot, str(SCREENSHOT))
-    print(f"the admin page's screenshot: {SCREENSHOT}")
+    with capsys.disabled():  # in the test's output, passed or not
+        print(f"\nthe admin page's screenshot: {SCREENSHOT}")
     assert await asyncio.to_thread(errors, browser) == []  # no console error: the CSP held
