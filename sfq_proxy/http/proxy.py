@@ -24,6 +24,7 @@ from ..core.flows import Authenticator
 from ..core.keys import KeyRecord, clashes, in_force
 from ..core.queue_memory import QueueMemory
 from ..observability import logs
+from ..observability.history import PoolHistory, sample_forever
 from ..observability.metrics import Metrics
 from ..observability.worker_metrics import WorkerGroup
 from ..state import calibration_file, key_store
@@ -77,6 +78,7 @@ class Proxy:
     keys: key_store.KeyStore | None = None  # the admin API's keys; None: that API is off
     usage: UsageBook | None = None  # usage you can bill from, and budgets
     tracing: Tracing | None = None  # the requests' spans (docs/tracing.md); None: off
+    history: dict[str, PoolHistory] = field(default_factory=dict)  # the admin page's charts
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
@@ -111,6 +113,7 @@ class Proxy:
             keys=keys,
             storage=storage,
             tracing=_tracing(config),
+            history={name: PoolHistory() for name in pools},
         )
         proxy.usage = UsageBook(config, storage.usage_store(wall), wall)
         proxy.metrics.budget_levels = proxy.usage.levels
@@ -236,6 +239,7 @@ class Proxy:
         if self.usage is not None:  # what was used before, for budgets
             await self.usage.flush()
             self._tasks.append(asyncio.create_task(self.usage.flush_forever()))
+        self._tasks.append(asyncio.create_task(sample_forever(self.pools, self.history, self.wall)))
         if isinstance(self.metrics.group, WorkerGroup):  # its counts for its siblings' scrapes
             self._tasks.append(asyncio.create_task(self.metrics.group.write_forever()))
         yield

@@ -81,11 +81,13 @@ class Dispatch(NamedTuple):
     start_tag: float | None
     virtual_time: float | None  # just before the dispatch
     at: float  # the pool's clock
+    waited: float  # in line, since it joined it (the admin page's wait quantiles)
 
     @classmethod
     def of(cls, ticket: Ticket, backend: str, at: float, *, tagged: bool = True) -> Dispatch:
         start, v = (ticket.start_tag, ticket.virtual_time) if tagged else (None, None)
-        return cls(ticket.flow, backend, ticket.cost, ticket.weight, start, v, at)
+        waited = at - ticket.queued_at
+        return cls(ticket.flow, backend, ticket.cost, ticket.weight, start, v, at, waited)
 
     def view(self, now: float) -> dict[str, Any]:
         """Its entry in ``recent_dispatches``; ``age_s``: how long ago, on the pool's clock."""
@@ -195,6 +197,7 @@ class Pool:
         """
         if self.draining:
             raise shutting_down(self.name)
+        ticket.queued_at = self.clock()
         if front:
             self._retrying.add(ticket)
             try:
@@ -376,6 +379,10 @@ class Pool:
     def virtual_time(self) -> float:
         return self.scheduler.queue.virtual_time
 
+    def queued(self) -> int:
+        """How many requests wait in this pool's line."""
+        return self.scheduler.queued()
+
     def flow_views(self) -> list[FlowView]:
         """Every flow the fair queue tracks, in flow-id order (metrics, ``/admin/state``)."""
         return self.scheduler.queue.flows()
@@ -394,7 +401,7 @@ class Pool:
         now = self.clock()
         return {
             "virtual_time": self.virtual_time(),
-            "queued": self.scheduler.queued(),
+            "queued": self.queued(),
             "running": self.scheduler.running,
             "flows": [
                 {

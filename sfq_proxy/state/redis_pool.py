@@ -207,6 +207,10 @@ class SharedPool(LeasedPool):
     def virtual_time(self) -> float:
         return self._view[0]
 
+    def queued(self) -> int:
+        """This process's requests waiting: in Redis's line or, while Redis is lost, its own."""
+        return len(self._waiting) + super().queued()
+
     def flow_views(self) -> list[FlowView]:
         """The pool's flows as Redis held them at the last heartbeat (the whole pool)."""
         return self._view[1]
@@ -220,7 +224,6 @@ class SharedPool(LeasedPool):
         this process's share of it (what it queued, what it runs, its holder)."""
         return {
             **super().state(),
-            "queued": len(self._waiting),
             "running": len(self._held),
             "shared": {
                 "holder": self.dispatch.holder,
