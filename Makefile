@@ -34,12 +34,14 @@ endef
 
 # Debian tools the tests run: docker-compose (validates deploy/compose, no engine), promtool
 # (checks deploy/prometheus), redis-server (runs the shared-state tests; gives redis-cli too),
+# redis-sentinel (fails a primary over in tests/state/test_sentinel_failover.py; without it
+# those tests run redis-server --sentinel, the same program),
 # chromium and chromedriver (the admin page's tests drive a headless browser with Selenium).
 # As root, apt-get installs the missing ones. Otherwise it says which are missing and goes on:
 # their tests skip, naming `make tools` (pytest's summary lists them); with CI=true it stops,
 # since CI skips nothing (tests/support/tools.py fails those tests there).
 TOOLS := docker-compose:docker-compose promtool:prometheus redis-server:redis-server \
-  chromium:chromium chromedriver:chromium-driver
+  redis-sentinel:redis-sentinel chromium:chromium chromedriver:chromium-driver
 tools:
 	@missing=; packages=; for t in $(TOOLS); do \
 	  command -v $${t%%:*} >/dev/null || { missing="$$missing $${t%%:*}"; packages="$$packages $${t#*:}"; }; \

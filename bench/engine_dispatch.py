@@ -44,6 +44,8 @@ queue) every 0.1 s during each run. Three cases, one table:
 Ratios are engine ÷ static (case 1 and 3) or ÷ direct (case 2), of the same run. Without
 ``--server`` the vLLM server is started (about 20 s) and stopped; the run takes about 2
 minutes on 2 cores. ``--scale`` multiplies the request counts (the test runs smaller).
+``--rounds N`` runs case 2 alone, N rounds of direct, static ``slots: 4``, engine dispatch
+and engine dispatch with ``allowance: 2``, interleaved, and prints the medians.
 ``tests/vllm/test_engine_dispatch.py`` runs it and asserts the headline properties.
 """
 
@@ -405,25 +407,69 @@ def report(runs: dict[str, Run], w: Workload) -> str:
     return "\n".join(lines)
 
 
+THROUGHPUT: dict[str, tuple[int | str, dict[str, Any] | None]] = {  # case 2's rows in rounds
+    "static slots 4 (the engine's)": (4, None),
+    "engine, slots auto": ("auto", ENGINE),
+    "engine, slots auto, allowance 2": ("auto", {**ENGINE, "allowance": 2}),
+}
+
+
+async def throughput_rounds(vllm_url: str, w: Workload, procs: Processes, rounds: int) -> str:
+    """Case 2 alone, in ``rounds`` rounds of direct and each of ``THROUGHPUT`` one after
+    another (what else the machine runs weighs on every row alike): each row's output
+    tokens/s in every round, their median, and the median of its ratios to the direct run
+    of the same round."""
+    served: dict[str, list[float]] = {"direct to vLLM": []}
+    for i in range(rounds):
+        served["direct to vLLM"].append(
+            (await bench_serve(vllm_url, vllm_url, w, 100 + i, procs.work)).bench[
+                "output_throughput"
+            ]
+        )
+        for label, (slots, dispatch) in THROUGHPUT.items():
+            async with proxy(procs, f"round-{i}", config(vllm_url, slots, dispatch)) as base:
+                run = await bench_serve(vllm_url, base, w, 100 + i, procs.work)
+            served.setdefault(label, []).append(run.bench["output_throughput"])
+        print(f"  round {i + 1} of {rounds}", file=sys.stderr, flush=True)
+    table = Table(("dispatch", "<34"), ("output tokens/s, each round", "<40"),
+                  ("median", ">7"), ("÷ direct, median", ">17"))  # fmt: skip
+    lines = [table.header()]
+    direct = served["direct to vLLM"]
+    for label, values in served.items():
+        ratios = [v / d for v, d in zip(values, direct, strict=True)]
+        lines.append(table.row(
+            label, " ".join(f"{v:.0f}" for v in values), f"{statistics.median(values):.0f}",
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})",
+        ))  # fmt: skip
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--server", help="a running vLLM server (model 'tiny', max-num-seqs 4, "
                         "--scheduling-policy priority)")  # fmt: skip
     parser.add_argument("--scale", type=float, default=1.0, help="multiplies request counts")
+    parser.add_argument("--rounds", type=int, help="case 2 alone, in this many interleaved "
+                        "rounds, with allowance 2 beside 1: the medians")  # fmt: skip
     args = parser.parse_args()
     w = Workload().scaled(args.scale)
     print("$ " + " ".join(["python", "bench/engine_dispatch.py", *sys.argv[1:]]), flush=True)
+
+    async def run(url: str, procs: Processes) -> str:
+        if args.rounds:
+            return await throughput_rounds(url, w, procs, args.rounds)
+        return report(await measure(url, w, procs), w)
+
     with tempfile.TemporaryDirectory() as tmp, Processes(Path(tmp)) as procs:
         if args.server:
-            runs = asyncio.run(measure(args.server, w, procs))
+            print(asyncio.run(run(args.server, procs)))
         else:
             from server_process import running as servers_running
             from vllm_backend import VllmServer
 
             server = VllmServer(max_num_seqs=4, scheduling_policy="priority")
             with servers_running([server]) as (started,):
-                runs = asyncio.run(measure(started.url, w, procs))
-    print(report(runs, w))
+                print(asyncio.run(run(started.url, procs)))
 
 
 if __name__ == "__main__":

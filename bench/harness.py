@@ -331,7 +331,7 @@ def nginx(
 ) -> dict[str, list[str]]:
     """nginx (one worker) as ``count`` backends of each of ``kinds`` (``json``, ``stream``)
     on free ports, listening when this returns; their URLs by kind. Any POST gets the
-    kind's answer, ``GET /health`` a 200."""
+    kind's answer, ``GET /health`` and ``POST /v1/traces`` a 200."""
     need("nginx", packages="nginx-light")
     work = procs.work
     work.chmod(0o755)  # nginx's workers (not root) read the bodies from here
@@ -346,6 +346,7 @@ def nginx(
     listen 127.0.0.1:{port} backlog=4096;
     keepalive_requests 1000000;
     location = /health {{ return 200; }}
+    location = /v1/traces {{ return 200; }}  # an OTLP collector that takes every span
     location / {{
       # POST to a static file: answered by the 405 handler with the file and 200
       error_page 405 =200 $uri;

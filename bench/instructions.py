@@ -1,7 +1,7 @@
 """Instructions per request under callgrind: the A/B that CPU time is too noisy for.
 
     python bench/instructions.py [--modes json stream] [--requests 400] [--connections 16]
-                                 [--baseline CHECKOUT] [--features [FEATURE ...]]
+                                 [--baseline CHECKOUT] [--features [FEATURE ...]] [--tracing]
 
 CPU time per request on this shared 2-core machine moves ±15 % between runs of
 ``overhead.py``, more than most single changes to the hot path save. Here each process in
@@ -20,6 +20,10 @@ all of them if none is named) with that feature replaced by nothing, then with a
 replaced at once (what is left: the path every request must take); "saves" is each one's
 share of the whole. A feature switched off is broken on purpose (no metrics, no access
 line, a usage event left in the stream): it measures, it never serves.
+
+``--tracing``: a row more, sfq-proxy with a ``tracing:`` section (docs/tracing.md) whose
+collector is nginx (``POST /v1/traces`` answered 200): what a span per request costs, its
+export thread's work included (callgrind counts every thread).
 
 It is not time: a cache miss costs more than an instruction, and the kernel's side of a
 system call is not counted. ``overhead.py``'s CPU time stays the figure targets are set
@@ -71,6 +75,7 @@ def main() -> None:
     parser.add_argument("--features", nargs="*", metavar="FEATURE",
                         help="sfq-proxy without each of these (default: all), then without "
                         f"all of them: {', '.join(harness.FEATURES)}")  # fmt: skip
+    parser.add_argument("--tracing", action="store_true", help="a row with tracing on")
     args = parser.parse_args()
     if args.features is not None:
         if args.baseline is not None:
@@ -101,6 +106,10 @@ def _compare(mode: str, args: argparse.Namespace, urls: list[str], procs: Proces
             procs, "sfq-proxy", _config(procs, mode, urls, "sfq"), under=UNDER
         ),
     ]
+    if args.tracing:  # nginx as the collector; a batch leaves every second
+        traced = _config(procs, mode, urls, "traced")
+        traced["tracing"] = {"endpoint": f"{urls[0]}/v1/traces", "schedule_delay_s": 1}
+        targets.append(lambda: harness.sfq_proxy(procs, "sfq +tracing", traced, under=UNDER))
     if args.baseline is not None:
         base = _config(procs, mode, urls, "base")
         targets.append(

@@ -1,7 +1,7 @@
 """What the shared state costs: sfq-proxy in memory vs with `state: redis`, 1 and 2 workers.
 
     python bench/shared_state.py [--seconds 5] [--connections 1 64] [--rounds 3] [--key K]
-                                 [--baseline DIR]
+                                 [--baseline DIR] [--sentinel]
 
 On harness.py, as overhead.py: nginx as the fast fake OpenAI backend (the JSON one only
 here), the realistic proxy config and chat body. Starts its own redis-server on a free port
@@ -20,18 +20,25 @@ utime+stime from /proc; the redis figure of the memory row is Redis's background
 proxies' heartbeats and inbox reads), a baseline for the others. `--baseline DIR` runs a
 fourth target, another version's code (a checkout, say `git worktree add DIR REV`) as
 `redis, 1 worker`, in the same rounds, and prints the medians of the paired differences.
-Requires: apt-get install nginx-light wrk redis-server (with redis-cli).
+`--sentinel` adds a replica of that Redis and a Sentinel watching it, and the Redis targets
+find their Redis through it (`state: {sentinel: ...}`: redis-py's client, and every call
+waiting for the replica's acknowledgement, docs/shared-state.md Failover); Sentinel names
+no database, so they share database 0 (one runs at a time); the redis µs/req are the
+primary's only.
+Requires: apt-get install nginx-light wrk redis-server (with redis-cli) [redis-sentinel].
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -47,15 +54,52 @@ TARGETS = {  # name → (workers, Redis database or None for state: memory)
 MODEL = "bench-json"
 BARE = {"bare, 1 process": 1, "bare, 2 processes": 2}  # name → processes
 BASELINE = "baseline, redis 1w"  # --baseline: another version's code, as `redis, 1 worker`
+SERVICE = "bench"  # --sentinel: the Sentinel's name of the primary
 
 
-def config(backends: list[str], redis: Server, db: int | None) -> dict[str, Any]:
+def config(
+    backends: list[str], redis: Server, db: int | None, sentinels: list[str] | None
+) -> dict[str, Any]:
     """overhead.py's proxy config (harness.proxy_config), with ``state: redis`` when ``db``
-    is set."""
+    is set (through ``sentinels`` when given)."""
     config = harness.proxy_config({"json": backends})
-    if db is not None:
+    if db is not None and sentinels is not None:
+        config["state"] = {"sentinel": {"hosts": sentinels, "service": SERVICE}, "lease_ttl_s": 5}
+    elif db is not None:
         config["state"] = {"redis": f"redis://127.0.0.1:{redis.port}/{db}", "lease_ttl_s": 5}
     return config
+
+
+def sentinel(procs: Processes, primary: Server) -> list[str]:
+    """A replica of ``primary`` and a Sentinel watching it as SERVICE, once the replica is in
+    sync and the sentinel names the primary: the sentinel's host:port."""
+    replica, port = harness.free_port(), harness.free_port()
+    argv = ["redis-server", "--port", str(replica), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(procs.work), "--replicaof", "127.0.0.1",
+            str(primary.port)]  # fmt: skip
+    procs.start("redis-replica", harness.Command(argv))
+    conf = procs.work / "sentinel.conf"
+    conf.write_text(
+        f"port {port}\nbind 127.0.0.1\ndir {procs.work}\n"
+        f"sentinel monitor {SERVICE} 127.0.0.1 {primary.port} 1\n"
+    )
+    command = ["redis-sentinel", str(conf)] if shutil.which("redis-sentinel") else [
+        "redis-server", str(conf), "--sentinel"]  # fmt: skip
+    procs.start("redis-sentinel", harness.Command(command))
+    asked = {
+        replica: (["INFO", "replication"], "master_link_status:up"),
+        port: (["SENTINEL", "get-master-addr-by-name", SERVICE], str(primary.port)),
+    }
+    for _ in range(200):
+        if all(want in _cli(p, args) for p, (args, want) in asked.items()):
+            return [f"127.0.0.1:{port}"]
+        time.sleep(0.05)
+    raise RuntimeError("the replica is not in sync, or the sentinel does not name the primary")
+
+
+def _cli(port: int, args: list[str]) -> str:
+    run = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True)
+    return run.stdout
 
 
 def run_wrk(url: str, connections: int, seconds: float, script: Path) -> dict[str, float]:
@@ -91,6 +135,10 @@ def main() -> None:
         help="a checkout of another version (git worktree add DIR REV): its `redis, 1 worker` "
         "runs beside this code's, interleaved, with the medians of the paired differences",
     )  # fmt: skip
+    parser.add_argument(
+        "--sentinel", action="store_true",
+        help="the Redis targets through a Sentinel, with a replica (each call waits for it)",
+    )  # fmt: skip
     args = parser.parse_args()
     targets = dict(TARGETS)
     if args.baseline is not None:
@@ -104,11 +152,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, Processes(Path(tmp)) as procs:
         backends = harness.nginx(procs, ["json"])["json"]
         redis = harness.redis(procs)
+        sentinels = sentinel(procs, redis) if args.sentinel else None
         middles: dict[str, Server] = {}
         for name, (workers, db) in targets.items():
             src = args.baseline if name == BASELINE else harness.ROOT
             middles[name] = harness.sfq_proxy(
-                procs, name, config(backends, redis, db), src=src, workers=workers
+                procs, name, config(backends, redis, db, sentinels), src=src, workers=workers
             )
         for name, processes in BARE.items():
             middles[name] = harness.passthrough(procs, name, backends, processes=processes)

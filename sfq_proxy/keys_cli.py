@@ -20,8 +20,8 @@ DEFAULT_ADMIN_KEY_ENV = "SFQ_ADMIN_KEY"
 TIMEOUT_S = 10.0
 ANY = "*"  # --pools '*' / --models '*': no restriction (on update, lifts one)
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86_400}
-_COLUMNS = ("id", "alias", "org", "classes", "pools", "models", "budgets", "created",
-            "expires", "last_used", "source")  # fmt: skip
+_COLUMNS = ("id", "alias", "org", "status", "classes", "pools", "models", "budgets",
+            "created", "expires", "last_used", "source")  # fmt: skip
 _NUMBER = r"(\d+(?:\.\d+)?)"
 _BUDGET = re.compile(rf"(day|month):(?:tokens=(\d+)|money={_NUMBER})(?::warn={_NUMBER})?")
 

@@ -10,8 +10,9 @@ One module per section of the file, each importing only modules listed before it
 - ``errors``: :class:`ConfigError` and pydantic's errors told as ``(path, message)``;
 - ``limits``, ``usage`` (budgets and prices), ``paths`` (the proxy's own paths and a
   pool's extra ones), ``cost``: sections, and parts of sections, the others are made of;
-- ``pools``, ``keys`` (with ``orgs``), ``classes``, ``state``: the sections made of
-  those, each with its checks; a check that reads another section sits with the later one;
+- ``pools``, ``keys`` (with ``orgs``), ``classes``, ``state``, ``tracing``: the sections
+  made of those, each with its checks; a check that reads another section sits with the
+  later one;
 - ``proxy``: the root :class:`Config` and the small sections of the process as a whole;
   its validation runs every check (and those that read several sections, such as a money
   budget needing some price);
@@ -76,6 +77,7 @@ from .pools import (
 )
 from .proxy import CalibrationSpec, Config, Listen, MetricsSpec, RetrySpec
 from .state import RedisState, SentinelSpec
+from .tracing import TracingSpec
 from .usage import Budgets, BudgetSpec, PriceSpec, UsageSpec
 
 __all__ = [
@@ -127,6 +129,7 @@ __all__ = [
     "SizeBounds",
     "StrictModel",
     "TimeoutSpec",
+    "TracingSpec",
     "UsageSpec",
     "WeightedCost",
     "api_base",

@@ -14,16 +14,19 @@ build on ``StrictModel`` and ``NAME_PATTERN`` too.
 from __future__ import annotations
 
 from typing import Annotated
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 NAME_RULE = "must start with a letter or digit and use only letters, digits, '_', '.', '-'"
+HEADER_NAME_PATTERN = r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$"  # an HTTP field name (RFC 9110 token)
 
 # Names of orgs, classes and pools end up in metric labels, headers and error paths,
 # so they are kept to a safe alphabet.
 Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN)]
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+HeaderName = Annotated[str, StringConstraints(pattern=HEADER_NAME_PATTERN)]
 PositiveInt = Annotated[int, Field(gt=0)]
 PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -46,3 +49,19 @@ class StrictModel(BaseModel):
     """Base of every config model: immutable, strict, and unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+def http_url(value: str, secrets_field: str) -> str:
+    """``value``, if it is an http:// or https:// URL with a host and no credentials (a URL
+    is shown by check-config and in logs: secrets go in ``secrets_field``); else ValueError,
+    caught at load time rather than as a connection error under load."""
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 -- raises ValueError on a malformed port
+    except ValueError:
+        raise ValueError("must be a valid http:// or https:// URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"must not contain credentials; use {secrets_field}")
+    return value

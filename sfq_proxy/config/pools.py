@@ -24,15 +24,26 @@ from pydantic import (
 
 from .cost import CostSpec
 from .errors import Errors
-from .fields import NonEmptyStr, NonNegativeSeconds, PerMinute, PositiveInt, Seconds, StrictModel
+from .fields import (
+    HEADER_NAME_PATTERN,
+    NonEmptyStr,
+    NonNegativeSeconds,
+    PerMinute,
+    PositiveInt,
+    Seconds,
+    StrictModel,
+    http_url,
+)
 from .paths import ExtraPathSpec
 from .usage import PriceSpec
 
 HealthMode = Literal["active", "passive"]
 # The server software of a pool's backends, named only where the proxy must behave apart
 # (docs/operations.md "Server families"): the health probe's default, and whether a stream
-# reports its usage when asked.
-Family = Literal["vllm", "llamacpp", "tgi", "openai"]
+# reports its usage when asked, and which metrics engine dispatch reads. ``llama-server`` is
+# llama.cpp's own C++ server (``/health``, ``--parallel`` slots, its ``--metrics`` and
+# ``/props``); ``llamacpp`` is llama-cpp-python's (one request at a time, no metrics).
+Family = Literal["vllm", "llama-server", "llamacpp", "tgi", "openai"]
 # where each family answers a probe without queueing behind generation: llama-cpp-python
 # has no /health, and every route with the model's lock (/v1/models too) cuts a running
 # stream; FastAPI's own /openapi.json takes no lock
@@ -143,17 +154,7 @@ class BackendSpec(StrictModel):
     @field_validator("url")
     @classmethod
     def _check_url(cls, value: str) -> str:
-        """Catch typos at load time rather than as connection errors under load."""
-        try:
-            parts = urlsplit(value)
-            parts.port  # noqa: B018 -- raises ValueError on a malformed port
-        except ValueError:
-            raise ValueError("must be a valid http:// or https:// URL") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("must be an http:// or https:// URL with a host")
-        if parts.username is not None or parts.password is not None:
-            raise ValueError("must not contain credentials; use upstream_key_env")
-        return value.rstrip("/")
+        return http_url(value, "upstream_key_env").rstrip("/")
 
     @field_validator("name")
     @classmethod
@@ -190,9 +191,8 @@ class RateSpec(StrictModel):
     tokens_per_minute: PerMinute | None = None
 
 
-# an HTTP field name (RFC 9110 token); never a credential, whose value has no business
-# deciding placement
-_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+# a session header: never a credential, whose value has no business deciding placement
+_HEADER_NAME = re.compile(HEADER_NAME_PATTERN)
 _CREDENTIAL_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
 
 
@@ -236,7 +236,7 @@ class AffinitySpec(StrictModel):
 
 DispatchMode = Literal["static", "engine"]
 # the families whose /metrics core/engine_metrics.parse reads (not a hosted provider's)
-ENGINE_FAMILIES = ("vllm", "llamacpp", "tgi")
+ENGINE_FAMILIES = ("vllm", "llama-server", "tgi")
 
 
 class DispatchSpec(StrictModel):

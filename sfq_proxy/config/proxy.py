@@ -1,6 +1,7 @@
 """The root of the file, :class:`Config`, and the small sections of the process as a whole:
 ``listen``, ``retry``, ``calibration``, ``metrics``, and the single keys ``admin_key_env``,
-``metrics_key_env``, ``drain_timeout_s`` and ``key_store_file``.
+``metrics_key_env``, ``drain_timeout_s`` and ``key_store_file`` (``tracing`` has a module of
+its own).
 
 ``Config`` is where the sections meet: its validation runs every check across sections and
 reads the secrets from the environment, and it answers what the rest of the proxy asks of
@@ -48,6 +49,7 @@ from .pools import (
     check_models,
 )
 from .state import RedisState, check_shared
+from .tracing import TracingSpec, tracing_headers
 from .usage import UsageSpec
 
 
@@ -114,6 +116,7 @@ class Config(StrictModel):
     # where keys made through the admin API persist in memory mode (docs/keys.md); with
     # state: redis they live in Redis, and this must be unset
     key_store_file: NonEmptyStr | None = None
+    tracing: TracingSpec | None = None  # None: no spans, no OpenTelemetry imported
 
     _resolved: tuple[ResolvedKey, ...] = PrivateAttr(default=())
     _upstream_keys: dict[str, str] = PrivateAttr(default_factory=dict)
@@ -122,6 +125,7 @@ class Config(StrictModel):
     _pool_by_model: dict[str, str] = PrivateAttr(default_factory=dict)
     _redis_url: str | None = PrivateAttr(default=None)
     _redis_password: str | None = PrivateAttr(default=None)
+    _tracing_headers: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -181,6 +185,7 @@ class Config(StrictModel):
         if self.metrics_key_env is not None:
             secret = env_secret(environ, self.metrics_key_env, "metrics_key_env", errors)
             self._metrics_digest = hashlib.sha256(secret.encode()).digest() if secret else None
+        self._tracing_headers = tracing_headers(self.tracing, environ, errors)
         if errors:
             raise ConfigError(errors)
         return self
@@ -277,6 +282,14 @@ class Config(StrictModel):
         """SHA-256 of the key ``GET /metrics`` requires; None when ``metrics_key_env`` is
         not set (``/metrics`` is open)."""
         return self._metrics_digest
+
+    def tracing_on(self) -> TracingSpec | None:
+        """The ``tracing`` section when it is there and enabled; None: no tracing."""
+        return self.tracing if self.tracing is not None and self.tracing.enabled else None
+
+    def tracing_headers(self) -> dict[str, str]:
+        """The headers each export of spans carries (``tracing.headers_env``, read)."""
+        return self._tracing_headers
 
     def resolved_keys(self) -> list[ResolvedKey]:
         """The keys in file order, each with the SHA-256 digest of its secret."""

@@ -83,9 +83,8 @@ _SHARED_MAX_CHARGE = 2.0**31
 def check_shared(
     pools: Mapping[str, PoolSpec], classes: Mapping[str, ClassSpec], orgs: Mapping[str, OrgSpec]
 ) -> Errors:
-    """What the shared state needs: charges its Lua can count exactly, and static dispatch
-    (engine dispatch credits one process's dispatches only). (A provider pool's rate is
-    paced in Redis too, so every replica shares it: state/dispatch.lua.)"""
+    """What the shared state needs: charges its Lua can count exactly. (A provider pool's
+    rate is paced in Redis too, so every replica shares it: state/dispatch.lua.)"""
     weights = [c.weight for c in classes.values() if not c.priority] or [1.0]
     smallest = min(weights) * min([1.0, *(o.weight for o in orgs.values())])
     errors: Errors = []
@@ -98,14 +97,4 @@ def check_shared(
                 f"with state: redis, c_max ({largest:g}) over the smallest flow weight "
                 f"({smallest:g}) must stay below 2^31: lower it, or raise that weight",
             ))  # fmt: skip
-        if pool.engine:
-            errors.append((f"pools.{name}.dispatch.mode", _ENGINE_ALONE))
     return errors
-
-
-# docs/design.md §5, "Engine-aware dispatch", Limits
-_ENGINE_ALONE = (
-    "engine dispatch is not supported with state: redis yet: each replica's gate would count "
-    "only its own dispatches, so replicas would fill the same free room of an engine; use "
-    "mode: static (or state: memory)"
-)

@@ -35,6 +35,7 @@ from .pools import (
 )
 from .proxy import Config
 from .state import RedisState
+from .tracing import TracingSpec
 from .usage import BudgetSpec
 
 
@@ -44,6 +45,7 @@ def summary(config: Config) -> str:
         f"listen {config.listen.host}:{config.listen.port} "
         f"(max body {config.limits.max_body_bytes} B, drain {_num(config.drain_timeout_s)} s)",
         _state_summary(config.state),
+        _tracing_summary(config.tracing),
     ]
     granted = granted_classes(config.keys, config.classes)
     for name, pool in config.pools.items():
@@ -91,6 +93,19 @@ def _state_summary(state: RedisState | None) -> str:
         f"state: {where}{cluster}: every process sharing it is one fairness domain per pool; "
         f"a dead one's slots back within {_num(state.lease_ttl_s)} s; "
         + _WHEN_LOST[state.when_unreachable]
+    )
+
+
+def _tracing_summary(spec: TracingSpec | None) -> str:
+    if spec is None or not spec.enabled:
+        return "tracing: off"
+    headers = ", ".join(f"{h} from env {v}" for h, v in spec.headers_env.items())
+    return (
+        f"tracing: a span per request to {without_credentials(spec.endpoint)} (OTLP/HTTP) as "
+        f"service {spec.service_name}; traces the proxy starts kept at {_num(spec.sample_ratio)}, "
+        f"a client's as it sampled them; up to {spec.max_queue_size} spans queued, sent "
+        f"{spec.max_export_batch_size} at a time every {_num(spec.schedule_delay_s)} s"
+        + (f"; headers {headers}" if headers else "")
     )
 
 

@@ -60,7 +60,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from .engine_metrics import EngineReading
 
@@ -115,6 +115,37 @@ class GatePolicy:
             raise ValueError("settle_s must be a number of seconds, 0 or more")
         if self.kv_ceiling is not None and not (0 < self.kv_ceiling <= 1):
             raise ValueError("kv_ceiling must be in (0, 1]")
+
+
+class DispatchRule(Protocol):
+    """A pool's engine-dispatch settings, as the proxy's config (``pools.<p>.dispatch``) and
+    the lab's scenario both hold them."""
+
+    @property
+    def allowance(self) -> int: ...
+    @property
+    def max_age_s(self) -> float: ...
+    @property
+    def kv_ceiling(self) -> float | None: ...
+    @property
+    def fallback_slots(self) -> int: ...
+    @property
+    def settle_s(self) -> float: ...
+
+
+def policy_of(rule: DispatchRule, slots: int | str, capacity: int | None) -> GatePolicy:
+    """A backend's gate: its pool's ``rule``, its ``slots`` (``auto``: no static ceiling)
+    and the ``capacity`` its operator knows. One builder, so that the lab's gate is the
+    proxy's."""
+    return GatePolicy(
+        slots=slots if isinstance(slots, int) else None,
+        capacity=capacity,
+        allowance=rule.allowance,
+        max_age_s=rule.max_age_s,
+        kv_ceiling=rule.kv_ceiling,
+        fallback_slots=rule.fallback_slots,
+        settle_s=rule.settle_s,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,10 +303,44 @@ class EngineGate:
         kv = self.reading.kv_usage
         if policy.kv_ceiling is not None and kv is not None and kv >= ceiling * policy.kv_ceiling:
             return Decision(False, "kv_cache")
-        share = max(1, math.floor(ceiling * est.capacity + 1e-9))
-        if ceiling < 1 and self.bounded() and est.load + 1 > share:
+        if ceiling < 1 and self.bounded() and est.load + 1 > self.share(ceiling):
             return Decision(False, "capacity")
         return OK
+
+    def leases(self, now: float) -> int:
+        """What the backend may hold when the pool's replicas share it through leases in
+        Redis (``state: redis``), each counting every replica's dispatches where no gate
+        sees the others': its capacity as far as known and the allowance on a fresh reading
+        (the ramp as ``admit``'s), within ``slots``; static dispatch's on a stale one. The
+        leases over-count what the engine runs by the ends not yet heard, as static slots
+        do: the allowance covers that turnover."""
+        if not self.fresh(now):
+            return self.fallback()
+        room = self.capacity() + self.policy.allowance
+        return room if self.policy.slots is None else min(self.policy.slots, room)
+
+    def class_leases(self, now: float, ceiling: float) -> int | None:
+        """Fewer ``leases`` for a class of engine ``ceiling``, on a fresh reading: its share
+        of a known capacity (``admit``'s ``capacity``), and while the KV cache is at or
+        above the class's ceiling what the engine runs (at least one: ``admit``'s engine
+        running nothing takes one). None: the backend's leases bound it alone."""
+        if not (0 < ceiling <= 1):
+            raise ValueError("a class's engine ceiling is in (0, 1]")
+        reading = self.reading
+        if reading is None or not self.fresh(now):
+            return None
+        bounds = []
+        kv, kv_ceiling = reading.kv_usage, self.policy.kv_ceiling
+        if kv_ceiling is not None and kv is not None and kv >= ceiling * kv_ceiling:
+            bounds.append(max(1, reading.running or 0))
+        if ceiling < 1 and self.bounded():
+            bounds.append(self.share(ceiling))
+        return min(bounds, default=None)
+
+    def share(self, ceiling: float) -> int:
+        """The requests a class of engine ``ceiling`` may have the engine run: its part of
+        the capacity, at least one."""
+        return max(1, math.floor(ceiling * self.capacity() + 1e-9))
 
     def bounded(self) -> bool:
         """Whether the engine's capacity is known (configured, reported, or shown by

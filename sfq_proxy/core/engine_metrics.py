@@ -13,12 +13,13 @@ sample of the metric agreed to, or a ``problem`` and no numbers, never a partial
   was ``gpu_cache_usage_perc``) averaged over engines, and from ``cache_config_info``'s
   labels the KV cache's size (``kv_cache_size_tokens``, else ``num_gpu_blocks × block_size``).
   vLLM has no metric for ``--max-num-seqs``: the gate learns the capacity instead.
-- **llama.cpp** (``llama-server --metrics``): ``llamacpp:requests_processing`` (busy slots),
-  ``llamacpp:requests_deferred`` (tasks waiting for a slot) and, on servers before mid-2025,
-  ``llamacpp:kv_cache_usage_ratio``. Its slot count is ``total_slots`` of ``/props``, which
-  the caller passes as ``capacity``. llama-cpp-python's own server (the project's test
-  backend) has no ``/metrics`` at all (nor ``/slots``, ``/props`` or ``/health``: 404): its
-  backends are read as ``unavailable("no_metrics")`` and keep their static ``slots``.
+- **llama.cpp** (family ``llama-server``, started with ``--metrics``):
+  ``llamacpp:requests_processing`` (busy slots), ``llamacpp:requests_deferred`` (tasks
+  waiting for a slot) and, on servers before mid-2025, ``llamacpp:kv_cache_usage_ratio``. Its
+  slot count is ``total_slots`` of ``/props`` (``parse_discovery``), which the caller passes
+  as ``capacity``. llama-cpp-python's own server (family ``llamacpp``, the project's test
+  backend) has no ``/metrics`` at all (nor ``/slots``, ``/props`` or ``/health``: 404): no
+  engine dispatch for it.
 - **TGI**: ``tgi_batch_current_size`` (running), ``tgi_queue_size`` (waiting), and
   ``tgi_batch_current_max_tokens`` (the tokens the batch reserved) over ``/info``'s
   ``max_batch_total_tokens`` as the KV use, when the caller passes the latter; ``/info``'s
@@ -36,13 +37,14 @@ found, 40,000 lines of a wanted name and no value, ~30 ms (tests/core/test_engin
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-Family = Literal["vllm", "llamacpp", "tgi"]
+Family = Literal["vllm", "llama-server", "tgi"]
 Problem = Literal["too_large", "no_metrics", "missing", "invalid", "unsupported"]
 """Why a reading holds no numbers: the body was over ``max_bytes``; the backend has no
 metrics endpoint (404, 501) or the scrape failed; a needed metric is absent; one of its
@@ -303,13 +305,63 @@ def parse_tgi(
     return _reading(body, max_bytes, read)
 
 
-def parse(family: str, body: bytes | str, *, max_bytes: int = MAX_BYTES) -> EngineReading:
-    """The reading of a ``family`` backend's ``/metrics`` (discovery values left out:
-    call the family's own parser to pass them)."""
+@dataclass(frozen=True, slots=True)
+class Discovery:
+    """What an engine says of itself beside its metrics, at ``DISCOVERY_PATHS``: llama-server's
+    slots (``/props``' ``total_slots``), TGI's batch size and KV budget (``/info``'s
+    ``max_batch_size`` and ``max_batch_total_tokens``, which TGI 3 no longer has)."""
+
+    capacity: int | None = None
+    kv_tokens: int | None = None
+
+
+NOTHING_DISCOVERED = Discovery()
+# where a family's engine describes itself (vLLM does in its metrics: cache_config_info)
+DISCOVERY_PATHS = {"llama-server": "/props", "tgi": "/info"}
+
+
+def parse_discovery(family: str, body: bytes | str, *, max_bytes: int = MAX_BYTES) -> Discovery:
+    """A ``family`` engine's self-description (JSON), what the gate can use of it; nothing
+    from a body over ``max_bytes``, not a JSON object, or whose values are not counts."""
+    if len(body) > max_bytes:
+        return NOTHING_DISCOVERED
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):  # RecursionError: nested beyond the parser's depth
+        return NOTHING_DISCOVERED
+    if not isinstance(doc, dict):
+        return NOTHING_DISCOVERED
+    if family == "llama-server":
+        return Discovery(capacity=_json_count(doc.get("total_slots")))
+    if family == "tgi":
+        return Discovery(
+            capacity=_json_count(doc.get("max_batch_size")),
+            kv_tokens=_json_count(doc.get("max_batch_total_tokens")),
+        )
+    return NOTHING_DISCOVERED
+
+
+def _json_count(value: object) -> int | None:
+    return _positive(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def parse(
+    family: str,
+    body: bytes | str,
+    *,
+    max_bytes: int = MAX_BYTES,
+    discovery: Discovery = NOTHING_DISCOVERED,
+) -> EngineReading:
+    """The reading of a ``family`` backend's ``/metrics``, with what its ``discovery`` said."""
     if family == "vllm":
         return parse_vllm(body, max_bytes=max_bytes)
-    if family == "llamacpp":
-        return parse_llamacpp(body, max_bytes=max_bytes)
+    if family == "llama-server":
+        return parse_llamacpp(body, capacity=discovery.capacity, max_bytes=max_bytes)
     if family == "tgi":
-        return parse_tgi(body, max_bytes=max_bytes)
+        return parse_tgi(
+            body,
+            max_batch_total_tokens=discovery.kv_tokens,
+            max_batch_size=discovery.capacity,
+            max_bytes=max_bytes,
+        )
     return unavailable("unsupported")

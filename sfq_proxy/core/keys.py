@@ -31,6 +31,8 @@ from .errors import ApiError, cut
 ID_PREFIX = "k_"
 MAX_LIFETIME_S = 10 * 365 * 86_400  # expires_in_s at most: ten years
 MAX_ALIAS = 64
+# how long a revoked key stays listed (marked revoked) before its store forgets it
+REVOKED_KEPT_S = 30 * 86_400
 LATEST = 253_402_300_799.0  # 9999-12-31T23:59:59Z: every time a store holds can be written out
 _Time = Annotated[float, Field(ge=0, le=LATEST, allow_inf_nan=False)]
 _Name = Annotated[str, StringConstraints(pattern=NAME_PATTERN, max_length=MAX_ALIAS)]
@@ -52,6 +54,10 @@ class KeyRecord:
     expires: float | None
     digest: bytes = field(repr=False)
     budgets: tuple[BudgetSpec, ...] = ()  # counted under its alias (docs/usage-and-budgets.md)
+    # when it was revoked (Unix time): it works no more and is only listed, marked so, for
+    # ``REVOKED_KEPT_S``; its alias is free for a new key. Kept by the store beside the
+    # record (as ``last_used`` is), never in it
+    revoked: float | None = None
 
 
 def key_id(digest: bytes) -> str:
@@ -147,7 +153,7 @@ def _checked(record: KeyRecord, config: Config, records: Mapping[str, KeyRecord]
     )  # fmt: skip
     errors = config.api_key_errors(spec)
     taken = {key.name for key in config.resolved_keys()}
-    taken |= {other.alias for other in records.values() if other.id != record.id}
+    taken |= {other.alias for other in live(records.values()) if other.id != record.id}
     if record.alias in taken:
         errors.append(("alias", "another key has this name or alias"))
     if errors:
@@ -181,14 +187,19 @@ def in_force(records: Iterable[KeyRecord], config: Config) -> list[tuple[KeyReco
     rolled out to some of the replicas on a Redis only, see :func:`clashes`): usage and
     budgets count by name, and the two would share them."""
     names = {key.name for key in config.resolved_keys()}
-    found = ((record, resolved(record, config)) for record in records if record.alias not in names)
+    found = ((r, resolved(r, config)) for r in live(records) if r.alias not in names)
     return [(record, key) for record, key in found if key is not None]
+
+
+def live(records: Iterable[KeyRecord]) -> list[KeyRecord]:
+    """The records not revoked (a revoked one is only listed)."""
+    return [record for record in records if record.revoked is None]
 
 
 def clashes(config: Config, records: Iterable[KeyRecord]) -> ConfigError | None:
     """A config that names a key of its file like an API key's alias cannot be loaded: the
     access log and ``/admin/keys`` would not tell them apart. None when it can."""
-    aliases = {record.alias: record.id for record in records}
+    aliases = {record.alias: record.id for record in live(records)}
     errors = [
         (f"keys[{i}].name", f"is the alias of key {aliases[key.name]} of the admin API")
         for i, key in enumerate(config.keys)

@@ -61,6 +61,9 @@ class Ticket:
     # the bytes of its body the process holds while it waits: what it costs the process's
     # queue memory besides a request's fixed part (``queue_memory.py``)
     size: int = 0
+    # when it last joined a line, on the pool's clock: read, not used, so that the admin
+    # page's history can tell how long each dispatch waited (``observability/history.py``)
+    queued_at: float = 0.0
     # the flow's name in the fair queue; its order breaks ties between equal meters
     flow: str = field(init=False)
 

@@ -24,6 +24,7 @@ from ..config import Config, ConfigError
 from ..core.errors import ApiError, cut
 from ..core.flows import credential, key_digest, may_use
 from ..core.inference_request import Kind
+from ..observability.history import SERIES
 from . import admin_keys, admin_page
 from .admin_usage import usage_handler
 from .error_response import error_response
@@ -59,6 +60,7 @@ def build_app(
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/readyz", _readyz)
     app.router.add_get("/admin/state", _answering_errors(_admin_state))
+    app.router.add_get("/admin/history", _answering_errors(_admin_history))
     app.router.add_post("/admin/reload", _answering_errors(_admin_reload))
     for method, path, serve in admin_keys.ROUTES:
         app.router.add_route(method, path, _answering_errors(_as_admin(serve)))
@@ -172,6 +174,17 @@ async def _readyz(request: web.Request) -> web.Response:
 async def _admin_state(request: web.Request) -> web.Response:
     proxy = _admin(request)
     return web.json_response({"pools": proxy.state()})
+
+
+async def _admin_history(request: web.Request) -> web.Response:
+    """The admin page's charts: each pool's samples (``observability/history.py``), both
+    series or the one ``?series=`` names (what the page shows: half the bytes)."""
+    proxy = _admin(request)
+    series = request.query.getall("series", list(SERIES))
+    if not set(series) <= set(SERIES):
+        raise ApiError(400, f"series must be one of: {', '.join(SERIES)}.")
+    pools = {name: history.view(series) for name, history in proxy.history.items()}
+    return web.json_response({"now": proxy.wall(), "pools": pools})
 
 
 async def _admin_reload(request: web.Request) -> web.Response:

@@ -69,6 +69,7 @@ IDEMPOTENCY_HEADER = "Idempotency-Key"
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+EndSpan = Callable[[AccessRecord], None]  # ends a request's span (observability/tracing.py)
 
 
 def handler(kind: Kind) -> Handler:
@@ -79,6 +80,11 @@ def handler(kind: Kind) -> Handler:
         proxy = request.app[PROXY]
         record = AccessRecord.for_request(request.headers)
         record.trace_id, trace = trace_context(request.headers)
+        end_span = None
+        if proxy.tracing is not None:  # its span, whose context goes upstream (docs/tracing.md)
+            end_span, record.trace_id, trace = proxy.tracing.start(
+                request.method, request.path, kind, trace
+            )
         arrived = proxy.clock()  # for sfq_request_duration_seconds
         running = proxy.drain.enter()  # ended by the drain at drain_timeout_s (drain.py)
         try:
@@ -113,17 +119,20 @@ def handler(kind: Kind) -> Handler:
             # once the answer is written (aiohttp writes it when this returns; the loop runs
             # callbacks in order, so before any later request): counting is not the
             # client's wait
-            asyncio.get_running_loop().call_soon(_settle, proxy, record, proxy.clock() - arrived)
+            seconds = proxy.clock() - arrived
+            asyncio.get_running_loop().call_soon(_settle, proxy, record, seconds, end_span)
 
     return handle
 
 
-def _settle(proxy: Proxy, record: AccessRecord, seconds: float) -> None:
-    """A finished request's metrics, bill and access line."""
+def _settle(proxy: Proxy, record: AccessRecord, seconds: float, end_span: EndSpan | None) -> None:
+    """A finished request's metrics, bill, access line and span."""
     _count(proxy, record, seconds)
     if proxy.usage is not None:  # what reached a backend is billed
         proxy.usage.record(record)
     record.emit()
+    if end_span is not None:
+        end_span(record)
 
 
 def _count(proxy: Proxy, record: AccessRecord, seconds: float) -> None:

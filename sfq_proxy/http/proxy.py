@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -24,6 +24,7 @@ from ..core.flows import Authenticator
 from ..core.keys import KeyRecord, clashes, in_force
 from ..core.queue_memory import QueueMemory
 from ..observability import logs
+from ..observability.history import PoolHistory, sample_forever
 from ..observability.metrics import Metrics
 from ..observability.worker_metrics import WorkerGroup
 from ..state import calibration_file, key_store
@@ -36,6 +37,9 @@ from ..state.usage_store import UsageBook
 from .drain import CUT_GRACE_S, Drain
 from .upstream import KEEPALIVE_S, Upstreams
 
+if TYPE_CHECKING:  # imported when tracing is on (``_tracing``): OpenTelemetry is not light
+    from ..observability.tracing import Tracing
+
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
 # at shutdown, once the requests have ended: how long the shared state's last calls (the
@@ -46,6 +50,9 @@ HAND_BACK_S = 0.35
 # how long the background loops (health probes, heartbeats, saves) may take to end once
 # cancelled: at once, unless a library swallowed the cancellation; the exit does not wait more
 TASKS_END_S = 0.05
+# at shutdown, beside the last calls to Redis and within their HAND_BACK_S: how long the last
+# spans may take to reach the collector (one that does not answer in time loses them)
+SPANS_FLUSH_S = 0.3
 
 
 @dataclass
@@ -70,6 +77,8 @@ class Proxy:
     memory: Memory | None = None  # what waits in every pool's line, bounded
     keys: key_store.KeyStore | None = None  # the admin API's keys; None: that API is off
     usage: UsageBook | None = None  # usage you can bill from, and budgets
+    tracing: Tracing | None = None  # the requests' spans (docs/tracing.md); None: off
+    history: dict[str, PoolHistory] = field(default_factory=dict)  # the admin page's charts
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
 
     @classmethod
@@ -103,6 +112,8 @@ class Proxy:
             memory=memory,
             keys=keys,
             storage=storage,
+            tracing=_tracing(config),
+            history={name: PoolHistory() for name in pools},
         )
         proxy.usage = UsageBook(config, storage.usage_store(wall), wall)
         proxy.metrics.budget_levels = proxy.usage.levels
@@ -137,6 +148,8 @@ class Proxy:
             warnings.append("usage.retention_days on Redis changes at the next restart")
         if config.key_store_file != self.config.key_store_file:
             warnings.append("key_store_file cannot change by a reload: restart to use it")
+        if config.tracing != self.config.tracing:
+            warnings.append("tracing cannot change by a reload: restart to use it")
         if self.keys is not None and (clash := clashes(config, self.keys.records.values())):
             raise clash
         self.config = config
@@ -229,6 +242,7 @@ class Proxy:
             await self.usage.flush()
             self._tasks.append(asyncio.create_task(self.usage.flush_forever()))
             self._tasks.append(asyncio.create_task(self.usage.prune_forever()))
+        self._tasks.append(asyncio.create_task(sample_forever(self.pools, self.history, self.wall)))
         if isinstance(self.metrics.group, WorkerGroup):  # its counts for its siblings' scrapes
             self._tasks.append(asyncio.create_task(self.metrics.group.write_forever()))
         yield
@@ -243,6 +257,8 @@ class Proxy:
             stops.append(self.usage.close())
         if self.calibration_sync is not None:  # while its Redis client is open
             stops.append(self.calibration_sync.stop())
+        if self.tracing is not None:  # every request has ended: its span is queued
+            stops.append(self._flush_spans(self.tracing))
         try:
             async with asyncio.timeout(HAND_BACK_S):
                 await asyncio.gather(*stops)
@@ -255,6 +271,14 @@ class Proxy:
         await self.session.close()
         self.upstreams.close()
         self.save_calibration()
+
+    @staticmethod
+    async def _flush_spans(tracing: Tracing) -> None:
+        flushed = asyncio.wrap_future(tracing.close())
+        if not (await asyncio.wait([flushed], timeout=SPANS_FLUSH_S))[0]:
+            log.warning(
+                "tracing: the collector did not take the last spans within %g s", SPANS_FLUSH_S
+            )
 
     async def shutting_down(self, app: web.Application) -> None:
         """The drain (aiohttp's ``on_shutdown``: the listening socket and the idle
@@ -299,6 +323,17 @@ class Proxy:
             name: {**pool.state(), "costs": self.metrics.costs(name)}
             for name, pool in self.pools.items()
         }
+
+
+def _tracing(config: Config) -> Tracing | None:
+    """The process's tracer (its exporting thread started), when the config's ``tracing`` is
+    on; the OpenTelemetry packages are imported then, and only then."""
+    spec = config.tracing_on()
+    if spec is None:
+        return None
+    from ..observability.tracing import Tracing
+
+    return Tracing(spec, config.tracing_headers())
 
 
 def _hide_upstream_keys(config: Config) -> None:

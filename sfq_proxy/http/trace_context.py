@@ -1,8 +1,9 @@
 """W3C Trace Context (https://www.w3.org/TR/trace-context/): a client's ``traceparent`` and
 ``tracestate`` go upstream unchanged when the ``traceparent`` is valid, so that a trace
 spans the proxy's hop; an invalid one is dropped with its ``tracestate``, as the standard
-says a vendor must not guess at a header it cannot parse. The proxy starts no span of its
-own: it is no tracer, and the access log records the trace id (docs/design.md §8, §9).
+says a vendor must not guess at a header it cannot parse. The access log records the trace
+id (docs/design.md §8, §9). With tracing on, the proxy's own span continues this context,
+and its context goes upstream in the client's place (observability/tracing.py).
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field
 
 from ..config import NonNegativeFloat, PositiveFloat, PositiveInt, StrictModel, WeightedCost
-from ..core.engine_gate import GatePolicy
+from ..core.engine_gate import GatePolicy, policy_of
 from ..sim.engine import EngineModel, SchedulingPolicy
 
 __all__ = ["Dispatch", "DispatchMode", "PoolModel", "PoolSection", "Slots", "check_pool"]
@@ -95,16 +95,7 @@ class PoolModel:
 
     def gate_policy(self) -> GatePolicy:
         """Each backend's engine gate, as the proxy builds it from the same settings."""
-        d = self.dispatch
-        return GatePolicy(
-            slots=None if self.slots == "auto" else self.slots,
-            capacity=self.capacity,
-            allowance=d.allowance,
-            max_age_s=d.max_age_s,
-            kv_ceiling=d.kv_ceiling,
-            fallback_slots=d.fallback_slots,
-            settle_s=d.settle_s,
-        )
+        return policy_of(self.dispatch, self.slots, self.capacity)
 
 
 # --------------------------------------------------------------------------- the YAML

@@ -43,6 +43,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=d.scheduling_policy,
         help="the engine's queue: arrival order, or by the request's priority (lower first)",
     )
+    p.add_argument(
+        "--metrics-format",
+        choices=("vllm", "llama-server"),
+        default=d.metrics_format,
+        help="whose metrics /metrics serves: vLLM's, or llama-server's (with its /props)",
+    )
     p.add_argument("--max-model-len", type=int, default=d.max_model_len)
     p.add_argument("--prefill-tokens-per-s", type=float, default=d.prefill_tokens_per_s)
     p.add_argument("--decode-tokens-per-s", type=float, default=d.decode_tokens_per_s)
@@ -91,6 +97,7 @@ def run_from_args(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         kv_cache_tokens=args.kv_cache_tokens,
         scheduling_policy=args.scheduling_policy,
+        metrics_format=args.metrics_format,
         max_model_len=args.max_model_len,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         decode_tokens_per_s=args.decode_tokens_per_s,

@@ -206,6 +206,7 @@ class SimBackend:
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
+                web.get("/props", self._props),
                 web.get("/sim/stats", self._get_stats),
                 web.get("/sim/faults", self._get_faults),
                 web.post("/sim/faults", self._post_faults),
@@ -317,9 +318,11 @@ class SimBackend:
             await asyncio.sleep(self.faults.metrics_delay_s)
         if self.faults.metrics_status != 200:
             return error_response(self.faults.metrics_status, "Injected failure (metrics)")
+        if self.config.metrics_format == "llama-server":
+            return _exposition(self._llamacpp_series(), "")
         label = f'engine="0",model_name="{self.config.models[0]}"'
         s = self.stats
-        series: list[tuple[str, str, str, list[tuple[str, float]]]] = [
+        series: list[Series] = [
             ("vllm:num_requests_running", "gauge",
              "Number of requests in model execution batches.", [("", s.running)]),
             ("vllm:num_requests_waiting", "gauge",
@@ -339,13 +342,26 @@ class SimBackend:
             ("vllm:generation_tokens_total", "counter",
              "Number of generation tokens processed.", [("", s.completion_tokens)]),
         ]  # fmt: skip
-        lines = []
-        for name, kind, help_text, samples in series:
-            lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-            lines += [f"{name}{{{label}{extra}}} {float(value)}" for extra, value in samples]
-        return web.Response(
-            body=("\n".join(lines) + "\n").encode(),
-            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        return _exposition(series, label)
+
+    def _llamacpp_series(self) -> list[Series]:
+        """llama.cpp ``llama-server --metrics``'s scheduler gauges (tools/server/server.cpp):
+        the slots processing a task, and the tasks deferred for want of a free slot."""
+        s = self.stats
+        return [
+            ("llamacpp:requests_processing", "gauge",
+             "Number of requests processing.", [("", s.running)]),
+            ("llamacpp:requests_deferred", "gauge",
+             "Number of requests deferred.", [("", s.waiting)]),
+        ]  # fmt: skip
+
+    async def _props(self, request: web.Request) -> web.Response:
+        """llama-server's ``/props``: its slot count (``total_slots``), which engine dispatch
+        reads as the capacity; a vLLM has no such route (404)."""
+        if self.config.metrics_format != "llama-server":
+            raise web.HTTPNotFound()
+        return web.json_response(
+            {"total_slots": self.config.max_num_seqs, "model_path": self.config.models[0]}
         )
 
     def _kv_usage(self) -> float:
@@ -558,3 +574,21 @@ class SimBackend:
 def _text(words: list[str]) -> tuple[str, ...]:
     """One token per word, each after the first with its leading space."""
     return tuple(w if i == 0 else " " + w for i, w in enumerate(words))
+
+
+# a metric family as the exposition writes it: name, type, help, (labels, value) samples
+Series = tuple[str, str, str, list[tuple[str, float]]]
+
+
+def _exposition(series: list[Series], label: str) -> web.Response:
+    """Prometheus's text format of ``series``, each sample labelled ``label`` and its own."""
+    lines = []
+    for name, kind, help_text, samples in series:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        for extra, value in samples:
+            tags = f"{{{label}{extra}}}" if label or extra else ""
+            lines.append(f"{name}{tags} {float(value)}")
+    return web.Response(
+        body=("\n".join(lines) + "\n").encode(),
+        headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+    )

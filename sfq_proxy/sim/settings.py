@@ -54,7 +54,8 @@ class SimConfig:
     in the batch and ``kv_cache_tokens`` tokens of KV cache (None: a cache that never runs
     out, the default; else at least ``max_model_len``, as vLLM refuses to start with less),
     the rest waiting in its queue, in arrival order, or with ``scheduling_policy``
-    ``priority`` by the request's ``priority`` (lower first).
+    ``priority`` by the request's ``priority`` (lower first). ``metrics_format`` says whose
+    scheduler metrics it serves.
     """
 
     models: Sequence[str] = (DEFAULT_MODEL,)
@@ -77,6 +78,9 @@ class SimConfig:
     video_tokens: int = DEFAULT_MEDIA_TOKENS["video"]
     kv_cache_tokens: int | None = None
     scheduling_policy: SchedulingPolicy = "fcfs"
+    # whose metrics ``/metrics`` serves: vLLM's, or llama.cpp ``llama-server``'s (then with
+    # its ``/props``, whose ``total_slots`` is ``max_num_seqs``)
+    metrics_format: Literal["vllm", "llama-server"] = "vllm"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "models", tuple(self.models))
@@ -95,6 +99,8 @@ class SimConfig:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.metrics_format not in ("vllm", "llama-server"):
+            raise ValueError("metrics_format must be 'vllm' or 'llama-server'")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
         kv = self.kv_cache_tokens

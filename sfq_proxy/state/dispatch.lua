@@ -612,11 +612,20 @@ local function rank(key, name)
   return tonumber(string.sub(redis.sha1hex(key .. '\n' .. name), 1, 13), 16)
 end
 
--- where a ticket of affinity `key` goes among the backends the caller does not hold down, and
--- why (Placement.place): with a key and the pool's load factor (meta alf, set by configure),
--- the first of the key's order with a free slot and within the bounded load plus the slack
--- (meta als); else the least loaded with a free slot (first listed on ties)
-local function choose(down, key)
+-- whether a backend has a free slot for a ticket of class `cls`: under its slots, and under
+-- its class's own limit where configure gave one (engine dispatch: b[3], {class: limit},
+-- state/engine_scrape.py shared_backends): a backend a class may not fill counts as full
+local function free(b, running, cls)
+  local limits = b[3]
+  local limit = limits and limits[cls]
+  return running < b[2] and (limit == nil or running < limit)
+end
+
+-- where a ticket of affinity `key` and class `cls` goes among the backends the caller does not
+-- hold down, and why (Placement.place): with a key and the pool's load factor (meta alf, set
+-- by configure), the first of the key's order with a free slot and within the bounded load
+-- plus the slack (meta als); else the least loaded with a free slot (first listed on ties)
+local function choose(down, key, cls)
   if backends == nil then load_backends() end
   local factor = meta('alf')
   if key and factor > 0 then
@@ -624,7 +633,7 @@ local function choose(down, key)
     local order, total, busy = {}, 0, 0
     for i, b in ipairs(backends) do
       if not down[b[1]] then
-        order[#order + 1] = {b[1], b[2], rank(key, b[1]), i}
+        order[#order + 1] = {b[1], b[2], rank(key, b[1]), i, b}
         total = total + b[2]
         busy = busy + (inflight[b[1]] or 0)
       end
@@ -636,7 +645,7 @@ local function choose(down, key)
     local bound = factor * (busy + 1)
     for at, b in ipairs(order) do
       local running = inflight[b[1]] or 0
-      if running < b[2] and (running - slack) * total < bound * b[2] then
+      if free(b[5], running, cls) and (running - slack) * total < bound * b[2] then
         return b[1], at == 1 and 'affinity' or 'overflow'
       end
     end
@@ -646,7 +655,9 @@ local function choose(down, key)
     if not down[b[1]] then
       local running = inflight[b[1]] or 0
       local load = running / b[2]
-      if running < b[2] and (best == nil or load < best_load) then best, best_load = b[1], load end
+      if free(b, running, cls) and (best == nil or load < best_load) then
+        best, best_load = b[1], load
+      end
     end
   end
   return best, 'fallback'
@@ -691,7 +702,7 @@ local function dispatch(down)
       if flow == nil then break end
       t = ticket(id)
     end
-    local backend, reason = choose(down, t.a)
+    local backend, reason = choose(down, t.a, t.c)
     if backend == nil then break end
     if paced_pool then  -- as Scheduler._dispatch: decided once the ticket and backend are
       now = now or now_ms()
@@ -740,7 +751,7 @@ local function dispatch_at_once(id, t, down)
   if meta('paced') == 1 and next(pacing()) ~= nil then return nil end
   if not under_caps(t.o, t.c) then return nil end
   if in_set('inel', t.f) then return nil end
-  local backend, reason = choose(down, t.a)
+  local backend, reason = choose(down, t.a, t.c)
   if backend == nil then return nil end
   local start = math.max(meter_of(t.f) or meta('v'), meta('v'))  -- push(), then pop()
   local meter = start + math.max(1, round_half_even(t.cost * UNITS / t.w))
@@ -852,8 +863,8 @@ local function run(op)
   if not alive() then return {-1} end  -- not registered, or reclaimed: nothing may be granted
 
   -- the operations that dispatch reply {1, grants, wake} (dispatch's two values)
-  if op == 'configure' then  -- backends [[name, slots], ...], org caps, class caps, down, rpm,
-    -- tpm, affinity's load factor ('': affinity off) and slack
+  if op == 'configure' then  -- backends [[name, slots(, {class: limit})], ...], org caps,
+    -- class caps, down, rpm, tpm, affinity's load factor ('': affinity off) and slack
     set_rate('r', A[7])
     set_rate('t', A[8])
     set_meta('alf', A[9] and A[9] ~= '' and tonumber(A[9]) or nil)

@@ -12,14 +12,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import aiohttp
 
-from ..config import BackendSpec, Config, DispatchSpec, PoolSpec
-from ..core.engine_gate import GatePolicy
-from ..core.engine_metrics import EngineReading, parse, unavailable
+from ..config import Config, DispatchSpec, PoolSpec
+from ..core.engine_gate import policy_of
+from ..core.engine_metrics import (
+    DISCOVERY_PATHS,
+    NOTHING_DISCOVERED,
+    Discovery,
+    EngineReading,
+    Problem,
+    parse,
+    parse_discovery,
+    unavailable,
+)
 from ..core.placement import Backend, Placement, gated_slots, set_gate
 from ..core.scheduler import Scheduler
 
@@ -37,27 +47,16 @@ class Pool(Protocol):
     upstream_key: str | None
     ended: asyncio.Event  # set when one of its requests ends
 
-    def pump(self) -> None: ...
+    def after_reading(self) -> None: ...
 
 
 log = logging.getLogger(__name__)
 
 CHUNK = 65536
+# how long what an engine said of itself stands: a restarted engine may have other slots
+DISCOVERY_REFRESH_S = 60.0
 # an identity body: the relay's session does not decompress, and the bound is on the bytes
 HEADERS = {"Accept-Encoding": "identity"}
-
-
-def gate_policy(dispatch: DispatchSpec, backend: BackendSpec) -> GatePolicy:
-    """A backend's gate rule: the pool's ``dispatch`` section and its own ``slots``."""
-    return GatePolicy(
-        slots=backend.slots if isinstance(backend.slots, int) else None,
-        capacity=backend.capacity,
-        allowance=dispatch.allowance,
-        max_age_s=dispatch.max_age_s,
-        kv_ceiling=dispatch.kv_ceiling,
-        fallback_slots=dispatch.fallback_slots,
-        settle_s=dispatch.settle_s,
-    )
 
 
 def equip(pool: Pool) -> None:
@@ -66,7 +65,9 @@ def equip(pool: Pool) -> None:
     the scheduler then asks no gate."""
     spec, now = pool.spec, pool.clock()
     for backend, backend_spec in zip(pool.placement.backends, spec.backends, strict=True):
-        policy = gate_policy(spec.dispatch, backend_spec) if spec.engine else None
+        policy = None
+        if spec.engine:
+            policy = policy_of(spec.dispatch, backend_spec.slots, backend_spec.capacity)
         set_gate(backend, policy, now)
     classes = pool.config.classes
     ceilings = {name: c.engine_ceiling for name, c in classes.items()}
@@ -86,12 +87,15 @@ async def scrape_forever(pool: Pool, session: aiohttp.ClientSession) -> None:
     engine dispatch ran at 0.79 of static slots set to the engine's batch). ``settle_s``
     lets the rest of a wave end first, and bounds the readings to one per ``settle_s``."""
     running: dict[Backend, asyncio.Task[None]] = {}
+    discovered: dict[Backend, tuple[float, Discovery]] = {}
     try:
         while True:
             running = {b: task for b, task in running.items() if not task.done()}
+            discovered = {b: d for b, d in discovered.items() if b in pool.placement.backends}
             for backend in pool.placement.backends:
                 if backend.gate is not None and backend.healthy and backend not in running:
-                    running[backend] = asyncio.create_task(scrape(pool, session, backend))
+                    reading = scrape(pool, session, backend, discovered)
+                    running[backend] = asyncio.create_task(reading)
             dispatch = pool.spec.dispatch
             try:
                 async with asyncio.timeout(dispatch.interval_s):
@@ -105,18 +109,30 @@ async def scrape_forever(pool: Pool, session: aiohttp.ClientSession) -> None:
             task.cancel()
 
 
-async def scrape(pool: Pool, session: aiohttp.ClientSession, backend: Backend) -> None:
+async def scrape(
+    pool: Pool,
+    session: aiohttp.ClientSession,
+    backend: Backend,
+    discovered: dict[Backend, tuple[float, Discovery]],
+) -> None:
     """One reading of ``backend``'s engine, handed to its gate with the time read *before*
-    sending (what the reading may have missed is counted from then); then the pool tries
-    to dispatch again, as a reading may open the gate (or a failure turn it stale)."""
-    dispatch = pool.spec.dispatch
+    sending (what the reading may have missed is counted from then); then the pool hears
+    of it, as a reading may open the gate (or a failure turn it stale). Before, where its
+    family describes itself (``DISCOVERY_PATHS``), that description when ``discovered``
+    has none younger than ``DISCOVERY_REFRESH_S``."""
+    dispatch, family = pool.spec.dispatch, pool.spec.family
     headers = dict(HEADERS)
     if pool.upstream_key:
         headers["Authorization"] = f"Bearer {pool.upstream_key}"
+    path = DISCOVERY_PATHS.get(family)
+    at, discovery = discovered.get(backend, (-math.inf, NOTHING_DISCOVERED))
+    if path is not None and pool.clock() - at >= DISCOVERY_REFRESH_S:
+        discovery = await read_discovery(session, backend.base + path, family, dispatch, headers)
+        discovered[backend] = (pool.clock(), discovery)
     requested_at = pool.clock()
     try:
         reading = await read_metrics(
-            session, backend.base + dispatch.metrics_path, pool.spec.family, dispatch, headers
+            session, backend.base + dispatch.metrics_path, family, dispatch, headers, discovery
         )
     except Exception:  # a bug must not end the loop: the backend's readings age instead
         log.exception("pool %s: reading backend %s's metrics failed", pool.name, backend.name)
@@ -132,7 +148,37 @@ async def scrape(pool: Pool, session: aiohttp.ClientSession, backend: Backend) -
             "are read again" if gate.problem is None else f"unusable ({gate.problem})",
         )  # fmt: skip
     gated_slots(backend)
-    pool.pump()
+    pool.after_reading()
+
+
+class Unread(Exception):
+    """A GET that gave no body to parse, and why (``Problem``)."""
+
+    def __init__(self, problem: Problem) -> None:
+        super().__init__(problem)
+        self.problem = problem
+
+
+async def fetch(
+    session: aiohttp.ClientSession, url: str, dispatch: DispatchSpec, headers: dict[str, str]
+) -> bytes:
+    """GET ``url`` within ``timeout_s``, at most ``max_bytes`` of it read; ``Unread`` on a
+    failure, a status other than 200, or a longer body."""
+    limit = aiohttp.ClientTimeout(total=dispatch.timeout_s)
+    body = bytearray()
+    try:
+        async with session.get(url, headers=headers, timeout=limit) as answer:
+            if answer.status != 200:
+                raise Unread("no_metrics")
+            if (answer.content_length or 0) > dispatch.max_bytes:
+                raise Unread("too_large")
+            async for chunk in answer.content.iter_chunked(CHUNK):
+                body += chunk
+                if len(body) > dispatch.max_bytes:
+                    raise Unread("too_large")
+    except (aiohttp.ClientError, TimeoutError):
+        raise Unread("no_metrics") from None
+    return bytes(body)
 
 
 async def read_metrics(
@@ -141,24 +187,29 @@ async def read_metrics(
     family: str,
     dispatch: DispatchSpec,
     headers: dict[str, str],
+    discovery: Discovery = NOTHING_DISCOVERED,
 ) -> EngineReading:
-    """GET ``url`` within ``timeout_s``, at most ``max_bytes`` of it read, parsed as
-    ``family``'s metrics; any failure is a reading without numbers."""
-    limit = aiohttp.ClientTimeout(total=dispatch.timeout_s)
-    body = bytearray()
+    """``url``'s metrics parsed as ``family``'s, with what its ``discovery`` said; any
+    failure is a reading without numbers."""
     try:
-        async with session.get(url, headers=headers, timeout=limit) as answer:
-            if answer.status != 200:
-                return unavailable("no_metrics")
-            if (answer.content_length or 0) > dispatch.max_bytes:
-                return unavailable("too_large")
-            async for chunk in answer.content.iter_chunked(CHUNK):
-                body += chunk
-                if len(body) > dispatch.max_bytes:
-                    return unavailable("too_large")
-    except (aiohttp.ClientError, TimeoutError):
-        return unavailable("no_metrics")
-    return parse(family, bytes(body), max_bytes=dispatch.max_bytes)
+        body = await fetch(session, url, dispatch, headers)
+    except Unread as unread:
+        return unavailable(unread.problem)
+    return parse(family, body, max_bytes=dispatch.max_bytes, discovery=discovery)
+
+
+async def read_discovery(
+    session: aiohttp.ClientSession,
+    url: str,
+    family: str,
+    dispatch: DispatchSpec,
+    headers: dict[str, str],
+) -> Discovery:
+    """What the engine at ``url`` says of itself; nothing when it says nothing usable."""
+    try:
+        return parse_discovery(family, await fetch(session, url, dispatch, headers))
+    except Unread:
+        return NOTHING_DISCOVERED
 
 
 def engine_state(backend: Backend, now: float) -> dict[str, Any] | None:

@@ -7,7 +7,9 @@ store. A change is written first and applied to the snapshot before the admin AP
 so the next request to this process sees it; other processes on the same Redis hear of it
 on a channel, and re-read the version counter every ``poll_s`` in case a message was lost.
 Only digests are stored, never a secret. ``last_used`` times are written now and then
-(``Proxy`` flushes them every ``LAST_USED_SAVE_S`` and at shutdown), not per request.
+(``Proxy`` flushes them every ``LAST_USED_SAVE_S`` and at shutdown), not per request. A
+revoked key's record stays, with the time it was revoked kept beside it, for
+``REVOKED_KEPT_S`` (the list marks it); a revocation forgets those older than that.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import json
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
@@ -25,7 +29,7 @@ from redis.exceptions import RedisError
 
 from ..config import ConfigError
 from ..core.errors import ApiError
-from ..core.keys import LATEST, KeyRecord, record_from_json, record_to_json
+from ..core.keys import LATEST, REVOKED_KEPT_S, KeyRecord, record_from_json, record_to_json
 from .atomic_file import write_atomically
 
 log = logging.getLogger(__name__)
@@ -33,16 +37,22 @@ LAST_USED_SAVE_S = 60.0
 POLL_MAX_S = 2.0  # the safety net's period at most, whatever lease_ttl_s is
 # every key under one hash tag: one slot of a Redis Cluster, so one script can touch them all
 BY_ID, VERSION, USED = "sfq:{keys}:by_id", "sfq:{keys}:version", "sfq:{keys}:last_used"
+REVOKED = "sfq:{keys}:revoked"  # id → when it was revoked
 CHANNEL = "sfq:{keys}:changed"
 _ABSENT, _PRESENT, _ALIAS_TAKEN = -1, -2, -3
 
 _PUT = """
 local exists = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1
 if ARGV[4] == 'new' and exists then return -2 end
-if ARGV[4] == 'old' and not exists then return -1 end
+if ARGV[4] == 'old' and (not exists or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1) then
+  return -1
+end
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
-  if all[i] ~= ARGV[1] and cjson.decode(all[i + 1]).alias == ARGV[3] then return -3 end
+  if all[i] ~= ARGV[1] and cjson.decode(all[i + 1]).alias == ARGV[3]
+      and redis.call('HEXISTS', KEYS[3], all[i]) == 0 then
+    return -3
+  end
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 local version = redis.call('INCR', KEYS[2])
@@ -50,13 +60,26 @@ redis.call('PUBLISH', ARGV[5], version)
 return version
 """
 _REVOKE = """
-if redis.call('HDEL', KEYS[1], ARGV[1]) == 0 then return -1 end
-redis.call('HDEL', KEYS[3], ARGV[1])
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 or redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then
+  return -1
+end
+redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
+local revoked = redis.call('HGETALL', KEYS[4])
+for i = 1, #revoked, 2 do
+  if tonumber(revoked[i + 1]) < tonumber(ARGV[4]) then
+    redis.call('HDEL', KEYS[1], revoked[i])
+    redis.call('HDEL', KEYS[3], revoked[i])
+    redis.call('HDEL', KEYS[4], revoked[i])
+  end
+end
 local version = redis.call('INCR', KEYS[2])
 redis.call('PUBLISH', ARGV[2], version)
 return version
 """
-_SNAPSHOT = "return {redis.call('GET', KEYS[2]) or '0', redis.call('HGETALL', KEYS[1])}"
+_SNAPSHOT = """
+return {redis.call('GET', KEYS[2]) or '0', redis.call('HGETALL', KEYS[1]),
+        redis.call('HGETALL', KEYS[3])}
+"""
 _USED = """
 for i = 1, #ARGV, 2 do
   local old = tonumber(redis.call('HGET', KEYS[1], ARGV[i]) or '0')
@@ -92,8 +115,9 @@ class KeyStore(ABC):
         """Replace the key of ``record.id`` by ``record``."""
 
     @abstractmethod
-    async def revoke(self, key_id: str) -> bool:
-        """Remove a key; False when the store has no such key."""
+    async def revoke(self, key_id: str, now: float) -> bool:
+        """Revoke a key at ``now`` (Unix time); False when the store has no such key in
+        force. Those revoked more than ``REVOKED_KEPT_S`` ago are forgotten."""
 
     @abstractmethod
     async def refresh(self) -> None:
@@ -168,11 +192,13 @@ class FileKeyStore(KeyStore):
     async def update(self, record: KeyRecord) -> None:
         self._write({**self.records, record.id: record}, self._used)
 
-    async def revoke(self, key_id: str) -> bool:
-        if key_id not in self.records:
+    async def revoke(self, key_id: str, now: float) -> bool:
+        record = self.records.get(key_id)
+        if record is None or record.revoked is not None:
             return False
-        records = {i: r for i, r in self.records.items() if i != key_id}
-        self._write(records, {i: t for i, t in self._used.items() if i != key_id})
+        records = _unforgotten(self.records, now - REVOKED_KEPT_S)
+        records[key_id] = replace(record, revoked=now)
+        self._write(records, {i: t for i, t in self._used.items() if i in records})
         return True
 
     async def last_used(self) -> dict[str, float]:
@@ -185,7 +211,11 @@ class FileKeyStore(KeyStore):
 
     def _write(self, records: dict[str, KeyRecord], used: dict[str, float]) -> None:
         """Replace the file, then the snapshot: a failed write changes nothing."""
-        data = {"keys": [record_to_json(r) for r in records.values()], "last_used": used}
+        data = {
+            "keys": [record_to_json(r) for r in records.values()],
+            "last_used": used,
+            "revoked": {i: r.revoked for i, r in records.items() if r.revoked is not None},
+        }
         try:
             write_atomically(self.path, json.dumps(data, allow_nan=False, indent=1), 0o600)
         except OSError as err:
@@ -197,10 +227,10 @@ class FileKeyStore(KeyStore):
 
 def _decode(text: str) -> tuple[dict[str, KeyRecord], dict[str, float]]:
     data = json.loads(text)
-    if not isinstance(data, dict) or set(data) != {"keys", "last_used"}:
-        raise ValueError("expected an object with keys and last_used")
-    if not isinstance(data["keys"], list) or not isinstance(data["last_used"], dict):
-        raise ValueError("keys must be a list, last_used an object")
+    if not isinstance(data, dict) or not {"keys", "last_used"} <= set(data) <= _FILE_FIELDS:
+        raise ValueError("expected an object with keys, last_used (and revoked)")
+    if not isinstance(data["keys"], list):
+        raise ValueError("keys must be a list")
     records = {}
     for i, item in enumerate(data["keys"]):
         try:
@@ -208,10 +238,31 @@ def _decode(text: str) -> tuple[dict[str, KeyRecord], dict[str, float]]:
         except ValueError as err:
             raise ValueError(f"keys[{i}]: {err}") from None
         records[record.id] = record
-    used = data["last_used"]
-    if not all(isinstance(t, int | float) and 0 <= t <= LATEST for t in used.values()):
-        raise ValueError("last_used must map key ids to numbers")
-    return records, {i: float(t) for i, t in used.items() if i in records}
+    used, revoked = data["last_used"], data.get("revoked", {})  # none in older files
+    for name, times in (("last_used", used), ("revoked", revoked)):
+        if not isinstance(times, dict) or not all(map(_is_time, times.values())):
+            raise ValueError(f"{name} must map key ids to numbers")
+    return _revoked(records, revoked), {i: float(t) for i, t in used.items() if i in records}
+
+
+_FILE_FIELDS = {"keys", "last_used", "revoked"}
+
+
+def _is_time(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= LATEST
+
+
+def _revoked(records: dict[str, KeyRecord], revoked: Mapping[str, Any]) -> dict[str, KeyRecord]:
+    """``records`` with the times they were revoked (a store keeps them beside them)."""
+    return {
+        i: record if i not in revoked else replace(record, revoked=float(revoked[i]))
+        for i, record in records.items()
+    }
+
+
+def _unforgotten(records: Mapping[str, KeyRecord], forget: float) -> dict[str, KeyRecord]:
+    """``records`` but those revoked before ``forget``."""
+    return {i: r for i, r in records.items() if r.revoked is None or r.revoked >= forget}
 
 
 def _later(
@@ -247,15 +298,19 @@ class RedisKeyStore(KeyStore):
     async def update(self, record: KeyRecord) -> None:
         await self._put(record, "old")
 
-    async def revoke(self, key_id: str) -> bool:
-        done = await self._call(_REVOKE, [BY_ID, VERSION, USED], [key_id, CHANNEL])
+    async def revoke(self, key_id: str, now: float) -> bool:
+        keys, forget = [BY_ID, VERSION, USED, REVOKED], now - REVOKED_KEPT_S
+        done = await self._call(_REVOKE, keys, [key_id, CHANNEL, repr(now), repr(forget)])
         if done == _ABSENT:
             return False
-        self._applied({i: r for i, r in self.records.items() if i != key_id}, done)
+        records = _unforgotten(self.records, forget)
+        if key_id in records:
+            records[key_id] = replace(records[key_id], revoked=now)
+        self._applied(records, done)
         return True
 
     async def refresh(self) -> None:
-        version, fields = await self.redis.eval(_SNAPSHOT, 2, BY_ID, VERSION)
+        version, fields, revoked = await self.redis.eval(_SNAPSHOT, 3, BY_ID, VERSION, REVOKED)
         version = int(version)
         if version < self.version:  # a later snapshot was applied meanwhile
             return
@@ -267,8 +322,9 @@ class RedisKeyStore(KeyStore):
                 log.warning("key store: skipping a malformed key in Redis: %s", err)
                 continue
             records[record.id] = record
+        times = {_text(revoked[i]): float(revoked[i + 1]) for i in range(0, len(revoked), 2)}
         self.version = version
-        self._apply(records)
+        self._apply(_revoked(records, times))
 
     async def follow(self) -> None:
         """Re-read the keys whenever another process publishes a change, and every
@@ -309,7 +365,7 @@ class RedisKeyStore(KeyStore):
     async def _put(self, record: KeyRecord, must: str) -> None:
         data = json.dumps(record_to_json(record), allow_nan=False)
         done = await self._call(
-            _PUT, [BY_ID, VERSION], [record.id, data, record.alias, must, CHANNEL]
+            _PUT, [BY_ID, VERSION, REVOKED], [record.id, data, record.alias, must, CHANNEL]
         )
         if done == _ALIAS_TAKEN:
             raise ApiError(400, "Invalid key: alias: another key has this name or alias")

@@ -81,11 +81,13 @@ class Dispatch(NamedTuple):
     start_tag: float | None
     virtual_time: float | None  # just before the dispatch
     at: float  # the pool's clock
+    waited: float  # in line, since it joined it (the admin page's wait quantiles)
 
     @classmethod
     def of(cls, ticket: Ticket, backend: str, at: float, *, tagged: bool = True) -> Dispatch:
         start, v = (ticket.start_tag, ticket.virtual_time) if tagged else (None, None)
-        return cls(ticket.flow, backend, ticket.cost, ticket.weight, start, v, at)
+        waited = at - ticket.queued_at
+        return cls(ticket.flow, backend, ticket.cost, ticket.weight, start, v, at, waited)
 
     def view(self, now: float) -> dict[str, Any]:
         """Its entry in ``recent_dispatches``; ``age_s``: how long ago, on the pool's clock."""
@@ -195,6 +197,7 @@ class Pool:
         """
         if self.draining:
             raise shutting_down(self.name)
+        ticket.queued_at = self.clock()
         if front:
             self._retrying.add(ticket)
             try:
@@ -270,6 +273,11 @@ class Pool:
     def pump(self) -> None:
         """Dispatch what capacity allows now: a backend came back, or the config changed."""
         self._run(self.scheduler.pump(self.clock()))
+
+    def after_reading(self) -> None:
+        """An engine's reading arrived (engine dispatch): it may open a gate, or a failure
+        turn one stale, so try to dispatch."""
+        self.pump()
 
     def release(self, ticket: Ticket, *, refund: bool = False, actual: float | None = None) -> None:
         """The request holding a slot is over (done, failed or cancelled); ``refund`` when
@@ -371,6 +379,10 @@ class Pool:
     def virtual_time(self) -> float:
         return self.scheduler.queue.virtual_time
 
+    def queued(self) -> int:
+        """How many requests wait in this pool's line."""
+        return self.scheduler.queued()
+
     def flow_views(self) -> list[FlowView]:
         """Every flow the fair queue tracks, in flow-id order (metrics, ``/admin/state``)."""
         return self.scheduler.queue.flows()
@@ -389,7 +401,7 @@ class Pool:
         now = self.clock()
         return {
             "virtual_time": self.virtual_time(),
-            "queued": self.scheduler.queued(),
+            "queued": self.queued(),
             "running": self.scheduler.running,
             "flows": [
                 {

@@ -17,7 +17,7 @@ from redis.exceptions import RedisError
 
 from ..config import Config, ConfigError, without_credentials
 from .redis_dispatch import Fenced
-from .redis_functions import Caller
+from .redis_functions import Caller, Replicated
 from .redis_pool import SharedPool
 from .redis_resp import Pipe
 
@@ -74,8 +74,11 @@ def connect(config: Config) -> Redis | RedisCluster | None:
 
 def calls(config: Config, redis: Redis | RedisCluster) -> Caller:
     """Where the hot path's function calls go: a ``Pipe`` to a single Redis named by its
-    URL, else (Sentinel, Cluster, a URL with options) redis-py's client."""
+    URL; behind Sentinel, redis-py's client, each call waiting for a replica to have its
+    writes (``Replicated``); else (Cluster, a URL with options) redis-py's client."""
     url, state = config.redis_url(), config.state
+    if state is not None and state.sentinel is not None and isinstance(redis, Redis):
+        return Replicated(redis)
     if url is None or state is None or state.cluster:
         return redis
     pipe = Pipe.from_url(url, connect_timeout_s=CONNECT_TIMEOUT_S, timeout_s=SOCKET_TIMEOUT_S)
@@ -119,7 +122,9 @@ async def stop(pools: list[SharedPool], loops: list[asyncio.Task[None]]) -> None
 
 async def close(pools: list[SharedPool]) -> None:
     """Close the connections to Redis (last: the calibration's final sync uses them)."""
-    clients = {id(c): c for pool in pools for c in (pool.dispatch.redis, pool.dispatch.calls)}
+    # (a Replicated wraps the inbox's client: closed once, as that)
+    calls = [p.dispatch.calls for p in pools if not isinstance(p.dispatch.calls, Replicated)]
+    clients = {id(c): c for c in [*(p.dispatch.redis for p in pools), *calls]}
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(CLOSE_S):
             await asyncio.gather(*(c.aclose() for c in clients.values()), return_exceptions=True)

@@ -26,6 +26,10 @@ from ..core.placement import Reason
 from .redis_batcher import Batcher, Call
 from .redis_functions import DISPATCH, Caller
 
+# a backend as dispatch.lua places on it: its name, its slots and, in engine dispatch, the
+# classes that may fill fewer of them (``EngineGate.class_leases``)
+SharedBackend = tuple[str, int] | tuple[str, int, dict[str, int]]
+
 
 class Grant(NamedTuple):
     """A ticket given a slot: the lease (its fencing token) that must be handed back, and
@@ -144,7 +148,7 @@ class RedisDispatch:
 
     async def configure(
         self,
-        backends: Iterable[tuple[str, int]],
+        backends: Iterable[SharedBackend],
         org_caps: Mapping[str, int],
         class_caps: Mapping[str, int],
         down: Iterable[str] = (),
@@ -152,13 +156,14 @@ class RedisDispatch:
         load_factor: float | None = None,
         slack: int = 0,
     ) -> Grants:
-        """The pool's backends (in placement order, with their slots), in-flight caps,
+        """The pool's backends (in placement order, with their slots and, in engine
+        dispatch, their classes' lower limits), in-flight caps,
         provider rate, whose buckets Redis keeps with a second's burst (``pool_limits``), and
         affinity's load factor (None: affinity off, every ticket goes to the least loaded)
         and slack (``Placement.place``)."""
         call = self._call(
             "configure",
-            json.dumps([[name, slots] for name, slots in backends]),
+            json.dumps([list(backend) for backend in backends]),
             json.dumps(dict(org_caps)),
             json.dumps(dict(class_caps)),
             _names(down),

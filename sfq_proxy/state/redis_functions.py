@@ -1,15 +1,19 @@
 """The Redis function libraries shipped with the package (``*.lua``), called by name and
 loaded where Redis does not have them: a new Redis, or one restarted without its data
-(functions live with the data, per node: a cluster's primaries each have their own).
+(functions live with the data, per node: a cluster's primaries each have their own; a
+replica gets its primary's, so one that Sentinel promotes has them).
 
 On a cluster each call goes straight to the primary that owns its key's slot, and a
-library is loaded on the primary that said it lacks it (tests/state/test_redis_cluster.py)."""
+library is loaded on the primary that said it lacks it (tests/state/test_redis_cluster.py).
+Behind Sentinel each call waits until a replica has its writes (``Replicated``)."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import re
+import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
@@ -22,8 +26,55 @@ from redis.exceptions import ClusterDownError, ResponseError, SlotNotCoveredErro
 from .redis_batcher import Call
 from .redis_resp import Pipe
 
-# where function calls go: a pipe to one server (the fast path), or redis-py's client
-Caller = Redis | RedisCluster | Pipe
+log = logging.getLogger(__name__)
+# how long a call behind Sentinel waits for a replica to acknowledge its writes, and, when
+# none did, how long calls then go on without waiting before they wait again
+ACK_MS = 500
+UNACKED_S = 5.0
+
+
+class Replicated:
+    """redis-py's client of a primary that Sentinel fails over to its replica. Replication
+    is asynchronous: a primary that dies takes with it the writes its replica had not
+    received, and a lease granted, handed back or queued there would be lost to the new
+    primary (a slot counted free while its request runs, or taken for as long as its holder
+    lives; a request waiting for good). So each call is followed, on its connection, by
+    ``WAIT 1 ACK_MS``, and its reply is acted on once a replica holds its writes: Sentinel
+    promotes the replica with the most data (of those of equal ``replica-priority``), so a
+    failover loses none of them.
+
+    A replica that has not acknowledged within ``ACK_MS`` (none connected, or lagging
+    further) does not stop the proxy: the call's reply is used, said once in the log, and
+    calls go on without waiting for ``UNACKED_S``, then wait again. Writes made then can be
+    lost by a failover (docs/shared-state.md, Failover)."""
+
+    def __init__(self, redis: Redis) -> None:
+        self.redis = redis
+        self._unacked_until = 0.0  # monotonic; before it, calls do not wait
+
+    async def fcall(self, function: str, key: str, *args: Any) -> Any:
+        if time.monotonic() < self._unacked_until:
+            return await self.redis.fcall(function, 1, key, *args)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.fcall(function, 1, key, *args)
+            pipe.execute_command("WAIT", 1, ACK_MS)
+            reply, acked = await pipe.execute()
+        if acked < 1:
+            if not self._unacked_until:
+                log.warning("no replica acknowledged a write within %d ms: going on", ACK_MS)
+            self._unacked_until = time.monotonic() + UNACKED_S
+        elif self._unacked_until:
+            self._unacked_until = 0.0
+            log.warning("a replica acknowledges writes again")
+        return reply
+
+    async def function_load(self, code: str, replace: bool) -> Any:
+        return await self.redis.function_load(code, replace=replace)
+
+
+# where function calls go: a pipe to one server (the fast path), or redis-py's client (behind
+# Sentinel, waiting for a replica)
+Caller = Redis | RedisCluster | Pipe | Replicated
 
 
 @dataclass(frozen=True)
@@ -88,6 +139,8 @@ async def _fcall(redis: Caller, function: str, key: str, *args: Any) -> Any:
     to the same node. The key is known here, so the call goes to its slot's primary."""
     if isinstance(redis, Pipe):  # first: isinstance of RedisCluster (a Protocol) costs 2 µs
         return await redis.execute("FCALL", function, 1, key, *args)
+    if isinstance(redis, Replicated):
+        return await redis.fcall(function, key, *args)
     if isinstance(redis, RedisCluster):
         node = await _owner(redis, key)
         return await redis.execute_command("FCALL", function, 1, key, *args, target_nodes=node)

@@ -123,6 +123,8 @@ class SharedPool(LeasedPool):
     async def _acquire_shared(
         self, ticket: Ticket, expires_at: float | None, expiry: Expiry, front: bool
     ) -> Backend:
+        if not self._joined:  # fenced: joining again forgets whatever Redis still holds of
+            raise unavailable(self.name)  # this holder, so a ticket queued now would wait for good
         ticket_id = f"{self.dispatch.holder}.{next(self._ids)}"
         ticket.payload = ticket_id  # what ``evict`` finds it by
         future: asyncio.Future[Backend] = asyncio.get_running_loop().create_future()
@@ -205,6 +207,10 @@ class SharedPool(LeasedPool):
     def virtual_time(self) -> float:
         return self._view[0]
 
+    def queued(self) -> int:
+        """This process's requests waiting: in Redis's line or, while Redis is lost, its own."""
+        return len(self._waiting) + super().queued()
+
     def flow_views(self) -> list[FlowView]:
         """The pool's flows as Redis held them at the last heartbeat (the whole pool)."""
         return self._view[1]
@@ -218,7 +224,6 @@ class SharedPool(LeasedPool):
         this process's share of it (what it queued, what it runs, its holder)."""
         return {
             **super().state(),
-            "queued": len(self._waiting),
             "running": len(self._held),
             "shared": {
                 "holder": self.dispatch.holder,

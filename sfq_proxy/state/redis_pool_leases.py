@@ -41,7 +41,7 @@ from ..core.errors import ApiError
 from ..core.placement import Backend, share
 from ..core.scheduler import Ticket
 from .pool import Clock, Dispatch, Memory, Pool, pool_limits
-from .redis_dispatch import Fenced, Grants, RedisDispatch
+from .redis_dispatch import Fenced, Grants, RedisDispatch, SharedBackend
 
 # the pool's logger (``redis_pool``): what it says of its leases and modes, under one name
 log = logging.getLogger(f"{__package__}.redis_pool")
@@ -94,6 +94,7 @@ class LeasedPool(Pool):
         # adopt's list on its way to Redis: nothing may start here, whatever mode or reload
         # comes meanwhile, since Redis may take the list and decide from then on
         self._adopting = False
+        self._published: list[SharedBackend] = []  # the backends as last told to Redis
         self._set_shares()
 
     @property
@@ -138,12 +139,41 @@ class LeasedPool(Pool):
 
     async def _configure(self) -> Grants:
         org_caps, class_caps, rate = pool_limits(self._config, self.spec)
-        backends = [(b.name, b.slots) for b in self.placement.backends]
+        backends = self._published = self._shared_backends()
         placement = self.placement
         return await self.dispatch.configure(
             backends, org_caps, class_caps, self._down(), rate, placement.load_factor,
             placement.slack,
         )  # fmt: skip
+
+    def _shared_backends(self) -> list[SharedBackend]:
+        """The backends and their slots as Redis places on them. In engine dispatch, what
+        the gate lets the replicas hold together, and each class (``EngineGate.leases``,
+        ``class_leases``): the leases in Redis count every replica's dispatches, which no
+        one gate sees, so the gate bounds them rather than judging each dispatch."""
+        now, ceilings = self.clock(), self.scheduler.ceilings
+        listed: list[SharedBackend] = []
+        for backend in self.placement.backends:
+            gate = backend.gate
+            if gate is None or ceilings is None:
+                listed.append((backend.name, backend.slots))
+                continue
+            slots = gate.leases(now)
+            limits = {}
+            for cls, ceiling in sorted(ceilings.items()):
+                limit = gate.class_leases(now, ceiling)
+                if limit is not None and limit < slots:
+                    limits[cls] = limit
+            listed.append((backend.name, slots, limits) if limits else (backend.name, slots))
+        return listed
+
+    def after_reading(self) -> None:
+        """In Redis, a reading changes what the backends may hold (``_shared_backends``):
+        told to Redis when it does (which dispatches what it opens), not otherwise."""
+        if self.mode is not Mode.SHARED:
+            super().after_reading()
+        elif self._shared_backends() != self._published:
+            self._later(self._call(self._configure()))
 
     async def _call(self, work: Awaitable[Grants | None]) -> None:
         """A call whose failure only delays: the grants it made are carried out; if Redis is
@@ -158,15 +188,17 @@ class LeasedPool(Pool):
 
     def _grant(self, grants: Grants) -> None:
         """Wake the requests given a slot; a grant that nobody waits for any more (its
-        client left, its deadline passed) is handed back at once. When pacing held a ticket
-        back, pump the pool once it allows."""
+        client left, its deadline passed) is handed back at once, unless its request runs:
+        the inbox gave it twice (a failover lost its read, docs/shared-state.md). When
+        pacing held a ticket back, pump the pool once it allows."""
         if grants.wake_s is not None:
             self._wake_in(grants.wake_s)
         for grant in grants:
             waiting = self._waiting.pop(grant.ticket, None)
             backend = next((b for b in self.placement.backends if b.name == grant.backend), None)
             if waiting is None or waiting[1].done() or backend is None:
-                self._later(self._finish(grant.lease))
+                if all(lease != grant.lease for lease, _ in self._held.values()):
+                    self._later(self._finish(grant.lease))
                 continue
             ticket, future, task = waiting
             backend.in_flight += 1  # this process's share, for its metrics and state

@@ -94,13 +94,23 @@ def test_errors_name_the_field(
     assert any(line.startswith(expected) for line in lines), lines
 
 
-def test_engine_mode_reads_known_families_only() -> None:
+@pytest.mark.parametrize("family", ["openai", "llamacpp"])
+def test_engine_mode_reads_known_families_only(family: str) -> None:
+    """A hosted API has no engine metrics, nor has llama-cpp-python's server."""
     data = config({"mode": "engine"})
-    data["pools"]["llama-8b"]["family"] = "openai"
+    data["pools"]["llama-8b"]["family"] = family
     assert (
-        f"{POOL}.dispatch.mode: engine dispatch reads the metrics of vllm, llamacpp, tgi "
-        "servers, not of family 'openai'" in errors(data)
+        f"{POOL}.dispatch.mode: engine dispatch reads the metrics of vllm, llama-server, tgi "
+        f"servers, not of family '{family}'" in errors(data)
     )
+
+
+def test_llama_server_is_a_family_of_its_own() -> None:
+    """llama.cpp's C++ server: several slots, /health, its metrics for engine dispatch."""
+    data = config({"mode": "engine"}, {"slots": "auto"})
+    data["pools"]["llama-8b"]["family"] = "llama-server"
+    pool = parse_config(yaml.safe_dump(data), environ={}).pools["llama-8b"]
+    assert (pool.engine, pool.health.path, pool.stream_usage) == (True, "/health", True)
 
 
 @pytest.mark.parametrize("ceiling", [0, 1.5, -0.5])
@@ -109,14 +119,7 @@ def test_a_class_ceiling_is_a_fraction(ceiling: float) -> None:
     assert any(line.startswith("classes.batch.engine_ceiling: must be") for line in errors(data))
 
 
-def test_engine_mode_is_refused_with_shared_state() -> None:
-    """Each replica's gate would credit only its own dispatches: not supported yet."""
+def test_engine_mode_is_accepted_with_shared_state() -> None:
+    """The replicas' gates bound the leases in Redis (docs/design.md §5)."""
     data = config({"mode": "engine"}, state={"redis": "redis://127.0.0.1:6379/0"})
-    lines = errors(data)
-    assert any(
-        line.startswith(
-            f"{POOL}.dispatch.mode: engine dispatch is not supported with state: "
-            "redis yet: each replica's gate would count only its own dispatches"
-        )
-        for line in lines
-    ), lines
+    assert parse_config(yaml.safe_dump(data), environ={}).pools[POOL.split(".")[1]].engine

@@ -203,6 +203,41 @@ def test_until_a_capacity_is_known_the_gate_ramps_slots_or_not() -> None:
     assert auto.admit(0.0).reason == "engine_queue"
 
 
+def test_leases_ramp_as_admit_does_and_stay_within_slots() -> None:
+    """Shared in Redis, the gate bounds what every replica holds together: the capacity as
+    far as known and the allowance; static dispatch's when stale."""
+    g = gate(slots=6, allowance=1, max_age_s=1.0)
+    assert g.leases(0.0) == 6  # no reading: the static slots
+    g.observe(reading(0), requested_at=0.0, now=0.0)
+    assert g.leases(0.0) == 1  # nothing seen running: an idle engine's one
+    g.observe(reading(3), requested_at=0.1, now=0.1)
+    assert g.leases(0.1) == 4  # 3 seen running + the allowance
+    g.observe(reading(4, 2, waiting_for_capacity=2), requested_at=0.2, now=0.2)
+    assert g.leases(0.2) == 5  # saturated at 4
+    g.observe(reading(9), requested_at=0.3, now=0.3)
+    assert g.leases(0.3) == 6  # within the slots
+    assert g.leases(5.0) == 6  # stale: the slots
+
+
+def test_class_leases_hold_a_class_at_its_share_and_at_its_kv_ceiling() -> None:
+    g = gate(allowance=1, kv_ceiling=0.9)
+    g.observe(reading(6, 1, waiting_for_capacity=1, kv_usage=0.5), requested_at=0.0, now=0.0)
+    assert g.leases(0.0) == 7
+    assert g.class_leases(0.0, 1.0) is None  # the top class: the leases alone
+    assert g.class_leases(0.0, 0.75) == 4  # ⌊0.75 × 6⌋
+    g.observe(reading(6, 0, kv_usage=0.7), requested_at=0.1, now=0.1)
+    assert g.class_leases(0.1, 0.75) == 4  # 0.7 < 0.75 × 0.9: the share binds
+    assert g.class_leases(0.1, 0.5) == 3  # 0.7 ≥ 0.5 × 0.9: what runs, 6; the share, 3
+    g.observe(reading(2, 0, kv_usage=0.95), requested_at=0.2, now=0.2)
+    assert g.class_leases(0.2, 1.0) == 2  # over the ceiling: no more than it runs
+    g.observe(reading(0, 0, kv_usage=0.95), requested_at=0.3, now=0.3)
+    assert g.class_leases(0.3, 1.0) == 1  # running nothing, it takes one
+    assert g.class_leases(5.0, 0.5) is None  # stale: static dispatch
+    ramp = gate()
+    ramp.observe(reading(1), requested_at=0.0, now=0.0)
+    assert ramp.class_leases(0.0, 0.5) is None  # no capacity known: the ramp is not capped
+
+
 def test_stale_fallback_of_an_auto_backend_is_what_it_learned() -> None:
     g = gate(fallback_slots=2)
     g.observe(reading(7, 1), requested_at=0.0, now=0.0)
@@ -329,6 +364,26 @@ def check(g: EngineGate, now: float, decisions: list[Decision]) -> None:
                 assert est.load == 0 or after <= policy.allowance
         if est.load == 0 and (policy.slots is None or g.in_flight < policy.slots):
             assert all(d.admit for d in decisions)  # an idle engine takes one
+    check_leases(g, now, est)
+
+
+def check_leases(g: EngineGate, now: float, est: Estimate | None) -> None:
+    """What the replicas sharing Redis may hold together (``leases``, ``class_leases``):
+    at least one, never beyond the static slots; stale, static dispatch's; fresh, at most
+    the allowance beyond the capacity; lower for a lower class, never zero."""
+    policy, leases = g.policy, g.leases(now)
+    limits = [g.class_leases(now, c) for c in CEILINGS]
+    assert leases >= 1
+    if policy.slots is not None:
+        assert leases <= policy.slots
+    if est is None:
+        assert leases == g.fallback()
+        assert limits == [None] * len(CEILINGS)
+    else:
+        assert leases <= est.capacity + policy.allowance
+        bounds = [math.inf if limit is None else limit for limit in limits]
+        assert bounds == sorted(bounds)
+        assert min(bounds) >= 1
 
 
 @fast

@@ -22,9 +22,12 @@ from sfq_proxy.core.engine_metrics import (
     MAX_COUNT,
     MAX_LINE_CHARS,
     MAX_SERIES,
+    NOTHING_DISCOVERED,
+    Discovery,
     EngineReading,
     labels,
     parse,
+    parse_discovery,
     parse_llamacpp,
     parse_tgi,
     parse_vllm,
@@ -159,7 +162,7 @@ def test_llamacpp_server_metrics() -> None:
     older = LLAMACPP + "llamacpp:kv_cache_usage_ratio 0.75\n"  # servers before mid-2025
     assert parse_llamacpp(older).kv_usage == 0.75
     assert parse_llamacpp(LLAMACPP, capacity=0).capacity is None
-    assert parse("llamacpp", LLAMACPP) == EngineReading(running=4, waiting=2)
+    assert parse("llama-server", LLAMACPP) == EngineReading(running=4, waiting=2)
 
 
 def test_llama_cpp_pythons_server_has_no_metrics_and_keeps_its_static_slots() -> None:
@@ -290,7 +293,7 @@ def test_parsing_a_real_body_is_cheap() -> None:
 @fast
 @given(st.one_of(st.binary(max_size=4096), st.text(max_size=4096)))
 def test_any_body_gives_a_reading(body: bytes | str) -> None:
-    for family in ("vllm", "llamacpp", "tgi"):
+    for family in ("vllm", "llama-server", "tgi"):
         reading = parse(family, body)
         if reading.usable:
             assert reading.running is not None
@@ -339,3 +342,52 @@ def test_what_is_written_is_read_back(
         assert sorted(v for v in read if v is not None) == sorted(
             v for s, v, _ in series if s == name
         )
+
+
+# --- discovery: what an engine says of itself beside its metrics ---------------------------
+
+# llama-server's /props (tools/server/server.cpp, the fields around the one read)
+PROPS = b'{"default_generation_settings": {"n_ctx": 4096}, "total_slots": 4, "chat_template": ""}'
+
+
+def test_llama_server_props_give_the_capacity_and_the_reading_carries_it() -> None:
+    assert parse_discovery("llama-server", PROPS) == Discovery(capacity=4)
+    reading = parse("llama-server", LLAMACPP, discovery=parse_discovery("llama-server", PROPS))
+    assert reading.capacity == 4
+    assert parse("llama-server", LLAMACPP).capacity is None
+
+
+def test_tgi_info_gives_batch_size_and_kv_budget_where_it_has_them() -> None:
+    old = b'{"max_batch_total_tokens": 16000, "max_batch_size": 32, "max_concurrent_requests": 128}'
+    assert parse_discovery("tgi", old) == Discovery(capacity=32, kv_tokens=16000)
+    new = b'{"max_concurrent_requests": 128, "max_total_tokens": 4096}'  # TGI 3: neither
+    assert parse_discovery("tgi", new) == NOTHING_DISCOVERED
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"not json",
+        b"[4]",
+        b'{"total_slots": true}',
+        b'{"total_slots": -1}',
+        b'{"total_slots": 0}',
+        b'{"total_slots": 4.5}',
+        b'{"total_slots": "4"}',
+        b'{"total_slots": 10000000000}',
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"total_slots": 4, "pad": "' + b"x" * MAX_BYTES + b'"}',
+        "\udcff".encode("utf-8", "surrogatepass"),
+    ],
+)
+def test_a_description_that_is_not_a_count_says_nothing(body: bytes) -> None:
+    """Nothing rather than a wrong capacity: an engine that says nothing usable is ramped
+    to, as vLLM is."""
+    assert parse_discovery("llama-server", body) == NOTHING_DISCOVERED
+
+
+def test_vllm_and_unknown_families_have_nothing_to_discover() -> None:
+    assert parse_discovery("vllm", PROPS) == NOTHING_DISCOVERED
+    assert parse_discovery("openai", PROPS) == NOTHING_DISCOVERED
+    assert parse_discovery("llamacpp", PROPS) == NOTHING_DISCOVERED  # llama-cpp-python: none

@@ -9,6 +9,7 @@ import hashlib
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from sfq_proxy.core.errors import ApiError
 from sfq_proxy.core.flows import Authenticator
 from sfq_proxy.core.keys import (
     MAX_LIFETIME_S,
+    REVOKED_KEPT_S,
     KeyRecord,
     changed_record,
     clashes,
@@ -316,6 +318,44 @@ def test_a_key_in_force_brings_its_budgets_under_its_alias_and_a_clash_is_out(
     assert in_force([retired], config) == []
 
 
+def test_a_revoked_key_is_out_of_force_and_frees_its_alias(config: Config) -> None:
+    """A revoked record is only listed: not looked up, no clash with the file's names, and
+    a new key may take its alias."""
+    record = new_record(body(alias="product-app-2"), config, {}, DIGEST, NOW)
+    revoked = replace(record, revoked=NOW + 1)
+    assert in_force([revoked], config) == []
+    renamed = parse_config(CONFIG.replace("name: product-app", "name: product-app-2"), environ={})
+    assert clashes(renamed, [revoked]) is None
+    assert clashes(renamed, [record]) is not None
+    other = hashlib.sha256(b"another").digest()
+    again = new_record(body(alias="product-app-2"), config, {record.id: revoked}, other, NOW + 2)
+    assert again.alias == "product-app-2"
+    assert "alias" in refused(new_record, body(alias="product-app-2"), config,
+                              {record.id: record}, other, NOW + 2)  # fmt: skip
+
+
+def test_the_file_store_forgets_revoked_keys_after_a_while_and_reads_older_files(
+    config: Config, tmp_path: Path
+) -> None:
+    path = tmp_path / "keys.json"
+    store = FileKeyStore(path)
+    first, second, third = (
+        new_record(body(alias=f"k{n}"), config, {}, hashlib.sha256(b"%d" % n).digest(), NOW)
+        for n in range(3)
+    )
+    for record in (first, second, third):
+        asyncio.run(store.create(record))
+    assert asyncio.run(store.revoke(first.id, NOW + 1)) is True
+    assert json.loads(path.read_text())["revoked"] == {first.id: NOW + 1}
+    assert asyncio.run(store.revoke(second.id, NOW + 1 + REVOKED_KEPT_S)) is True  # kept still
+    assert set(FileKeyStore(path).records) == {first.id, second.id, third.id}
+    assert asyncio.run(store.revoke(third.id, NOW + 2 + REVOKED_KEPT_S)) is True
+    assert set(FileKeyStore(path).records) == {second.id, third.id}  # first forgotten
+    older = {"keys": [record_to_json(first)], "last_used": {}}  # a file of an older proxy
+    path.write_text(json.dumps(older))
+    assert FileKeyStore(path).records == {first.id: first}
+
+
 def test_the_file_store_writes_atomically_and_reads_back(config: Config, tmp_path: Path) -> None:
     path = tmp_path / "keys.json"
     store = FileKeyStore(path)
@@ -329,9 +369,10 @@ def test_the_file_store_writes_atomically_and_reads_back(config: Config, tmp_pat
     again = FileKeyStore(path)
     assert again.records == {record.id: record}
     assert asyncio.run(again.last_used()) == {record.id: NOW + 5}
-    assert asyncio.run(again.revoke(record.id)) is True
-    assert asyncio.run(again.revoke(record.id)) is False
-    assert FileKeyStore(path).records == {}
+    assert asyncio.run(again.revoke(record.id, NOW + 9)) is True
+    assert asyncio.run(again.revoke(record.id, NOW + 10)) is False  # revoked already
+    revoked = replace(record, revoked=NOW + 9)
+    assert FileKeyStore(path).records == {record.id: revoked}  # listed as revoked
 
 
 def test_a_write_that_fails_changes_nothing(

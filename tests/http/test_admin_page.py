@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from pathlib import Path
@@ -14,20 +15,24 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, Served, eventually, keep_asking, proxy_config
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support import expected_conditions
-from selenium.webdriver.support.ui import WebDriverWait
+from selenium.webdriver.support.ui import Select, WebDriverWait
+from server_process import free_port
 from tools import need_tool
+from wall import Wall
 
 from sfq_proxy.config import Config
 from sfq_proxy.core.flows import org_and_class
 from sfq_proxy.sim.server import SimBackend
 
 ADMIN = "sk-admin-page-test"
+# the page's screenshot with its charts, for a human to look at (git ignores the folder)
+SCREENSHOT = Path(__file__).resolve().parents[2] / "test-artifacts" / "admin-page.png"
 # a backend's name is free text in the config (orgs, classes and aliases are names)
 XSS = "<img src=x onerror=alert(1)>"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -191,6 +196,15 @@ async def test_with_shared_state_the_recent_dispatches_are_this_processs_untagge
     assert recent == [("A/batch", None, None, None), ("C/interactive", None, None, None)]
     assert set(pool["served_recent"]["shares"]) == {"A/batch", "C/interactive"}
 
+    async def sampled() -> bool:  # the charts' history: this process's grants, sampled
+        _, history = await admin(await lab.http(), served, "GET", "/admin/history")
+        points = history["pools"]["sim"]["recent"]
+        return sum(p["dispatches"] for p in points) == 2 and {
+            f for p in points for f in p["served"]
+        } == {"A/batch", "C/interactive"}
+
+    await eventually(sampled, within=5)
+
 
 # -- in a real browser ------------------------------------------------------------------------
 
@@ -236,11 +250,20 @@ def rows_when(driver: WebDriver, section: str, ready: Callable[[Rows], bool]) ->
     return wait(driver, lambda d: (found := rows(d, section)) and ready(found) and found)
 
 
+def marked(driver: WebDriver, status: str) -> list[str]:
+    """The ids of the keys whose row is marked ``status`` (its class and its badge)."""
+    script = """return [...document.querySelectorAll(`#keys tr.key.${arguments[0]}`)]
+                .filter((tr) => tr.querySelector(`.badge.${arguments[0]}`))
+                .map((tr) => tr.cells[0].textContent);"""
+    found: list[str] = driver.execute_script(script, status)
+    return found
+
+
 def revoke(driver: WebDriver, key_id: str) -> None:
-    """Click the key's Revoke button and confirm; wait until the list no longer shows it."""
+    """Click the key's Revoke button and confirm; wait until the list marks it revoked."""
     driver.find_element(By.CSS_SELECTOR, f'button.revoke[data-id="{key_id}"]').click()
     wait(driver, expected_conditions.alert_is_present()).accept()
-    wait(driver, lambda d: all(row[0] != key_id for row in rows(d, "keys")))
+    wait(driver, lambda d: key_id in marked(d, "revoked"))
 
 
 def errors(driver: WebDriver) -> list[dict[str, Any]]:
@@ -288,6 +311,7 @@ async def test_the_page_shows_a_live_flow_and_a_key_revoked_there_stops_working(
     assert {row[0] for row in usage} >= {"A"}
 
     await asyncio.to_thread(revoke, browser, key_id)
+    assert await asyncio.to_thread(marked, browser, "revoked") == [key_id]  # listed, marked
     with pytest.raises(openai.AuthenticationError) as refused:
         await tenant.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
     assert refused.value.status_code == 401
@@ -337,8 +361,16 @@ async def test_a_wrong_key_is_said_and_forgotten_and_a_failing_endpoint_stays_in
 async def test_a_key_made_on_the_page_shows_its_secret_once_and_works(
     lab: Lab, tmp_path: Path, browser: WebDriver
 ) -> None:
+    """Org B is kept to pool ``sim`` of two: the key made for it lists no pool, and the page
+    shows what it may use in fact; past its expiry, the page marks it expired."""
     sim = await lab.backend()
-    served = await lab.proxy(page_config(sim, tmp_path))
+    pools = {
+        name: {"models": [model], "backends": [{"url": sim.url, "slots": 1}]}
+        for name, model in (("sim", MODEL), ("other", "other-model"))
+    }
+    config = page_config(sim, tmp_path, pools=pools, orgs={"B": {"pools": ["sim"]}})
+    wall = Wall(time.time())
+    served = await lab.proxy(config, wall=wall)
     await asyncio.to_thread(sign_in, browser, served.url, ADMIN)
 
     def create() -> str:
@@ -359,7 +391,9 @@ async def test_a_key_made_on_the_page_shows_its_secret_once_and_works(
     assert secret not in storage
     keys = await asyncio.to_thread(rows_when, browser, "keys", lambda rs: len(rs) == 5)
     [made] = [row for row in keys if row[1] == "nightly"]
-    assert made[2:6] == ["B", "batch", "all", "all"]
+    assert made[2:6] == ["B", "batch", "sim (by org B)", "all"]  # its own list: none
+    assert [row[4] for row in keys if row[0] == "B#1"] == ["sim (by org B)"]
+    assert [row[4] for row in keys if row[0] == "A#0"] == ["all"]
     status, listed = await admin(await lab.http(), served, "GET", "/admin/keys")
     [record] = [k for k in listed["keys"] if k["alias"] == "nightly"]
     created, expires = (datetime.fromisoformat(record[f]) for f in ("created", "expires"))
@@ -369,6 +403,96 @@ async def test_a_key_made_on_the_page_shows_its_secret_once_and_works(
     reply = await tenant.chat.completions.with_raw_response.create(
         model=MODEL, messages=CHAT, max_tokens=2
     )
-    await tenant.close()
     assert reply.http_response.status_code == 200
+    assert await asyncio.to_thread(marked, browser, "expired") == []
+    wall.now += 2 * 86400
+    with pytest.raises(openai.AuthenticationError):
+        await tenant.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    await tenant.close()
+    expired = await asyncio.to_thread(wait, browser, lambda d: marked(d, "expired"))
+    assert expired == [record["id"]]
     assert await asyncio.to_thread(errors, browser) == []
+
+
+# what the page drew: each chart's kind, its points, its series' names and path data, and
+# the labels of its shaded spans
+DRAWN = """return [...document.querySelectorAll('#charts figure.chart')].map((f) => ({
+  kind: f.dataset.chart, points: Number(f.dataset.points),
+  series: Object.fromEntries([...f.querySelectorAll('path.series')]
+    .map((p) => [p.dataset.series, p.getAttribute('d')])),
+  bands: [...f.querySelectorAll('rect.down-band')].map((r) => r.textContent),
+}));"""
+PLOT_BOTTOM, PLOT_TOP = 150 - 22, 10  # admin.js's PLOT: the y of 0 and of the chart's top
+
+
+def last_y(path: str) -> float:
+    """The y of a path's last point (``M x,y L x,y …``)."""
+    return float(path.replace("h0.5", "").split("L")[-1].split(",")[-1])
+
+
+async def test_the_charts_draw_two_orgs_shares_queue_waits_and_slots_from_live_traffic(
+    lab: Lab, tmp_path: Path, browser: WebDriver, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A (weight 3) and B (weight 1) backlogged on 2 slots: the page draws each flow's
+    served share beside its entitled one (about 3/4 for A), the queue, the waits and the
+    backends' load, with the one that does not answer shaded as down, read back from the
+    SVG; a screenshot goes to ``SCREENSHOT``."""
+    sim = await lab.backend()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: its probes fail
+    backends = [{"url": sim.url, "slots": 2, "name": "gpu-1"},
+                {"url": dead, "slots": 1, "name": "gpu-2"}]  # fmt: skip
+    config = page_config(sim, tmp_path, orgs={"A": {"weight": 3}}, pool={"backends": backends})
+    served = await lab.proxy(config)
+    gpu_2 = served.state.pools["sim"].placement.backends[1]
+    await eventually(lambda: not gpu_2.healthy, within=5)
+    stop = asyncio.Event()
+    loads = [keep_asking(lab, served, org, 4, stop, max_tokens=40) for org in "AB"]
+    load = asyncio.gather(*loads)
+
+    def drawn(driver: WebDriver) -> list[dict[str, Any]] | bool:
+        charts: list[dict[str, Any]] = driver.execute_script(DRAWN)
+        return len(charts) == 4 and all(c["points"] >= 6 for c in charts) and charts
+
+    try:
+        await asyncio.to_thread(browser.set_window_size, 1500, 1100)
+        await asyncio.to_thread(sign_in, browser, served.url, ADMIN)
+        charts = {c["kind"]: c for c in await asyncio.to_thread(wait, browser, drawn)}
+    finally:
+        stop.set()
+        answered = await load
+    assert all(n > 0 for n in answered)
+    shares = charts["shares"]["series"]
+    assert set(shares) == {f"{f}/batch {what}" for f in "AB" for what in ("served", "entitled")}
+    assert all(path.count("L") >= 4 for path in shares.values())  # lines, not a dot
+
+    def share(series: str) -> float:  # the y of its newest point, back to a fraction
+        return (PLOT_BOTTOM - last_y(shares[series])) / (PLOT_BOTTOM - PLOT_TOP)
+
+    print(f"A/batch on the chart: served {share('A/batch served'):.2f}, "
+          f"entitled {share('A/batch entitled'):.2f}")  # fmt: skip
+    assert share("A/batch entitled") == pytest.approx(0.75, abs=0.03)
+    assert share("A/batch served") == pytest.approx(0.75, abs=0.15)
+    assert share("B/batch served") == pytest.approx(1 - share("A/batch served"), abs=0.02)
+    assert set(charts["queue"]["series"]) == {"queued"}
+    assert set(charts["wait"]["series"]) == {"p50", "p99"}
+    assert set(charts["backends"]["series"]) == {
+        f"gpu-{n} {what}" for n in (1, 2) for what in ("in flight", "slots")
+    }
+    bands = charts["backends"]["bands"]
+    assert len(bands) >= 6
+    assert set(bands) == {"gpu-2 down"}  # a span a point, gpu-1 never
+    assert all(len(path) > 10 for c in charts.values() for path in c["series"].values())
+
+    def window(choice: str, caption: str) -> None:
+        """Show the series ``choice``; wait for the share chart to say it is drawn so."""
+        Select(browser.find_element(By.ID, "chart-window")).select_by_value(choice)
+        shares = "#charts figure[data-chart=shares] figcaption"
+        wait(browser, lambda d: caption in d.find_element(By.CSS_SELECTOR, shares).text)
+
+    await asyncio.to_thread(window, "since_start", "per point")  # a point each (merged) span
+    await asyncio.to_thread(window, "recent", "trailing 10 s")
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    assert await asyncio.to_thread(browser.save_screenshot, str(SCREENSHOT))
+    with capsys.disabled():  # in the test's output, passed or not
+        print(f"\nthe admin page's screenshot: {SCREENSHOT}")
+    assert await asyncio.to_thread(errors, browser) == []  # no console error: the CSP held

@@ -19,12 +19,15 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
+import redis
 from proxy_lab import KEYS, MODEL, AccessLines, Lab, Served, eventually, proxy_config
 from redis_server import need_redis_server, running_redis_cluster
+from wall import DEC_1, Wall
 
 from sfq_proxy.config import Config, ConfigError
+from sfq_proxy.core.keys import REVOKED_KEPT_S
 from sfq_proxy.http.app import build_app
-from sfq_proxy.state.key_store import BY_ID
+from sfq_proxy.state.key_store import BY_ID, REVOKED
 
 ADMIN = "sk-admin-keys-test"
 ENV = {"SFQ_ADMIN_KEY": ADMIN}
@@ -140,6 +143,101 @@ async def test_the_list_shows_what_a_key_is_and_never_its_secret(
     assert [k["id"] for k in yaml_keys] == ["A#0", "B#1", "C#2", "ops#3"]
     assert yaml_keys[0]["last_used"] is None
     assert yaml_keys[0]["created"] is None
+
+
+async def test_the_list_shows_what_a_key_may_use_in_fact_and_marks_expired_and_revoked_keys(
+    lab: Lab, tmp_path: Path
+) -> None:
+    """Org T is kept to pool ``sim``: its key that lists no pool is refused the other pool's
+    model (403), and the list says it may use ``sim`` only. A key past its expiry and a
+    revoked one are marked; the revoked one is listed (its alias free for a new key) until
+    ``REVOKED_KEPT_S`` has passed, then forgotten at the next revocation."""
+    other = "other-model"
+    sim = await lab.backend(models=[MODEL, other])
+    pools = {
+        name: {"models": [model], "backends": [{"url": sim.url, "slots": 2}]}
+        for name, model in (("sim", MODEL), ("other", other))
+    }
+    config = keys_config(
+        [sim.url], key_store_file=str(tmp_path / "keys.json"), pools=pools,
+        orgs={"T": {"pools": ["sim"], "keys_from_api": True}},
+    )  # fmt: skip
+    wall = Wall(DEC_1)
+    served = await lab.proxy(config, wall=wall)
+    http = await lab.http()
+    narrowed, secret = await create(http, served, alias="narrowed")
+    expiring, expiring_secret = await create(http, served, alias="brief", expires_in_s=60)
+
+    async def listed() -> dict[str, dict[str, Any]]:
+        status, listing = await admin(http, served, "GET")
+        assert status == 200
+        return {key["id"]: key for key in listing["keys"]}
+
+    keys = await listed()
+    assert (keys[narrowed]["pools"], keys[narrowed]["models"]) == (None, None)  # as it lists
+    assert keys[narrowed]["access"] == {  # as it is held
+        "classes": ["interactive", "batch"], "pools": ["sim"], "models": None,
+    }  # fmt: skip
+    assert keys["A#0"]["access"] == {
+        "classes": ["batch", "interactive"], "pools": None, "models": None,
+    }  # fmt: skip
+    assert {keys[i]["status"] for i in (narrowed, expiring, "A#0")} == {"active"}
+    async with openai.AsyncOpenAI(
+        base_url=f"{served.url}/v1", api_key=secret, max_retries=0
+    ) as client:
+        with pytest.raises(openai.PermissionDeniedError):
+            await client.chat.completions.create(model=other, messages=CHAT, max_tokens=2)
+    assert await chat(served, secret) == "ok"
+
+    wall.now += 61
+    assert await chat(served, expiring_secret) == "401 key_expired"
+    assert (await listed())[expiring]["status"] == "expired"
+    assert await admin(http, served, "DELETE", f"/admin/keys/{narrowed}") == (
+        200, {"revoked": narrowed},
+    )  # fmt: skip
+    keys = await listed()
+    assert (keys[narrowed]["status"], keys[narrowed]["revoked"]) == (
+        "revoked",
+        "2025-12-01T00:01:01Z",
+    )
+    assert await chat(served, secret) == "401 invalid_api_key"
+    for method in ("PATCH", "DELETE"):
+        status, answer = await admin(http, served, method, f"/admin/keys/{narrowed}", {})
+        assert (status, answer["error"]["code"]) == (404, "key_not_found")
+    again, _ = await create(http, served, alias="narrowed")  # the alias is free again
+    assert (await listed())[again]["status"] == "active"
+
+    wall.now += REVOKED_KEPT_S + 1
+    await admin(http, served, "DELETE", f"/admin/keys/{expiring}")
+    keys = await listed()
+    assert narrowed not in keys  # revoked long ago: forgotten
+    assert keys[expiring]["status"] == "revoked"
+
+
+async def test_a_key_a_reload_left_without_a_class_is_listed_inactive(
+    lab: Lab, tmp_path: Path
+) -> None:
+    sim = await lab.backend()
+    file_key = [{"key": KEYS["A"], "org": "A", "classes": ["batch"]}]
+
+    def config(*classes: str) -> Config:
+        return keys_config(
+            [sim.url], key_store_file=str(tmp_path / "keys.json"), keys=file_key,
+            classes={name: {"weight": 1} for name in classes},
+        )  # fmt: skip
+
+    served = await lab.proxy(config("batch", "nightly"))
+    http = await lab.http()
+    key_id, secret = await create(http, served, alias="nightly-bot", classes=["nightly"])
+    assert await chat(served, secret) == "ok"
+    served.state.reload(config("batch"))  # the class is gone: the key works no more
+    assert await chat(served, secret) == "401 invalid_api_key"
+    _, listing = await admin(http, served, "GET")
+    (key,) = [k for k in listing["keys"] if k["id"] == key_id]
+    assert (key["status"], key["classes"], key["access"]["classes"]) == (
+        "inactive", ["nightly"], [],
+    )  # fmt: skip
+    assert [k["status"] for k in listing["keys"] if k["source"] == "config"] == ["active"]
 
 
 async def test_no_log_holds_a_keys_secret(
@@ -339,8 +437,9 @@ async def test_a_key_survives_a_restart_on_the_same_file(lab: Lab, tmp_path: Pat
     assert await chat(second, secret) == "ok"
     assert await chat(second, revoked) == "401 invalid_api_key"
     _, listing = await admin(http, second, "GET")
-    (kept,) = [k for k in listing["keys"] if k["source"] == "api"]
+    kept, gone = [k for k in listing["keys"] if k["source"] == "api"]
     assert (kept["id"], kept["alias"], kept["last_used"] is not None) == (key_id, "kept", True)
+    assert (gone["id"], gone["status"]) == (revoked_id, "revoked")  # the file kept its mark
 
 
 @pytest.mark.parametrize(
@@ -397,7 +496,14 @@ async def test_two_proxies_on_one_redis_share_the_keys(lab: Lab, redis_url: str)
         200, {"revoked": key_id},
     )  # fmt: skip
     assert await chat(one, secret) == "401 invalid_api_key"
-    await eventually(lambda: key_id not in stored(two), 1.0)
+    await eventually(lambda: stored(two)[key_id].revoked is not None, 1.0)
+    _, listing = await admin(http, two, "GET")
+    assert [k["status"] for k in listing["keys"] if k["id"] == key_id] == ["revoked"]
+    status, answer = await admin(
+        http, two, "PATCH", f"/admin/keys/{key_id}", {"classes": ["batch"]}
+    )
+    assert (status, answer["error"]["code"]) == (404, "key_not_found")  # Redis's script says so
+    await create(http, two, alias="shared")  # the revoked key's alias is free
     assert await chat(two, secret) == "401 invalid_api_key"
     # a proxy started afterwards reads the keys from Redis
     later_id, later = await create(http, two, alias="later")
@@ -460,6 +566,28 @@ async def test_the_cli_manages_keys_end_to_end(
 
 
 @pytest.mark.redis
+async def test_redis_lists_a_revoked_key_until_it_is_forgotten(lab: Lab, redis_url: str) -> None:
+    sim = await lab.backend()
+    wall = Wall(DEC_1)
+    config = keys_config([sim.url], state={"redis": redis_url, "lease_ttl_s": 30})
+    served = await lab.proxy(config, wall=wall)
+    http = await lab.http()
+    old, _ = await create(http, served, alias="old")
+    recent, _ = await create(http, served, alias="recent")
+    await admin(http, served, "DELETE", f"/admin/keys/{old}")
+    wall.now += REVOKED_KEPT_S + 1
+    await admin(http, served, "DELETE", f"/admin/keys/{recent}")
+    await served.state.keys.refresh()  # as Redis holds them
+    _, listing = await admin(http, served, "GET")
+    assert {k["id"]: k["status"] for k in listing["keys"] if k["source"] == "api"} == {
+        recent: "revoked"
+    }
+    with redis.Redis.from_url(redis_url) as client:
+        assert client.hkeys(REVOKED) == [recent.encode()]
+        assert client.hkeys(BY_ID) == [recent.encode()]
+
+
+@pytest.mark.redis
 async def test_the_keys_are_shared_through_a_redis_cluster(lab: Lab) -> None:
     need_redis_server()
     sim = await lab.backend()
@@ -476,7 +604,7 @@ async def test_the_keys_are_shared_through_a_redis_cluster(lab: Lab) -> None:
             await eventually(lambda: key_id in stored(second), 1.0)
             assert await chat(second, secret) == "ok"
             await admin(http, first, "DELETE", f"/admin/keys/{key_id}")
-            await eventually(lambda: key_id not in stored(second), 1.0)
+            await eventually(lambda: stored(second)[key_id].revoked is not None, 1.0)
             assert await chat(second, secret) == "401 invalid_api_key"
-        with owner.client() as client:
-            assert client.hlen(BY_ID) == 0
+        with owner.client() as client:  # kept, marked revoked: in the owner's slot too
+            assert client.hlen(BY_ID) == client.hlen(REVOKED) == 1

@@ -11,65 +11,15 @@ sampled every few milliseconds while the requests run.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
-from proxy_lab import MODEL, Lab, Served, eventually, leftovers, proxy_config, scrape
-
-from sfq_proxy.core.engine_metrics import parse_vllm
-from sfq_proxy.sim.server import SimBackend
+from engine_lab import engine_config, sampled
+from proxy_lab import MODEL, Lab, Served, eventually, leftovers, scrape
 
 CHAT = [{"role": "user", "content": "hi"}]
-# a reading every 0.1 s, stale after 0.5 s; settle_s well below the interval, else every
-# completion would fall in the settle window after some reading and wait for the next one
-FAST = {"interval_s": 0.1, "timeout_s": 0.2, "max_age_s": 0.5, "settle_s": 0.03}
-
-
-def engine_config(urls: list[str], slots: int | str, **options: Any) -> Any:
-    """One pool ``sim`` of ``urls`` with ``slots`` each; ``dispatch`` (None: static) and the
-    other pool settings in ``options``; ``classes`` replaces the classes; ``capacity`` is
-    each backend's."""
-    dispatch, classes = options.pop("dispatch", None), options.pop("classes", None)
-    capacity = options.pop("capacity", None)
-    pool: dict[str, Any] = {**options}
-    if dispatch is not None:
-        pool["dispatch"] = {"mode": "engine", **FAST, **dispatch}
-    overrides = {} if classes is None else {"classes": classes}
-    known = {} if capacity is None else {"capacity": capacity}
-    backends = [{"url": url, "slots": slots, **known} for url in urls]
-    return proxy_config(urls, pool={**pool, "backends": backends}, **overrides)
-
-
-@contextlib.asynccontextmanager
-async def sampled(lab: Lab, sim: SimBackend) -> AsyncIterator[list[tuple[int, int]]]:
-    """The engine's (running, waiting) every 5 ms until the block ends: from its
-    ``/metrics``, or while a fault breaks them, from the same counts in the simulator."""
-    http = await lab.http()
-    samples: list[tuple[int, int]] = []
-
-    async def sample() -> None:
-        while True:
-            if sim.faults.metrics_status != 200 or sim.faults.metrics_delay_s:
-                samples.append((sim.stats.running, sim.stats.waiting))
-            else:
-                async with http.get(f"{sim.url}/metrics") as r:
-                    reading = parse_vllm(await r.read())
-                assert reading.running is not None
-                assert reading.waiting is not None
-                samples.append((reading.running, reading.waiting))
-            await asyncio.sleep(0.005)
-
-    task = asyncio.create_task(sample())
-    try:
-        yield samples
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def flood(lab: Lab, served: Served, orgs: str, per_org: int, tokens: int) -> None:
@@ -130,6 +80,25 @@ async def test_engine_dispatch_keeps_the_engine_queue_within_the_allowance(lab: 
         if counts["A"] < 20 and counts["B"] < 20:
             gaps.append(abs(counts["A"] - counts["B"]))
     assert max(gaps) <= 1, order
+
+
+async def test_a_llama_server_says_its_slots_and_the_gate_skips_the_ramp(lab: Lab) -> None:
+    """A llama-server (simulated: its metrics and ``/props``) tells its slots: the gate knows
+    the capacity from the first reading, before the engine was ever full, and the first
+    burst neither waits in the engine beyond the allowance nor leaves a slot idle while the
+    ramp would."""
+    sim = await lab.backend(max_num_seqs=4, time_scale=2.0, metrics_format="llama-server")
+    config = engine_config([sim.url], "auto", dispatch={}, family="llama-server")
+    served = await lab.proxy(config)
+    gate = served.state.pools["sim"].placement.backends[0].gate
+    assert gate is not None
+    await eventually(lambda: gate.reported == 4)
+    assert (gate.capacity(), gate.bounded(), gate.learned) == (4, True, 0)
+    async with sampled(lab, sim) as samples:
+        await flood(lab, served, "AB", 6, tokens=12)
+    assert max(w for _, w in samples) <= 1 + 1, samples  # as in the test above
+    assert max(r for r, _ in samples) == 4, samples
+    assert not leftovers(served)
 
 
 async def test_gate_metrics_and_admin_state(lab: Lab) -> None:

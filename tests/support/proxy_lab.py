@@ -220,6 +220,23 @@ async def dispatched_behind(
     return [org_and_class(d.flow)[0] for d in list(recent)[start:]]
 
 
+async def keep_asking(
+    lab: Lab, served: Served, org: str, clients: int, until: asyncio.Event, **ask: Any
+) -> int:
+    """``clients`` chat calls of ``org`` at a time through the SDK, each sent again as soon
+    as it is answered, until ``until`` is set; returns how many were answered."""
+    create = lab.client(served, org).chat.completions.create
+
+    async def one() -> int:
+        answered = 0
+        while not until.is_set():
+            await create(model=MODEL, messages=[{"role": "user", "content": "hi"}], **ask)
+            answered += 1
+        return answered
+
+    return sum(await asyncio.gather(*(one() for _ in range(clients))))
+
+
 async def eventually(predicate: Callable[[], bool | Awaitable[bool]], within: float = 2.0) -> None:
     """Poll ``predicate`` (state in another server) until it holds; fail after ``within`` s."""
     for _ in range(round(within / 0.01)):

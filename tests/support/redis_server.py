@@ -4,7 +4,8 @@ Real Redis, no mocks: the scripts, expiries and reconnects under test are Redis'
 restart() keeps the port, so clients built from ``url`` reconnect to the new server (which
 starts empty: nothing is saved). pause() and resume() freeze and thaw it (SIGSTOP, SIGCONT)
 for the tests of a Redis that stops answering without closing its connections.
-RedisClusterNodes is a real Redis Cluster of such servers (three primaries, no replicas).
+RedisClusterNodes is a real Redis Cluster of such servers (three primaries, no replicas);
+ReplicatedRedis a primary, its replica and a Sentinel that fails it over.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import redis
 import redis.asyncio as aioredis
+from lag_relay import LagRelay
 from redis.crc import key_slot
 from server_process import ServerProcess, free_port
 from tools import need_tool
@@ -99,21 +101,120 @@ class RedisServer(ServerProcess):
 
 
 @dataclass
-class RedisSentinel(RedisServer):
-    """A Sentinel (redis-server --sentinel) watching ``primary`` as service ``mymaster``."""
+class RedisReplica(RedisServer):
+    """A redis-server replicating ``primary_port`` (``--replicaof``) from its start."""
 
     primary_port: int = 0
+    family = "redis-replica"
+
+    def command(self) -> list[str]:
+        return [*super().command(), "--replicaof", "127.0.0.1", str(self.primary_port)]
+
+
+@dataclass
+class RedisSentinel(RedisServer):
+    """A Sentinel watching ``primary`` as service ``mymaster``: Debian's ``redis-sentinel``
+    when installed, else ``redis-server --sentinel`` (the same program). ``down_after_ms``
+    and ``failover_timeout_ms`` as in sentinel.conf (None: Sentinel's defaults, 30 s and
+    3 min); a quorum of 1, so this sentinel alone may fail the primary over."""
+
+    primary_port: int = 0
+    down_after_ms: int | None = None
+    failover_timeout_ms: int | None = None
     service = "mymaster"
     family = "redis-sentinel"
 
     def command(self) -> list[str]:
         assert self.workdir is not None
         conf = self.workdir / "sentinel.conf"  # Sentinel rewrites its file: a copy of its own
-        conf.write_text(
-            f"port {self.port}\nbind 127.0.0.1\ndir {self.workdir}\n"
-            f"sentinel monitor {self.service} 127.0.0.1 {self.primary_port} 1\n"
-        )
+        lines = [
+            f"port {self.port}", "bind 127.0.0.1", f"dir {self.workdir}",
+            f"sentinel monitor {self.service} 127.0.0.1 {self.primary_port} 1",
+        ]  # fmt: skip
+        if self.down_after_ms is not None:
+            lines.append(f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}")
+        if self.failover_timeout_ms is not None:
+            lines.append(f"sentinel failover-timeout {self.service} {self.failover_timeout_ms}")
+        conf.write_text("\n".join(lines) + "\n")
+        if shutil.which("redis-sentinel"):
+            return ["redis-sentinel", str(conf)]
         return ["redis-server", str(conf), "--sentinel"]
+
+    def client(self) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=self.port, decode_responses=True)
+
+    def primary(self) -> int:
+        """The port of the primary this sentinel names now."""
+        with self.client() as client:
+            _, port = client.sentinel_get_master_addr_by_name(self.service)
+        return int(port)
+
+    def knows_replica(self, port: int) -> bool:
+        """Whether it lists the replica on ``port`` as one it could promote (up, in sync)."""
+        with self.client() as client:
+            replicas = client.sentinel_slaves(self.service)
+        return any(
+            int(r["port"]) == port
+            and not ({"s_down", "disconnected"} & set(r["flags"].split(",")))
+            and r.get("master-link-status") == "ok"
+            for r in replicas
+        )
+
+
+@dataclass
+class ReplicatedRedis:
+    """A primary, its replica and a Sentinel with short timings (``down_after_ms``): what a
+    Redis run highly available is, on loopback ports. start() returns once the replica is in
+    sync and the sentinel knows it, so that a primary killed then is failed over to it. The
+    replica's link to the primary goes through ``link``, which can make it lag
+    (``LagRelay.hold``)."""
+
+    down_after_ms: int = 1000
+    # also how long Sentinel leaves a replica pointed at another address than the primary's
+    # (``link``'s) before it points it at the primary itself (+fix-slave-config)
+    failover_timeout_ms: int = 60_000
+    primary: RedisServer = field(default_factory=RedisServer)
+    link: LagRelay = field(init=False)
+    replica: RedisReplica = field(init=False)
+    sentinel: RedisSentinel = field(init=False)
+    ready_within_s = 20.0
+
+    def __post_init__(self) -> None:
+        self.link = LagRelay(self.primary.port)
+        self.replica = RedisReplica(primary_port=self.link.port)
+        self.sentinel = RedisSentinel(
+            primary_port=self.primary.port, down_after_ms=self.down_after_ms,
+            failover_timeout_ms=self.failover_timeout_ms,
+        )  # fmt: skip
+
+    @property
+    def hosts(self) -> list[str]:
+        return [f"127.0.0.1:{self.sentinel.port}"]
+
+    def start(self) -> None:
+        try:
+            self.primary.start()
+            self.link.start()
+            self.replica.start()
+            self.sentinel.start()
+            deadline = time.monotonic() + self.ready_within_s
+            while not self.sentinel.knows_replica(self.replica.port):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no replica in sync; see {self.sentinel.log_path}")
+                time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        for server in (self.sentinel, self.replica, self.primary):
+            server.stop()
+        self.link.cut()
+
+    def kill_primary(self) -> None:
+        """SIGKILL the primary: what ``link`` held back the replica never gets."""
+        self.primary.kill()
+        self.link.cut()
 
 
 @dataclass
@@ -218,6 +319,17 @@ class RedisClusterNodes:
             and int(info["cluster_known_nodes"]) == self.size
             and ports == {n.port for n in self.nodes}
         )
+
+
+@contextlib.contextmanager
+def running_replicated_redis(**timings: int) -> Iterator[ReplicatedRedis]:
+    """A primary, its replica and a sentinel (``ReplicatedRedis``), stopped whatever happens."""
+    replicated = ReplicatedRedis(**timings)
+    try:
+        replicated.start()
+        yield replicated
+    finally:
+        replicated.stop()
 
 
 @contextlib.contextmanager

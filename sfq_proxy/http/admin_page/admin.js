@@ -6,6 +6,10 @@
 const KEY_ITEM = "sfq-admin-key";
 const POLL_MS = 2000;
 const RECENT_SHOWN = 50;
+const SVG_NS = "http://www.w3.org/2000/svg";
+const PLOT = { width: 460, height: 150, left: 52, right: 12, top: 10, bottom: 22 };
+const SHARE_POINTS = 10; // a share in the last minutes: over the trailing 10 points (10 s)
+const COLOURS = 8; // the series' colours: classes c0 to c7 in admin.css
 let timer = null;
 
 class Failure extends Error {
@@ -55,9 +59,10 @@ function list(values) {
 }
 
 // a table of ``rows``, each an array of cells: a string, a number (right-aligned), or a node
+// (a row's ``className``, if it has one, is its tr's)
 function table(headings, rows) {
   const head = el("tr", null, ...headings.map((h) => el("th", null, h)));
-  const body = rows.map((row) => el("tr", null, ...row.map((cell) => {
+  const body = rows.map((row) => el("tr", row.className, ...row.map((cell) => {
     if (typeof cell === "number") return el("td", "num", num(cell));
     return el("td", null, cell);
   })));
@@ -89,6 +94,148 @@ function renderPools(pools) {
       `${b.in_flight} / ${b.slots}`,
     ])),
   ]);
+}
+
+// -- charts: SVG drawn here from /admin/history (no library: the page loads nothing else) ---
+
+// an SVG element with its attributes and children (text children stay text)
+function svg(tag, attributes, ...children) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [name, value] of Object.entries(attributes)) node.setAttribute(name, String(value));
+  node.append(...children);
+  return node;
+}
+
+// the path through the values (null: no value, the line breaks); a lone point is a dot
+function pathData(xs, ys) {
+  const segments = [];
+  let segment = [];
+  ys.forEach((y, i) => {
+    if (y === null) {
+      segment = [];
+    } else {
+      if (!segment.length) segments.push(segment);
+      segment.push(`${xs[i].toFixed(1)},${y.toFixed(1)}`);
+    }
+  });
+  return segments.map((s) => "M" + s.join("L") + (s.length === 1 ? "h0.5" : "")).join("");
+}
+
+// a round number at or above ``value`` (1, 2 or 5 times a power of ten)
+function ceiling(value) {
+  if (!(value > 0)) return 1;
+  const power = 10 ** Math.floor(Math.log10(value));
+  return [1, 2, 5, 10].map((m) => m * power).find((top) => top >= value);
+}
+
+function clock(seconds) {
+  return new Date(seconds * 1000).toLocaleTimeString();
+}
+
+// a line chart of ``series`` ({name, colour, dashed, values: a value or null per point}) at
+// the points' ``times``; ``bands``: [from, to, label] spans shaded as down
+function plot(kind, title, times, series, format, { top = null, bands = [] } = {}) {
+  const { width, height, left, right, top: pad, bottom } = PLOT;
+  const values = series.flatMap((s) => s.values).filter((v) => v !== null);
+  const high = top === null ? ceiling(Math.max(0, ...values)) : top;
+  const [t0, t1] = [times[0], times[times.length - 1]];
+  const x = (t) => left + (t1 > t0 ? (t - t0) / (t1 - t0) : 1) * (width - left - right);
+  const y = (v) => height - bottom - (Math.min(v, high) / high) * (height - bottom - pad);
+  const root = svg("svg", { viewBox: `0 0 ${width} ${height}`, class: "plot", role: "img",
+    "aria-label": title });
+  for (const [from, to, label] of bands) { // within the plot, a point's span at least 1 px
+    const [x0, x1] = [Math.max(left, x(from)), Math.min(width - right, x(to))];
+    root.append(svg("rect", { class: "down-band", x: Math.min(x0, x1 - 1), y: pad,
+      width: Math.max(1, x1 - x0), height: height - bottom - pad }, svg("title", {}, label)));
+  }
+  root.append(
+    svg("line", { class: "axis", x1: left, y1: y(0), x2: width - right, y2: y(0) }),
+    svg("line", { class: "axis", x1: left, y1: pad, x2: left, y2: y(0) }),
+    svg("text", { class: "tick", x: left - 4, y: pad + 8, "text-anchor": "end" }, format(high)),
+    svg("text", { class: "tick", x: left - 4, y: y(0), "text-anchor": "end" }, format(0)),
+    svg("text", { class: "tick", x: left, y: height - 6 }, clock(t0)),
+    svg("text", { class: "tick", x: width - right, y: height - 6, "text-anchor": "end" },
+      clock(t1)),
+  );
+  const xs = times.map(x);
+  for (const s of series) {
+    const ys = s.values.map((v) => (v === null ? null : y(v)));
+    const colour = `c${s.colour % COLOURS}${s.dashed ? " dashed" : ""}`;
+    root.append(svg("path", { class: `series ${colour}`, d: pathData(xs, ys),
+      "data-series": s.name }, svg("title", {}, s.name)));
+  }
+  const legend = el("ul", "legend", ...series.map((s) =>
+    el("li", `c${s.colour % COLOURS}${s.dashed ? " dashed" : ""}`, s.name)),
+    ...[...new Set(bands.map((band) => band[2]))].map((label) => el("li", "band", label)));
+  const figure = el("figure", "chart", el("figcaption", null, title), root, legend);
+  figure.dataset.chart = kind;
+  figure.dataset.points = String(times.length);
+  return figure;
+}
+
+const percent = (v) => `${Math.round(v * 100)} %`;
+const count = (v) => num(v, 1);
+const seconds = (v) => (v >= 1 || v === 0 ? `${num(v, 1)} s` : `${num(v * 1000, 0)} ms`);
+
+// each point's share of ``flow`` in ``field`` (served or entitled), summed over the trailing
+// ``span`` points; null where nothing was served
+function shares(points, field, flow, span) {
+  return points.map((_, i) => {
+    let part = 0;
+    let whole = 0;
+    for (const point of points.slice(Math.max(0, i - span + 1), i + 1)) {
+      part += point[field][flow] || 0;
+      whole += Object.values(point[field]).reduce((a, b) => a + b, 0);
+    }
+    return whole > 0 ? part / whole : null;
+  });
+}
+
+function poolCharts(points, recent) {
+  const times = points.map((p) => p.end);
+  const flows = [...new Set(points.flatMap((p) => [...Object.keys(p.served),
+    ...Object.keys(p.entitled)]))].sort();
+  const span = recent ? SHARE_POINTS : 1;
+  const backends = [...new Set(points.flatMap((p) => Object.keys(p.backends)))];
+  const load = (name, field) => points.map((p) => {
+    const backend = p.backends[name];
+    return backend ? backend[field] : null; // not in the pool then (a reload)
+  });
+  const down = backends.flatMap((name) => points
+    .filter((p) => p.backends[name] && p.backends[name].healthy < 1)
+    .map((p) => [p.end - p.span_s, p.end, `${name} down`]));
+  const over = recent ? `trailing ${SHARE_POINTS} s` : "per point";
+  return [
+    plot("shares", `Share of the cost served (solid, ${over}) and entitled to (dashed: what ` +
+      "the waiting flows had together, split by weight)", times, flows.flatMap((flow, i) => [
+      { name: `${flow} served`, colour: i, values: shares(points, "served", flow, span) },
+      { name: `${flow} entitled`, colour: i, dashed: true,
+        values: shares(points, "entitled", flow, span) },
+    ]), percent, { top: 1 }),
+    plot("queue", "Requests waiting (the most at a sample)", times,
+      [{ name: "queued", colour: 0, values: points.map((p) => p.queued) }], count),
+    plot("wait", "Queue wait: p50 (solid) and p99 (dashed) of the requests dispatched", times, [
+      { name: "p50", colour: 1, values: points.map((p) => p.wait_p50_s) },
+      { name: "p99", colour: 1, dashed: true, values: points.map((p) => p.wait_p99_s) },
+    ], seconds),
+    plot("backends", "Backends: in flight (solid) against slots (dashed); shaded: down", times,
+      backends.flatMap((name, i) => [
+        { name: `${name} in flight`, colour: i, values: load(name, "in_flight") },
+        { name: `${name} slots`, colour: i, dashed: true, values: load(name, "slots") },
+      ]), count, { bands: down }),
+  ];
+}
+
+// each pool's charts of ``series`` (recent or since_start) of an /admin/history answer
+function renderCharts(answer, series) {
+  return Object.entries(answer.pools).flatMap(([name, pool]) => {
+    const points = pool[series];
+    return [
+      el("h3", null, name),
+      points.length ? el("div", "charts", ...poolCharts(points, series === "recent"))
+        : el("p", "muted", "No sample yet: the proxy takes one a second."),
+    ];
+  });
 }
 
 function renderFlows(pools) {
@@ -142,15 +289,29 @@ function renderRecent(pools) {
 }
 
 function renderKeys(keys) {
-  const rows = keys.map((k) => [
-    k.id, k.alias, k.org, k.classes.join(", "), list(k.pools), list(k.models),
-    k.expires || "never", k.last_used || "—", k.created || "—", keyAction(k),
-  ]);
+  const rows = keys.map((k) => {
+    const row = [
+      k.id, k.alias, k.org, k.access.classes.join(", ") || "none",
+      access(k.access.pools, k.pools, k.org),
+      access(k.access.models, k.models, k.org), k.expires || "never", k.last_used || "—",
+      k.created || "—", el("span", `badge ${k.status}`, k.status), keyAction(k),
+    ];
+    row.className = `key ${k.status}`;
+    return row;
+  });
   return [table(["Id", "Alias", "Org", "Classes", "Pools", "Models", "Expires", "Last used",
-    "Created", ""], rows)];
+    "Created", "Status", ""], rows)];
+}
+
+// what a key may use in fact (its list met with its org's); marked where its org narrows it
+function access(effective, own, org) {
+  const shown = list(effective); // sorted, as the proxy sends it
+  if (list(own && [...own].sort()) === shown) return shown;
+  return el("span", null, shown, " ", el("span", "via-org", `(by org ${org})`));
 }
 
 function keyAction(key) {
+  if (key.status === "revoked") return el("span", "muted", `revoked ${key.revoked}`);
   if (key.source !== "api") return el("span", "muted", "read-only (config file)");
   const button = el("button", "revoke", "Revoke");
   button.type = "button";
@@ -216,6 +377,16 @@ async function refreshState() {
   }
 }
 
+// the series the page shows, alone (half the bytes of both)
+async function refreshHistory() {
+  const series = document.getElementById("chart-window").value;
+  try {
+    show("charts", renderCharts(await call(`history?series=${series}`), series));
+  } catch (failure) {
+    handle("charts", failure);
+  }
+}
+
 async function refreshKeys() {
   try {
     show("keys", renderKeys((await call("keys")).keys));
@@ -234,7 +405,7 @@ async function refreshUsage() {
 
 async function poll() {
   timer = null;
-  await Promise.all([refreshState(), refreshKeys(), refreshUsage()]);
+  await Promise.all([refreshState(), refreshHistory(), refreshKeys(), refreshUsage()]);
   if (sessionStorage.getItem(KEY_ITEM) !== null && timer === null) {
     timer = setTimeout(poll, POLL_MS);
     setStatus(`Updated ${new Date().toLocaleTimeString()}; refreshes every ${POLL_MS / 1000} s.`);
@@ -309,6 +480,7 @@ document.addEventListener("DOMContentLoaded", () => {
     signOut("Enter the admin key to see the proxy.");
   });
   document.getElementById("new-key").addEventListener("submit", createKey);
+  document.getElementById("chart-window").addEventListener("change", refreshHistory);
   document.querySelector("#secret button").addEventListener("click", hideSecret);
   if (sessionStorage.getItem(KEY_ITEM) !== null) signIn();
 });
