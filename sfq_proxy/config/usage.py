@@ -7,7 +7,7 @@ Keys, orgs and pools hold these models; the check that holds budgets and prices 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Self
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import AfterValidator, Field, model_validator
 
@@ -54,9 +54,19 @@ class PriceSpec(StrictModel):
 
 class UsageSpec(StrictModel):
     """Where usage is kept (docs/usage-and-budgets.md): in memory mode the SQLite ``file``
-    (None: in the process only, lost at restart); with ``state: redis``, in Redis, whose
-    hourly buckets expire after ``redis_ttl_days``. Written every ``flush_s``."""
+    (None: in the process only, lost at restart); with ``state: redis``, in Redis. Written
+    every ``flush_s``; kept ``retention_days``: the file's and the process's rows older
+    than that are pruned, Redis's hashes expire that long after their last write. At least
+    32 days: a month's budget is checked against the month's rows."""
 
     file: NonEmptyStr | None = None
     flush_s: float = Field(5.0, gt=0, le=3600, allow_inf_nan=False)
-    redis_ttl_days: int = Field(400, ge=1, le=3650)
+    retention_days: int = Field(400, ge=32, le=3650)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _renamed(cls, data: Any) -> Any:
+        """The Redis-only setting it replaced: said by name rather than as an unknown key."""
+        if isinstance(data, dict) and "redis_ttl_days" in data:
+            raise ValueError("redis_ttl_days is now retention_days (for every store)")
+        return data

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from itertools import islice, takewhile
 from typing import Literal
 
 from ..config import BudgetSpec, Config, PriceSpec
@@ -89,6 +90,15 @@ class Table:
         """The rows of the hours that begin in [the hour of ``since``, ``until``)."""
         first = period_start(since, "hour")
         return ((k, c) for k, c in self.rows.items() if first <= k[0] < until)
+
+    def prune(self, before: int, limit: int) -> int:
+        """Remove at most ``limit`` rows of the hours before ``before``; how many went.
+        Rows are added in time order (a batch written late lags by minutes), so those to
+        go are at the front: a call costs what it removes, not the whole table."""
+        old = list(islice(takewhile(lambda key: key[0] < before, self.rows), limit))
+        for key in old:
+            del self.rows[key]
+        return len(old)
 
     def totals(self, starts: Mapping[Period, int]) -> dict[SubjectPeriod, Spent]:
         """Every org's and key's tokens and money from each period's start on."""

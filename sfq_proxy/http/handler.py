@@ -275,11 +275,11 @@ async def _serve(
             generated = not _refused(relayed)
             slot.settle(relayed)
         except UpstreamFailed as failure:
-            generated = failure.answer is not None  # a body gone silent: the backend had it
+            generated = failure.answer is not None  # a 504: the backend had the request
             pool.report_failure(backend)
             if failure.answer is not None:
                 raise failure.answer from None
-        except ApiError:  # dispatched: no headers in time, or the request's bound passed
+        except ApiError:  # dispatched: the request's bound passed
             record.outcome = "failed"
             raise
         except asyncio.CancelledError as cancelled:  # the client left, or was cut

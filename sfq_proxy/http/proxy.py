@@ -144,6 +144,8 @@ class Proxy:
             warnings.append("state cannot change by a reload: restart to use it")
         if config.usage.file != self.config.usage.file:
             warnings.append("usage.file cannot change by a reload: restart to use it")
+        if config.state and config.usage.retention_days != self.config.usage.retention_days:
+            warnings.append("usage.retention_days on Redis changes at the next restart")
         if config.key_store_file != self.config.key_store_file:
             warnings.append("key_store_file cannot change by a reload: restart to use it")
         if config.tracing != self.config.tracing:
@@ -239,6 +241,7 @@ class Proxy:
         if self.usage is not None:  # what was used before, for budgets
             await self.usage.flush()
             self._tasks.append(asyncio.create_task(self.usage.flush_forever()))
+            self._tasks.append(asyncio.create_task(self.usage.prune_forever()))
         self._tasks.append(asyncio.create_task(sample_forever(self.pools, self.history, self.wall)))
         if isinstance(self.metrics.group, WorkerGroup):  # its counts for its siblings' scrapes
             self._tasks.append(asyncio.create_task(self.metrics.group.write_forever()))

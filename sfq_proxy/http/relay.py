@@ -68,7 +68,8 @@ _ERROR_STATUSES = frozenset({429, 503})  # what must say when to come back
 
 class UpstreamFailed(Exception):
     """The backend failed before the client was sent anything: retrying elsewhere is safe,
-    unless ``answer`` says what the client gets instead (a body that went silent: 504)."""
+    unless ``answer`` says what the client gets instead (no headers within
+    ``first_byte_s``, or a body that went silent: 504). Either counts against its health."""
 
     def __init__(self, reason: str, answer: ApiError | None = None) -> None:
         super().__init__(reason)
@@ -520,11 +521,9 @@ async def _open(
     except TimeoutError:
         if remaining < timeouts.first_byte_s:
             raise expiry.error() from None
-        raise ApiError(
-            504,
-            f"The backend sent nothing within {timeouts.first_byte_s:g} s.",
-            code="upstream_timeout",
-        ) from None
+        # the backend's failure (its health counts it), not retried: it had the request
+        silent = f"The backend sent nothing within {timeouts.first_byte_s:g} s."
+        raise UpstreamFailed(silent, ApiError(504, silent, code="upstream_timeout")) from None
     if not 200 <= upstream.status <= 599:  # an informational or made-up status: not an answer
         upstream.close()
         raise UpstreamFailed(f"status {upstream.status} is not a final answer")

@@ -7,7 +7,8 @@ format, chosen once by :func:`choose` (``sfq-proxy serve --log-format``, or
 ``"exc"`` when there is a traceback; or ``text``, ``<ts> <LEVEL> <logger>: <msg>`` with the
 traceback on the lines below. Chosen by nobody, it is ``text`` when stdout and stderr are
 both terminals and ``json`` otherwise, decided once for the process, never line by line.
-``ts`` is RFC 3339 in UTC with milliseconds (``2025-05-01T12:00:00.123Z``).
+``ts`` is RFC 3339 in UTC with milliseconds (``2025-05-01T12:00:00.123Z``). The banners
+scripts wait for (``announcement``) follow the format of stdout too.
 
 **Redaction.** Every line is redacted as it is formatted, whichever logger wrote it:
 aiohttp's server logs a malformed header *with its value* (``Invalid header value char:
@@ -108,6 +109,17 @@ def log_format() -> LogFormat:
     if _format is None:
         return "text" if on_terminals() else "json"
     return _format
+
+
+def announcement(text: str, **fields: str) -> str:
+    """A line of stdout for scripts that wait for the proxy (beside the access log, which
+    shares its format): ``text`` as it is, or in JSON a line shaped as a log line's (level
+    ``info``, logger ``sfq_proxy.runner``, ``text`` its ``msg``) with ``fields`` (``url``)
+    beside, so that every line of a JSON stdout parses."""
+    if log_format() == "text":
+        return text
+    line = {"ts": timestamp(time.time()), "level": "info", "logger": "sfq_proxy.runner"}
+    return json.dumps(line | {"msg": text} | fields)
 
 
 class RedactingFormatter(logging.Formatter):

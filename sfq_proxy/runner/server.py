@@ -121,10 +121,11 @@ collections follow: 36 µs of every request's CPU at 16 connections, 100 µs at 
 pauses of the event loop of 1–6 ms each. Garbage in cycles still goes, at a larger count."""
 
 
-def announce(line: str) -> None:
-    """``line`` to stdout in one write: under ``PYTHONUNBUFFERED`` ``print`` writes the text
-    and its newline apart, and workers sharing the pipe interleave them."""
-    sys.stdout.write(line + "\n")
+def announce(line: str, **fields: str) -> None:
+    """``line`` to stdout in one write, as text or JSON (``logs.announcement``, with
+    ``fields``): under ``PYTHONUNBUFFERED`` ``print`` writes the text and its newline
+    apart, and workers sharing the pipe interleave them."""
+    sys.stdout.write(logs.announcement(line, **fields) + "\n")
     sys.stdout.flush()
 
 
@@ -140,7 +141,8 @@ async def serve(config: Config, config_path: Path | None = None, *, worker: bool
         # of a stalled event loop.
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
-        announce(f"sfq-proxy listening on {bound_url(runner)}")
+        url = bound_url(runner)
+        announce(f"sfq-proxy listening on {url}", url=url)
         proxy = runner.app[PROXY]
         asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _reload, proxy)
         await stop.wait()

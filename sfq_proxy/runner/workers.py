@@ -5,7 +5,9 @@ The parent reserves the port (a socket bound with SO_REUSEPORT, never listening,
 works too), forks the workers, which each listen on it with SO_REUSEPORT (the kernel
 spreads new connections among them), passes SIGTERM, SIGINT and SIGHUP on, and starts a
 worker again when one dies unexpectedly. Forked before any event loop or Redis connection
-exists, so nothing is shared by accident. Each worker is named after its index
+exists, so nothing is shared by accident. A worker whose parent dies, by SIGKILL too, is
+sent SIGTERM (``PR_SET_PDEATHSIG``): it drains and ends, rather than serve the port beside
+the next group. Each worker is named after its index
 (``sfq-proxy w0``…), which labels its ``process_*`` metrics (``process_metrics.py``); its
 ``sfq_*`` counts go through the group's directory to every worker's scrapes
 (``worker_metrics.py``).
@@ -13,6 +15,9 @@ exists, so nothing is shared by accident. Each worker is named after its index
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import fcntl
 import logging
 import os
 import shutil
@@ -32,7 +37,7 @@ RESTART_DELAY_S = 1.0  # between a worker's unexpected death and its replacement
 CANNOT_START = 2  # a worker's exit code when its start failed (Redis unreachable, say)
 _SHM = "/dev/shm" if os.path.isdir("/dev/shm") else None  # memory, when there is one
 METRICS_PREFIX = "sfq-proxy-metrics-"  # then the parent's pid, "-", and mkdtemp's letters
-STALE_AFTER_S = 60.0  # a live group's workers write to its directory every second
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal this process gets when its parent dies
 
 
 def serve_workers(config: Config, config_path: Path, workers: int) -> int:
@@ -40,36 +45,52 @@ def serve_workers(config: Config, config_path: Path, workers: int) -> int:
     reserved = _reserve(config.listen.host, config.listen.port)
     port = reserved.getsockname()[1]
     config = config.model_copy(update={"listen": config.listen.model_copy(update={"port": port})})
-    announce(f"sfq-proxy: {workers} workers on http://{config.listen.host}:{port}")
+    url = f"http://{config.listen.host}:{port}"
+    announce(f"sfq-proxy: {workers} workers on {url}", url=url)
     # each worker's sfq_* counts, which every worker serves (worker_metrics.py)
     base = Path(_SHM or tempfile.gettempdir())
     remove_stale(base)
     prefix = f"{METRICS_PREFIX}{os.getpid()}-"
     worker_metrics.directory = Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    owner = os.open(worker_metrics.directory, os.O_RDONLY)  # inherited by the workers
+    fcntl.flock(owner, fcntl.LOCK_EX)  # held while any process of the group lives
     try:
         return _supervise(config, config_path, workers, reserved)
     finally:
         shutil.rmtree(worker_metrics.directory, ignore_errors=True)
+        os.close(owner)
 
 
 def remove_stale(base: Path) -> None:
     """Remove the metrics directories that parents killed with SIGKILL (or crashed) left in
     ``base``: on a host that starts the proxy again after each, they would fill its memory.
     Stale is a directory whose parent is no longer running (or was this process's pid)
-    and that nothing wrote for ``STALE_AFTER_S``: a group in another pid namespace sharing
-    ``/dev/shm`` may look dead by its pid, but its workers write every second."""
-    now = time.time()
+    and whose lock no process holds: the kernel lets go of a group's when its last
+    process ends, however it ends, and a group in another pid namespace sharing
+    ``/dev/shm``, whose parent's pid means nothing here, still holds its own."""
     for path in base.glob(f"{METRICS_PREFIX}*-*"):
         pid = path.name[len(METRICS_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit() or (int(pid) != os.getpid() and _running(int(pid))):
             continue
         try:
-            if now - path.stat().st_mtime > STALE_AFTER_S:
+            if not _locked(path):
                 shutil.rmtree(path)
         except FileNotFoundError:  # removed meanwhile
             continue
         except OSError as err:  # another user's, say
             log.warning("could not remove a stale metrics directory %s: %s", path, err)
+
+
+def _locked(directory: Path) -> bool:
+    """Whether a process holds ``directory``'s lock (a live group's)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
 
 
 def _running(pid: int) -> bool:
@@ -129,11 +150,16 @@ def _reserve(host: str, port: int) -> socket.socket:
 
 
 def _fork(config: Config, config_path: Path, index: int) -> int:
+    parent = os.getpid()
     pid = os.fork()
     if pid:
         return pid
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # the loop installs its own
         signal.signal(sig, signal.SIG_DFL)
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: orphans live on
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # it died before that: nobody will ever stop this one
+        os._exit(0)
     process_metrics.become_worker(index)  # its process_* labelled worker="<index>"
     try:
         run(lambda: serve(config, config_path, worker=True))

@@ -62,7 +62,7 @@ class InProcess:
             return MemoryStore()
         try:
             return SqliteStore(Path(self.config.usage.file), wall)
-        except sqlite3.Error as err:  # not a database, or not writable
+        except (sqlite3.Error, OSError) as err:  # not a database, or not writable
             raise ConfigError([("usage.file", f"cannot use it as a SQLite file: {err}")]) from err
 
     def limits(self) -> SharedLimits | None:
@@ -116,7 +116,7 @@ class OnRedis:
         return RedisKeyStore(self.redis, min(state.lease_ttl_s, POLL_MAX_S))
 
     def usage_store(self, wall: Callable[[], float]) -> Store:
-        return RedisStore(self.redis, self.config.usage.redis_ttl_days * DAY)
+        return RedisStore(self.redis, self.config.usage.retention_days * DAY)
 
     def limits(self) -> SharedLimits | None:
         self._limits = SharedLimits(self.calls, self.config, self._replicas)

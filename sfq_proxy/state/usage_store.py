@@ -5,7 +5,9 @@ unset, memory mode), a SQLite file (memory mode; written off the event loop), or
 (``state: redis``: every replica adds into the same hourly hashes). The book counts each
 request that reached a backend into this process's ``Ledger`` and writes the rows every
 ``usage.flush_s``, then reads back the day's and month's totals per org and key that
-budgets are checked against; queries read the store plus what is not yet written.
+budgets are checked against; queries read the store plus what is not yet written. Rows
+older than ``usage.retention_days`` are pruned at start and every hour, a bounded batch at
+a time (Redis's expire on their own).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import secrets
 import sqlite3
 from collections.abc import Callable, Iterable, Mapping
@@ -86,6 +89,9 @@ class Store(Protocol):
 
     async def totals(self, starts: Mapping[Period, int]) -> dict[SubjectPeriod, Spent]: ...
 
+    async def prune(self, before: int, limit: int) -> int:
+        """Remove at most ``limit`` rows of the hours before ``before``; how many went."""
+
     async def close(self) -> None: ...
 
 
@@ -104,6 +110,9 @@ class MemoryStore:
     async def totals(self, starts: Mapping[Period, int]) -> dict[SubjectPeriod, Spent]:
         return self._table.totals(starts)
 
+    async def prune(self, before: int, limit: int) -> int:
+        return self._table.prune(before, limit)
+
     async def close(self) -> None:
         return None
 
@@ -121,11 +130,15 @@ _UPSERT = (
 )
 _SELECT = f"SELECT hour, org, key, pool, model, {_COLUMNS} FROM usage WHERE hour >= ? AND hour < ?"
 BATCH_MEMORY_S = DAY  # how long a store remembers a batch it applied
+PRUNE_EVERY_S = HOUR  # rows are kept per hour
+PRUNE_BATCH = 5000  # rows a pruning transaction removes at most (bench/usage_retention.py)
 _BATCHES = "CREATE TABLE IF NOT EXISTS batches (id TEXT PRIMARY KEY, at REAL NOT NULL)"
 _TOTALS = (
     "SELECT {0}, SUM(prompt_tokens + completion_tokens), SUM(money) FROM usage "
     "WHERE hour >= ? GROUP BY {0}"
 )
+_KEY = "hour, org, key, pool, model"
+_PRUNE = f"DELETE FROM usage WHERE ({_KEY}) IN (SELECT {_KEY} FROM usage WHERE hour < ? LIMIT ?)"
 
 
 class SqliteStore:
@@ -134,6 +147,7 @@ class SqliteStore:
 
     def __init__(self, path: Path, wall: Callable[[], float]) -> None:
         self._wall = wall  # when a batch was applied: remembered for BATCH_MEMORY_S
+        _private(path)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -174,8 +188,26 @@ class SqliteStore:
     def _read(self, sql: str, args: tuple[Any, ...]) -> list[tuple[Any, ...]]:
         return self._db.execute(sql, args).fetchall()
 
+    async def prune(self, before: int, limit: int) -> int:
+        """One transaction of at most ``limit`` rows, found by the primary key's first
+        column: the writer is held for that batch only."""
+        return await asyncio.to_thread(self._delete, before, limit)
+
+    def _delete(self, before: int, limit: int) -> int:
+        return self._db.execute(_PRUNE, (before, limit)).rowcount
+
     async def close(self) -> None:
         await asyncio.to_thread(self._db.close)
+
+
+def _private(path: Path) -> None:
+    """``path`` created 0600, or made so, before SQLite opens it: the rows name every org
+    and key. SQLite gives the ``-wal`` and ``-shm`` files it makes the database's mode;
+    those a crash left are made 0600 too."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    for name in (path, Path(f"{path}-wal"), Path(f"{path}-shm")):
+        with contextlib.suppress(FileNotFoundError):
+            name.chmod(0o600)
 
 
 class RedisStore:
@@ -233,6 +265,10 @@ class RedisStore:
                 spent = (int(value), 0.0) if unit == "tokens" else (0, float(value))
                 add(out, (kind, name, period, start), spent)
         return out
+
+    async def prune(self, before: int, limit: int) -> int:
+        """Nothing to do: every hash expires ``ttl_s`` after its last write."""
+        return 0
 
     async def close(self) -> None:
         return None  # the client is the shared state's, closed with it
@@ -343,6 +379,33 @@ class UsageBook:
                 await asyncio.shield(self.flush())
             except Exception as err:  # a full disk or a lost Redis: kept for the next try
                 log.warning("usage: cannot write it (kept for the next try): %s", err)
+
+    async def prune_forever(self) -> None:
+        """Prune at start, then every ``PRUNE_EVERY_S``."""
+        while True:
+            try:
+                await self.prune()
+            except Exception as err:  # a full disk, say: the next round tries again
+                log.warning("usage: cannot prune the rows past retention_days: %s", err)
+            await asyncio.sleep(PRUNE_EVERY_S)
+
+    async def prune(self) -> int:
+        """Remove the stored rows of the hours that ended ``usage.retention_days`` ago or
+        earlier, ``PRUNE_BATCH`` at a time: each batch holds the book's lock (and SQLite's
+        writer) alone, so a flush or a query waits one batch at most, and the event loop
+        none (SQLite works in its thread). Returns how many rows went."""
+        before = period_start(self.wall() - self.config.usage.retention_days * DAY, "hour")
+        removed = 0
+        while True:
+            # shielded: cancelled at shutdown, a batch ends before the last flush
+            batch = await asyncio.shield(self._prune_batch(before))
+            removed += batch
+            if batch < PRUNE_BATCH:
+                return removed
+
+    async def _prune_batch(self, before: int) -> int:
+        async with self._lock:
+            return await self.store.prune(before, PRUNE_BATCH)
 
     async def rows(self, since: int, until: int) -> Rows:
         """The store's rows of [since, until) and this process's not yet written."""

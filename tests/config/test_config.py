@@ -988,7 +988,7 @@ def test_summary_shows_each_pool_health() -> None:
     ) in shown
     assert (
         "  health: passive, no probe; out for 10 s after 5 failures in a row (connect errors, "
-        "5xx), then trusted again\n"
+        "5xx, timeouts), then trusted again\n"
     ) in shown
     probed = _keyed(base(), {"mode": "active", "path": "/v1/models"})
     assert (

@@ -119,6 +119,21 @@ def test_between_takes_whole_hours_from_since_to_until() -> None:
     assert [k[0] for k, _ in table.between(DEC_1 + 10, DEC_1 + 3600)] == [DEC_1]
 
 
+def test_prune_takes_at_most_a_batch_of_the_hours_before_from_the_front() -> None:
+    """The memory store's retention: rows come in time order, so the old ones are first;
+    a row of an old hour written late (behind a newer one) goes at a later prune."""
+    table = Table()
+    for hour in range(5):
+        for key in ("k1", "k2"):
+            table.add((DEC_1 + hour * 3600, "A", key, "p", "m"), Counts(1))
+    table.add((DEC_1, "A", "late", "p", "m"), Counts(1))
+    assert table.prune(DEC_1 + 2 * 3600, 3) == 3
+    assert table.prune(DEC_1 + 2 * 3600, 3) == 1
+    assert table.prune(DEC_1 + 2 * 3600, 3) == 0  # the late row waits behind hour 2's
+    assert [k[0] for k in table.rows] == [DEC_1 + h * 3600 for h in (2, 2, 3, 3, 4, 4, 0)]
+    assert table.prune(DEC_1 + 5 * 3600, 100) == 7
+
+
 # -- prices --------------------------------------------------------------------------------
 
 
@@ -287,7 +302,9 @@ def test_a_money_budget_without_any_price_is_an_error() -> None:
 
 def test_usage_settings_are_bounded() -> None:
     assert errors(usage={"flush_s": 0})[0][0] == "usage.flush_s"
-    assert errors(usage={"redis_ttl_days": 0})[0][0] == "usage.redis_ttl_days"
+    assert errors(usage={"retention_days": 31})[0][0] == "usage.retention_days"  # a month
+    [(path, text)] = errors(usage={"redis_ttl_days": 400})
+    assert (path, text) == ("usage", "redis_ttl_days is now retention_days (for every store)")
     assert errors(usage={"file": ""})[0][0] == "usage.file"
 
 

@@ -369,11 +369,12 @@ def test_the_image_install_commands_give_a_working_proxy(tmp_path: Path) -> None
     )
     try:
         first = read_line(proc.stdout, 60)
-        found = re.fullmatch(r"sfq-proxy listening on (http://127\.0\.0\.1:\d+)\n", first)
-        assert found, first or proc.communicate(timeout=10)[1]
-        with urllib.request.urlopen(f"{found[1]}/healthz", timeout=10) as resp:
+        assert first.startswith("{"), first or proc.communicate(timeout=10)[1]
+        url = json.loads(first)["url"]  # the banner as the image writes it, JSON
+        assert re.fullmatch(r"http://127\.0\.0\.1:\d+", url)
+        with urllib.request.urlopen(f"{url}/healthz", timeout=10) as resp:
             assert resp.status == 200
-        with urllib.request.urlopen(f"{found[1]}/metrics", timeout=10) as resp:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
             assert b"sfq_" in resp.read()
         proc.send_signal(getattr(signal, final.all("STOPSIGNAL")[0].args))
         out, err = proc.communicate(timeout=30)

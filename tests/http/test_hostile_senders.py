@@ -26,7 +26,7 @@ from typing import Any
 
 import openai
 import pytest
-from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, banner_url, config_yaml, eventually, proxy_config
 from test_queue_memory_flood import rss_mib
 
 from sfq_proxy.http import body
@@ -63,7 +63,7 @@ async def _serve(config_text: str, tmp_path: Path) -> tuple[asyncio.subprocess.P
     )  # fmt: skip
     assert proc.stdout is not None
     line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    url = next(word for word in line.split() if word.startswith("http://"))
+    url = banner_url(line)
     asyncio.get_running_loop().create_task(_discard(proc.stdout))
     return proc, url
 

@@ -87,7 +87,7 @@ def serve(config: Path, *args: str, env: dict[str, str]) -> tuple[list[str], lis
     )  # fmt: skip
     try:
         first = read_line(proc.stdout)
-        found = BANNER.match(first)
+        found = BANNER.search(first)
         assert found, first + proc.communicate(timeout=10)[1]
         ask(found[1])
         proc.send_signal(signal.SIGTERM)
@@ -101,13 +101,28 @@ def serve(config: Path, *args: str, env: dict[str, str]) -> tuple[list[str], lis
 
 
 def access_json(lines: list[str]) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in lines if line.startswith("{")]
+    parsed = [json.loads(line) for line in lines if line.startswith("{")]
+    return [line for line in parsed if line["logger"] == "sfq_proxy.access"]
+
+
+def banners(lines: list[str]) -> tuple[str, list[tuple[str, str, str]]]:
+    """The URL and (level, logger, msg) of the JSON lines of stdout that are no access
+    lines: the banners, shaped as log lines; every line of stdout is JSON."""
+    parsed = [json.loads(line) for line in lines]
+    for line in parsed:
+        assert re.fullmatch(TS, line["ts"])
+    said = [(b["level"], b["logger"], b.get("msg", "")) for b in parsed]
+    return parsed[0]["url"], [line for line in said if line[1] != "sfq_proxy.access"]
 
 
 def test_on_pipes_both_logs_are_json_lines_with_ts_level_logger(config: Path) -> None:
     out, err = serve(config, "--log-level", "info", env=environment())
-    # stdout: the banners, and one JSON line per request
-    assert out[-1] == "sfq-proxy draining…"
+    # stdout: the banners and one line per request, every one JSON
+    url, said_out = banners(out)
+    assert said_out == [
+        ("info", "sfq_proxy.runner", f"sfq-proxy listening on {url}"),
+        ("info", "sfq_proxy.runner", "sfq-proxy draining…"),
+    ]
     access = access_json(out)
     assert len(access) == 2 == len(out) - 2
     for line in access:
@@ -124,7 +139,6 @@ def test_on_pipes_both_logs_are_json_lines_with_ts_level_logger(config: Path) ->
         assert set(record) == {"ts", "level", "logger", "msg"}
         assert re.fullmatch(TS, record["ts"])
     said = [(r["level"], r["logger"], r["msg"]) for r in records]
-    url = BANNER.match(out[0])[1]
     assert ("info", "sfq_proxy.runner.server", f"listening on {url}") in said
     assert ("info", "sfq_proxy.http.proxy", "draining: in-flight requests have up to 5 s") in said
     assert any(level == "warning" and "marked down" in msg for level, _, msg in said), said
@@ -215,6 +229,9 @@ def test_json_chosen_stays_json_on_a_terminal(config: Path, how: str) -> None:
             "ci-bot",
         ]
         assert any(line["level"] == "warning" for line in logged)
-        assert [line for line in lines if not line.startswith("{")] == [
-            line for line in lines if line.startswith("sfq-proxy ")
-        ]  # nothing but JSON, and the two banners
+        assert [line for line in lines if not line.startswith("{")] == []  # the banners too
+        url = next(line["url"] for line in logged if "url" in line)
+        assert [line["msg"] for line in logged if line["logger"] == "sfq_proxy.runner"] == [
+            f"sfq-proxy listening on {url}",
+            "sfq-proxy draining…",
+        ]

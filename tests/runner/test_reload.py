@@ -12,7 +12,16 @@ from typing import Any
 
 import openai
 import pytest
-from proxy_lab import KEYS, MODEL, Lab, Served, config_yaml, eventually, proxy_config
+from proxy_lab import (
+    KEYS,
+    MODEL,
+    Lab,
+    Served,
+    banner_url,
+    config_yaml,
+    eventually,
+    proxy_config,
+)
 
 from sfq_proxy.config import load_config
 from sfq_proxy.http.proxy import PROXY
@@ -158,7 +167,7 @@ async def test_sighup_reloads_the_file_of_sfq_proxy_serve(lab: Lab, tmp_path: Pa
     )  # fmt: skip
     try:
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        url = line.split()[-1]
+        url = banner_url(line)
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEYS["C"], max_retries=0)
         await client.chat.completions.create(model=MODEL, messages=CHAT)
         path.write_text(path.read_text().replace(f"key: {KEYS['C']}", "key: sk-rotated"))

@@ -21,10 +21,10 @@ from pathlib import Path
 import openai
 import pytest
 import redis.asyncio as aioredis
-from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually
+from proxy_lab import KEYS, MODEL, Lab, banner_url, children, config_yaml, eventually
 from redis_server import queued_is
 
-from sfq_proxy.runner.workers import METRICS_PREFIX, STALE_AFTER_S
+from sfq_proxy.runner.workers import METRICS_PREFIX
 from sfq_proxy.sim.server import SimBackend
 
 pytestmark = pytest.mark.redis
@@ -47,7 +47,7 @@ class Replica:
         )  # fmt: skip
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        url = next(word for word in line.split() if word.startswith("http://"))
+        url = banner_url(line)
         return cls(proc, url)
 
     def client(self, org: str) -> openai.AsyncOpenAI:
@@ -177,7 +177,7 @@ async def test_workers_share_the_port_and_one_fairness_domain(
     try:
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-        url = next(word for word in line.split() if word.startswith("http://"))
+        url = banner_url(line)
         await eventually(lambda: _holders(redis_url, 2), within=15)
         assert not left.exists()
         assert len(list(shm.glob(f"{METRICS_PREFIX}{proc.pid}-*"))) == 1  # the group's
@@ -195,10 +195,10 @@ async def test_workers_share_the_port_and_one_fairness_domain(
         assert await asyncio.gather(*(fresh("AB"[i % 2]) for i in range(60))) == [5] * 60
         assert sim.stats.max_concurrent <= SLOTS
 
-        workers = _children(proc.pid)
+        workers = children(proc.pid)
         assert len(workers) == 2
         os.kill(workers[0], signal.SIGKILL)
-        await eventually(lambda: len(set(_children(proc.pid)) - set(workers)) == 1, within=10)
+        await eventually(lambda: len(set(children(proc.pid)) - set(workers)) == 1, within=10)
         await eventually(lambda: _holders(redis_url, 2), within=15)  # the dead one reaped
         assert await asyncio.gather(*(fresh("A") for _ in range(10))) == [5] * 10
     finally:
@@ -209,14 +209,12 @@ async def test_workers_share_the_port_and_one_fairness_domain(
 
 def _left_by_a_killed_parent() -> tuple[Path, Path]:
     """Where a parent makes its workers' metrics directory, and one made there as a parent
-    killed with SIGKILL leaves it: named after a pid no longer running, not written since."""
+    killed with SIGKILL leaves it: named after a pid no longer running, its lock free."""
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     dead = subprocess.Popen(["true"])
     dead.wait()
     left = shm / f"{METRICS_PREFIX}{dead.pid}-{uuid.uuid4().hex[:8]}"
     left.mkdir()
-    long_ago = time.time() - STALE_AFTER_S - 5
-    os.utime(left, (long_ago, long_ago))
     return shm, left
 
 
@@ -252,14 +250,3 @@ async def _holders(redis_url: str, n: int) -> bool:
         return bool(await client.zcard("sfq:{sim}:holders") == n)
     finally:
         await client.aclose()
-
-
-def _children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (from /proc)."""
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, IndexError):  # gone meanwhile: read as "", or fails
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid:
-                found.append(int(stat.parent.name))
-    return sorted(found)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import openai
 import yaml
-from proxy_lab import KEYS, MODEL, Lab, config_yaml, eventually, proxy_config
+from proxy_lab import KEYS, MODEL, Lab, banner_url, config_yaml, eventually, proxy_config
 
 CHAT = [{"role": "user", "content": "hello"}]
 
@@ -25,7 +25,7 @@ async def _start(
         env={**os.environ, **(env or {})},
     )  # fmt: skip
     line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
-    url = next(word.rstrip(",") for word in line.split() if word.startswith("http://"))
+    url = banner_url(line)
     return proc, url
 
 

@@ -1,14 +1,25 @@
 """``serve --workers N``'s metrics directories (runner/workers.py): a parent killed with SIGKILL
-cannot remove its own, so the next parent removes those that are stale, and only those."""
+cannot remove its own, so the next parent removes those that are stale, and only those; the
+workers of a parent killed so end, rather than go on serving beside the next group."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
 import os
+import signal
 import subprocess
-import time
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
-from sfq_proxy.runner.workers import METRICS_PREFIX, STALE_AFTER_S, remove_stale
+import pytest
+from proxy_lab import children, config_yaml, eventually, serve_process
+
+from sfq_proxy.runner.workers import METRICS_PREFIX, remove_stale
+
+SHM = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
 
 
 def _dead_pid() -> int:
@@ -17,29 +28,75 @@ def _dead_pid() -> int:
     return child.pid
 
 
-def _made(base: Path, name: str, *, age_s: float) -> Path:
+def _made(base: Path, name: str) -> Path:
     path = base / name
     path.mkdir()
     (path / "w0.json").write_text("{}")
-    then = time.time() - age_s
-    os.utime(path, (then, then))
     return path
 
 
-def test_only_a_dead_parents_directory_that_nothing_wrote_lately_is_removed(
-    tmp_path: Path,
-) -> None:
-    old = STALE_AFTER_S + 5
+@contextlib.contextmanager
+def _held(directory: Path) -> Iterator[None]:
+    """``directory``'s lock held, as a live group's processes hold theirs."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def test_only_a_dead_parents_directory_whose_lock_is_free_is_removed(tmp_path: Path) -> None:
     dead = _dead_pid()
-    stale = _made(tmp_path, f"{METRICS_PREFIX}{dead}-abc", age_s=old)
-    mine = _made(tmp_path, f"{METRICS_PREFIX}{os.getpid()}-def", age_s=old)  # a pid reused
-    fresh = _made(tmp_path, f"{METRICS_PREFIX}{dead}-ghi", age_s=1)  # another pid namespace's
-    alive = _made(tmp_path, f"{METRICS_PREFIX}{os.getppid()}-jkl", age_s=old)  # still running
-    unnamed = _made(tmp_path, f"{METRICS_PREFIX}k2x_9qzt", age_s=old)  # an older version's
-    other = _made(tmp_path, f"other-{dead}-mno", age_s=old)
-    remove_stale(tmp_path)
+    stale = _made(tmp_path, f"{METRICS_PREFIX}{dead}-abc")
+    mine = _made(tmp_path, f"{METRICS_PREFIX}{os.getpid()}-def")  # a pid reused
+    held = _made(tmp_path, f"{METRICS_PREFIX}{dead}-ghi")  # another pid namespace's, or orphans'
+    alive = _made(tmp_path, f"{METRICS_PREFIX}{os.getppid()}-jkl")  # its parent still running
+    unnamed = _made(tmp_path, f"{METRICS_PREFIX}k2x_9qzt")  # an older version's
+    other = _made(tmp_path, f"other-{dead}-mno")
+    with _held(held):
+        remove_stale(tmp_path)
     assert not stale.exists()
     assert not mine.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        p.name for p in (fresh, alive, unnamed, other)
+        p.name for p in (held, alive, unnamed, other)
     )
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaped has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.redis
+async def test_a_sigkilled_parents_workers_end_and_the_next_start_removes_its_directory(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """The parent of ``serve --workers 2`` killed with SIGKILL: its workers are sent SIGTERM
+    (they drain and end), and the next start removes the directory they left, at once;
+    the new group's own stays until it ends."""
+    text = config_yaml(["http://127.0.0.1:9"], state={"redis": redis_url})
+    first, _ = await serve_process(text, tmp_path, workers=2)
+    [left] = SHM.glob(f"{METRICS_PREFIX}{first.pid}-*")
+    workers = children(first.pid)
+    assert len(workers) == 2
+    try:
+        first.kill()
+        await eventually(lambda: not any(_running(w) for w in workers), within=15)  # drain 5 s
+    finally:
+        for worker in workers:  # alive only if this failed: not for this test to leave
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
+        await asyncio.wait_for(first.wait(), 20)
+    assert left.exists()
+    second, _ = await serve_process(text, tmp_path, workers=2)
+    try:
+        assert not left.exists()
+        assert len(list(SHM.glob(f"{METRICS_PREFIX}{second.pid}-*"))) == 1
+    finally:
+        second.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(second.wait(), 20) == 0
+    assert not list(SHM.glob(f"{METRICS_PREFIX}{second.pid}-*"))

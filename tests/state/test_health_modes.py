@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 import pytest
+from aiohttp import web
 from provider_double import CHAT_PATH, PROVIDER_KEY, ProviderDouble
 from proxy_lab import KEYS, MODEL, Lab, Served, eventually, proxy_config
 
@@ -124,6 +125,59 @@ async def test_an_active_probe_without_the_key_fails_on_a_provider(lab: Lab) -> 
     backend = served.state.pools["sim"].placement.backends[0]
     await eventually(lambda: not backend.healthy)
     assert set(provider.probes()) == {("GET", "/v1/models", False)}  # refused with 401
+
+
+# --- a backend that never sends its headers: a failure in either mode --------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "streak"), [("passive", 3), ("active", 1)], ids=["passive", "active"]
+)
+async def test_a_backend_hanging_before_its_headers_is_taken_out_after_its_streak(
+    lab: Lab, mode: str, streak: int
+) -> None:
+    """Each request it takes is a 504 ``upstream_timeout`` after ``first_byte_s`` and counts
+    as a failure: after ``streak`` of them, placement sends everything to the healthy
+    backend (before, the hanging one, listed first and least loaded, got every request).
+    The active pool's probes, which the hanging backend answers, do not bring it back
+    before its cooldown."""
+    hanging, healthy = ProviderDouble(), ProviderDouble()
+    urls = [f"http://127.0.0.1:{await lab.serve(p.app())}/v1" for p in (hanging, healthy)]
+    health: dict[str, Any] = {"mode": mode, "consecutive_failures": streak, "cooldown_s": 60}
+    if mode == "active":
+        health |= {"path": "/v1/models", "interval_s": 0.05}
+    pool = {
+        "upstream_key_env": "PROVIDER_KEY",
+        "health": health,
+        "timeouts": {"connect_s": 1, "first_byte_s": 0.3},
+    }
+    served = await lab.proxy(proxy_config(urls, pool=pool, environ=ENV))
+    backend = served.state.pools["sim"].placement.backends[0]
+    hanging.misbehave("hang", times=100)
+    for _ in range(streak):
+        assert backend.healthy
+        status, body, _ = await post(lab, served)
+        assert (status, body["error"]["code"]) == (504, "upstream_timeout")
+    assert not backend.healthy
+    assert [(await post(lab, served))[0] for _ in range(5)] == [200] * 5
+    assert (len(hanging.chats()), len(healthy.chats())) == (streak, 5)
+    assert not backend.healthy
+
+
+async def test_an_active_probe_that_hangs_past_its_timeout_is_a_failure(lab: Lab) -> None:
+    """The probe's side of it: a health path that accepts and never answers."""
+
+    async def hang(_: web.Request) -> web.Response:
+        await asyncio.sleep(1)  # five times the probe's timeout (and the server's stop waits)
+        return web.Response()
+
+    app = web.Application()
+    app.router.add_get("/health", hang)
+    url = f"http://127.0.0.1:{await lab.serve(app)}"
+    health = {"mode": "active", "interval_s": 0.05, "timeout_s": 0.2, "cooldown_s": 60}
+    served = await lab.proxy(proxy_config([url], pool={"health": health}))
+    backend = served.state.pools["sim"].placement.backends[0]
+    await eventually(lambda: not backend.healthy, within=5)
 
 
 # --- cooldowns on the loop clock ----------------------------------------------------------

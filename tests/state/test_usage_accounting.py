@@ -258,7 +258,7 @@ async def test_two_proxies_on_one_redis_add_into_one_account(lab: Lab, redis_url
 def test_proxy_config_is_unchanged_by_the_usage_section() -> None:
     """The default: usage in the process only, written every 5 s."""
     config = proxy_config(["http://127.0.0.1:9"])
-    assert (config.usage.file, config.usage.flush_s, config.usage.redis_ttl_days) == (
+    assert (config.usage.file, config.usage.flush_s, config.usage.retention_days) == (
         None, 5.0, 400,
     )  # fmt: skip
 

