@@ -189,8 +189,10 @@ class LeasedPool(Pool):
     def _grant(self, grants: Grants) -> None:
         """Wake the requests given a slot; a grant that nobody waits for any more (its
         client left, its deadline passed) is handed back at once, unless its request runs:
-        the inbox gave it twice (a failover lost its read, docs/shared-state.md). When
-        pacing held a ticket back, pump the pool once it allows."""
+        the inbox gave it twice (a failover lost its read, docs/shared-state.md). One on a
+        backend this process does not know (another replica's config lists it, during a
+        rollout) is handed back and its request answered 503. When pacing held a ticket
+        back, pump the pool once it allows."""
         if grants.wake_s is not None:
             self._wake_in(grants.wake_s)
         for grant in grants:
@@ -199,6 +201,8 @@ class LeasedPool(Pool):
             if waiting is None or waiting[1].done() or backend is None:
                 if all(lease != grant.lease for lease, _ in self._held.values()):
                     self._later(self._finish(grant.lease))
+                if waiting is not None and not waiting[1].done():  # a backend it does not know
+                    waiting[1].set_exception(unknown_backend(self.name))
                 continue
             ticket, future, task = waiting
             backend.in_flight += 1  # this process's share, for its metrics and state
@@ -383,6 +387,13 @@ def unavailable(pool: str) -> ApiError:
     return ApiError(
         503, f"Pool '{pool}' cannot reach its shared state; retry shortly.",
         code="state_unavailable", retry_after=RETRY_AFTER_S,
+    )  # fmt: skip
+
+
+def unknown_backend(pool: str) -> ApiError:
+    return ApiError(
+        503, f"Pool '{pool}' was given a backend this replica does not know (the replicas' "
+        "configs differ); retry shortly.", code="backend_unknown", retry_after=RETRY_AFTER_S,
     )  # fmt: skip
 
 
