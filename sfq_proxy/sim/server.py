@@ -360,6 +360,10 @@ class SimBackend:
         reads as the capacity; a vLLM has no such route (404)."""
         if self.config.metrics_format != "llama-server":
             raise web.HTTPNotFound()
+        if self.faults.metrics_delay_s:
+            await asyncio.sleep(self.faults.metrics_delay_s)
+        if self.faults.metrics_status != 200:
+            return error_response(self.faults.metrics_status, "Injected failure (props)")
         return web.json_response(
             {"total_slots": self.config.max_num_seqs, "model_path": self.config.models[0]}
         )

@@ -155,7 +155,8 @@ class Faults:
     die_after_tokens: int | None = None
     refuse_connections: bool = False
     health_status: int = 200
-    # /metrics: its status (vLLM's answer, or a broken one) and how long it hangs first
+    # /metrics (and a llama-server's /props): its status (the engine's answer, or a broken
+    # one) and how long it hangs first
     metrics_status: int = 200
     metrics_delay_s: float = 0.0
 

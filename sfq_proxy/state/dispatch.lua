@@ -607,6 +607,20 @@ local function load_backends()
   inflight = c.value
 end
 
+-- the pool's backends as configure or backends list them, each [name, slots(, {class: limit}
+-- (, provisional))]: an entry marked provisional (engine dispatch: the caller's reading of its
+-- engine is stale) yields to the one held for that backend, if any, so that a replica that
+-- lost sight of an engine does not undo what a replica that sees it told
+local function set_backends(listed)
+  local new, held = cjson.decode(listed), {}
+  for _, b in ipairs(cjson.decode(redis.call('GET', P .. 'backends') or '[]')) do held[b[1]] = b end
+  for i, b in ipairs(new) do
+    if b[4] == true and held[b[1]] then new[i] = held[b[1]] end
+  end
+  redis.call('SET', P .. 'backends', cjson.encode(new))
+  backends = nil
+end
+
 -- core/placement.py rank: a backend's rendezvous score for an affinity key, 52 bits of SHA-1
 local function rank(key, name)
   return tonumber(string.sub(redis.sha1hex(key .. '\n' .. name), 1, 13), 16)
@@ -863,19 +877,21 @@ local function run(op)
   if not alive() then return {-1} end  -- not registered, or reclaimed: nothing may be granted
 
   -- the operations that dispatch reply {1, grants, wake} (dispatch's two values)
-  if op == 'configure' then  -- backends [[name, slots(, {class: limit})], ...], org caps,
+  if op == 'configure' then  -- backends (set_backends), org caps,
     -- class caps, down, rpm, tpm, affinity's load factor ('': affinity off) and slack
     set_rate('r', A[7])
     set_rate('t', A[8])
     set_meta('alf', A[9] and A[9] ~= '' and tonumber(A[9]) or nil)
     set_meta('als', A[10] and tonumber(A[10]) or nil)
-    redis.call('SET', P .. 'backends', A[3])
-    backends = nil
+    set_backends(A[3])
     redis.call('DEL', P .. 'ocap', P .. 'ccap')
     for org, cap in pairs(cjson.decode(A[4])) do redis.call('HSET', P .. 'ocap', org, cap) end
     for cls, cap in pairs(cjson.decode(A[5])) do redis.call('HSET', P .. 'ccap', cls, cap) end
     C.ocap, C.ccap = {}, {}
     return {1, dispatch(down_set(A[6]))}
+  elseif op == 'backends' then  -- the backends alone, as configure's first argument; down
+    set_backends(A[3])
+    return {1, dispatch(down_set(A[4]))}
   elseif op == 'submit' then  -- id, ticket, front, down, max waiting ahead (-1: none)[, an
     -- admission to decide first (one Redis only): its org's key prefix, then admission.lua's
     -- admit arguments (rpm, tpm, tokens, key digest, ttl_ms)]

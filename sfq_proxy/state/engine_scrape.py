@@ -53,8 +53,10 @@ class Pool(Protocol):
 log = logging.getLogger(__name__)
 
 CHUNK = 65536
-# how long what an engine said of itself stands: a restarted engine may have other slots
+# how long what an engine said of itself stands (a restarted engine may have other slots),
+# and how soon a read that failed is tried again (a server still starting)
 DISCOVERY_REFRESH_S = 60.0
+DISCOVERY_RETRY_S = 5.0
 # an identity body: the relay's session does not decompress, and the bound is on the bytes
 HEADERS = {"Accept-Encoding": "identity"}
 
@@ -117,20 +119,16 @@ async def scrape(
 ) -> None:
     """One reading of ``backend``'s engine, handed to its gate with the time read *before*
     sending (what the reading may have missed is counted from then); then the pool hears
-    of it, as a reading may open the gate (or a failure turn it stale). Before, where its
-    family describes itself (``DISCOVERY_PATHS``), that description when ``discovered``
-    has none younger than ``DISCOVERY_REFRESH_S``."""
+    of it, as a reading may open the gate (or a failure turn it stale). Before, what its
+    engine says of itself (``discover``)."""
     dispatch, family = pool.spec.dispatch, pool.spec.family
     headers = dict(HEADERS)
     if pool.upstream_key:
         headers["Authorization"] = f"Bearer {pool.upstream_key}"
-    path = DISCOVERY_PATHS.get(family)
-    at, discovery = discovered.get(backend, (-math.inf, NOTHING_DISCOVERED))
-    if path is not None and pool.clock() - at >= DISCOVERY_REFRESH_S:
-        discovery = await read_discovery(session, backend.base + path, family, dispatch, headers)
-        discovered[backend] = (pool.clock(), discovery)
     requested_at = pool.clock()
     try:
+        discovery = await discover(pool, session, backend, discovered, headers)
+        requested_at = pool.clock()
         reading = await read_metrics(
             session, backend.base + dispatch.metrics_path, family, dispatch, headers, discovery
         )
@@ -149,6 +147,32 @@ async def scrape(
         )  # fmt: skip
     gated_slots(backend)
     pool.after_reading()
+
+
+async def discover(
+    pool: Pool,
+    session: aiohttp.ClientSession,
+    backend: Backend,
+    discovered: dict[Backend, tuple[float, Discovery]],
+    headers: dict[str, str],
+) -> Discovery:
+    """What ``backend``'s engine says of itself, where its family does (``DISCOVERY_PATHS``):
+    read again ``DISCOVERY_REFRESH_S`` after it was read, ``DISCOVERY_RETRY_S`` after a read
+    failed (a server still starting), and until then what ``discovered`` holds (a failed
+    read keeps what was read before)."""
+    family = pool.spec.family
+    path = DISCOVERY_PATHS.get(family)
+    if path is None:
+        return NOTHING_DISCOVERED
+    due, discovery = discovered.get(backend, (-math.inf, NOTHING_DISCOVERED))
+    if pool.clock() < due:
+        return discovery
+    dispatch = pool.spec.dispatch
+    found = await read_discovery(session, backend.base + path, family, dispatch, headers)
+    again = DISCOVERY_RETRY_S if found is None else DISCOVERY_REFRESH_S
+    discovery = discovery if found is None else found
+    discovered[backend] = (pool.clock() + again, discovery)
+    return discovery
 
 
 class Unread(Exception):
@@ -204,12 +228,13 @@ async def read_discovery(
     family: str,
     dispatch: DispatchSpec,
     headers: dict[str, str],
-) -> Discovery:
-    """What the engine at ``url`` says of itself; nothing when it says nothing usable."""
+) -> Discovery | None:
+    """What the engine at ``url`` says of itself (nothing usable: ``NOTHING_DISCOVERED``);
+    None when it did not answer."""
     try:
         return parse_discovery(family, await fetch(session, url, dispatch, headers))
     except Unread:
-        return NOTHING_DISCOVERED
+        return None
 
 
 def engine_state(backend: Backend, now: float) -> dict[str, Any] | None:

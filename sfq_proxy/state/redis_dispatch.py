@@ -27,8 +27,11 @@ from .redis_batcher import Batcher, Call
 from .redis_functions import DISPATCH, Caller
 
 # a backend as dispatch.lua places on it: its name, its slots and, in engine dispatch, the
-# classes that may fill fewer of them (``EngineGate.class_leases``)
-SharedBackend = tuple[str, int] | tuple[str, int, dict[str, int]]
+# classes that may fill fewer of them (``EngineGate.class_leases``), and whether the entry is
+# provisional (the caller's reading of its engine is stale: the one Redis holds stands)
+SharedBackend = (
+    tuple[str, int] | tuple[str, int, dict[str, int]] | tuple[str, int, dict[str, int], bool]
+)
 
 
 class Grant(NamedTuple):
@@ -173,6 +176,14 @@ class RedisDispatch:
             slack,
         )
         reply = _checked(await call)
+        return _grants(reply[1], reply[2])
+
+    async def set_backends(self, backends: Iterable[SharedBackend], down: Iterable[str]) -> Grants:
+        """The pool's backends alone, as ``configure`` lists them (engine dispatch's limits
+        after a reading changed them: the rest of the pool's settings stay), and dispatch
+        what they allow."""
+        listed = json.dumps([list(backend) for backend in backends])
+        reply = _checked(await self._call("backends", listed, _names(down)))
         return _grants(reply[1], reply[2])
 
     async def submit(

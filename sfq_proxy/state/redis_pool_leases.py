@@ -95,6 +95,7 @@ class LeasedPool(Pool):
         # comes meanwhile, since Redis may take the list and decide from then on
         self._adopting = False
         self._published: list[SharedBackend] = []  # the backends as last told to Redis
+        self._publishing = False  # a call telling them is on its way (``_publish``)
         self._set_shares()
 
     @property
@@ -139,12 +140,13 @@ class LeasedPool(Pool):
 
     async def _configure(self) -> Grants:
         org_caps, class_caps, rate = pool_limits(self._config, self.spec)
-        backends = self._published = self._shared_backends()
-        placement = self.placement
-        return await self.dispatch.configure(
+        backends, placement = self._shared_backends(), self.placement
+        grants = await self.dispatch.configure(
             backends, org_caps, class_caps, self._down(), rate, placement.load_factor,
             placement.slack,
         )  # fmt: skip
+        self._published = backends
+        return grants
 
     def _shared_backends(self) -> list[SharedBackend]:
         """The backends and their slots as Redis places on them. In engine dispatch, what
@@ -158,6 +160,9 @@ class LeasedPool(Pool):
             if gate is None or ceilings is None:
                 listed.append((backend.name, backend.slots))
                 continue
+            if not gate.fresh(now):  # what a replica that sees the engine told stands
+                listed.append((backend.name, gate.leases(now), {}, True))
+                continue
             slots = gate.leases(now)
             limits = {}
             for cls, ceiling in sorted(ceilings.items()):
@@ -169,11 +174,26 @@ class LeasedPool(Pool):
 
     def after_reading(self) -> None:
         """In Redis, a reading changes what the backends may hold (``_shared_backends``):
-        told to Redis when it does (which dispatches what it opens), not otherwise."""
+        told to Redis when it does (which dispatches what it opens), not otherwise; by one
+        call at a time, the newest list, so none older lands after it."""
         if self.mode is not Mode.SHARED:
             super().after_reading()
-        elif self._shared_backends() != self._published:
-            self._later(self._call(self._configure()))
+        elif not self._publishing and self._shared_backends() != self._published:
+            self._publishing = True
+            self._later(self._publish())
+
+    async def _publish(self) -> None:
+        """Tell Redis the backends until what it was told is the newest (a failed call is
+        tried again at the next reading)."""
+        try:
+            while (backends := self._shared_backends()) != self._published:
+                grants = await self.dispatch.set_backends(backends, self._down())
+                self._published = backends
+                self._grant(grants)
+        except (RedisError, Fenced) as err:
+            log.warning("pool %s: telling Redis the engines' limits failed: %s", self.name, err)
+        finally:
+            self._publishing = False
 
     async def _call(self, work: Awaitable[Grants | None]) -> None:
         """A call whose failure only delays: the grants it made are carried out; if Redis is
@@ -189,8 +209,10 @@ class LeasedPool(Pool):
     def _grant(self, grants: Grants) -> None:
         """Wake the requests given a slot; a grant that nobody waits for any more (its
         client left, its deadline passed) is handed back at once, unless its request runs:
-        the inbox gave it twice (a failover lost its read, docs/shared-state.md). When
-        pacing held a ticket back, pump the pool once it allows."""
+        the inbox gave it twice (a failover lost its read, docs/shared-state.md). One on a
+        backend this process does not know (another replica's config lists it, during a
+        rollout) is handed back and its request answered 503. When pacing held a ticket
+        back, pump the pool once it allows."""
         if grants.wake_s is not None:
             self._wake_in(grants.wake_s)
         for grant in grants:
@@ -199,6 +221,8 @@ class LeasedPool(Pool):
             if waiting is None or waiting[1].done() or backend is None:
                 if all(lease != grant.lease for lease, _ in self._held.values()):
                     self._later(self._finish(grant.lease))
+                if waiting is not None and not waiting[1].done():  # a backend it does not know
+                    waiting[1].set_exception(unknown_backend(self.name))
                 continue
             ticket, future, task = waiting
             backend.in_flight += 1  # this process's share, for its metrics and state
@@ -383,6 +407,13 @@ def unavailable(pool: str) -> ApiError:
     return ApiError(
         503, f"Pool '{pool}' cannot reach its shared state; retry shortly.",
         code="state_unavailable", retry_after=RETRY_AFTER_S,
+    )  # fmt: skip
+
+
+def unknown_backend(pool: str) -> ApiError:
+    return ApiError(
+        503, f"Pool '{pool}' was given a backend this replica does not know (the replicas' "
+        "configs differ); retry shortly.", code="backend_unknown", retry_after=RETRY_AFTER_S,
     )  # fmt: skip
 
 

@@ -16,8 +16,11 @@ from collections import Counter
 from typing import Any
 
 import openai
+import pytest
 from engine_lab import engine_config, sampled
 from proxy_lab import MODEL, Lab, Served, eventually, leftovers, scrape
+
+from sfq_proxy.state import engine_scrape
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -99,6 +102,23 @@ async def test_a_llama_server_says_its_slots_and_the_gate_skips_the_ramp(lab: La
     assert max(w for _, w in samples) <= 1 + 1, samples  # as in the test above
     assert max(r for r, _ in samples) == 4, samples
     assert not leftovers(served)
+
+
+async def test_a_llama_server_still_starting_is_asked_its_slots_again_soon(
+    lab: Lab, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``/props`` failing at first (a server still starting) is asked again after
+    ``DISCOVERY_RETRY_S``, not after the minute a description that was read stands."""
+    monkeypatch.setattr(engine_scrape, "DISCOVERY_RETRY_S", 0.3)
+    sim = await lab.backend(max_num_seqs=4, metrics_format="llama-server")
+    sim.faults.metrics_status = 503
+    config = engine_config([sim.url], "auto", dispatch={}, family="llama-server")
+    served = await lab.proxy(config)
+    gate = served.state.pools["sim"].placement.backends[0].gate
+    assert gate is not None
+    await eventually(lambda: gate.problem == "no_metrics")
+    sim.faults.metrics_status = 200
+    await eventually(lambda: gate.reported == 4)
 
 
 async def test_gate_metrics_and_admin_state(lab: Lab) -> None:

@@ -8,6 +8,7 @@ Real Redis, real proxies in front of a simulated vLLM, the ``openai`` SDK as the
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections import Counter
 from typing import Any
@@ -19,7 +20,7 @@ from proxy_lab import MODEL, Lab, Served, eventually, leftovers
 from redis_server import queued_is
 
 from sfq_proxy.sim.server import SimBackend
-from sfq_proxy.state.redis_dispatch import Grants, RedisDispatch, SharedTicket
+from sfq_proxy.state.redis_dispatch import Grants, RedisDispatch, SharedTicket, pool_prefix
 from sfq_proxy.state.redis_pool import SharedPool
 from sfq_proxy.state.redis_resp import Pipe
 
@@ -137,3 +138,38 @@ async def test_two_replicas_keep_one_engine_queue_within_the_allowance(
     else:
         assert waiting <= 1, samples
         assert max(r for r, _ in samples) == 4, samples  # and it runs full
+
+
+async def backends_in_redis(redis_url: str) -> list[list[Any]]:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        return json.loads(await client.get(pool_prefix("sim") + "backends") or "[]")
+    finally:
+        await client.aclose()
+
+
+async def test_a_replica_that_cannot_read_the_engine_leaves_the_limit_told(
+    lab: Lab, redis_url: str
+) -> None:
+    """Replica B reads the engine (capacity 4: 5 leases); replica A cannot (its metrics path
+    answers 404: stale, its fallback the static 32). A's join and its stale readings leave
+    B's 5 in Redis, and a flood through A waits in the proxy, not in the engine (before, A's
+    join told 32 and the engine queued what it could not run)."""
+    sim = await lab.backend(max_num_seqs=4, time_scale=2.0)
+    state = {"redis": redis_url, "lease_ttl_s": TTL_S}
+    seeing = await lab.proxy(engine_config([sim.url], 32, dispatch={}, state=state))
+    await flood(lab, [seeing], "CC", 4, tokens=60)  # saturated: B's gate learns 4
+    await eventually(lambda: _slots_are(redis_url, 5))
+    blind = engine_config([sim.url], 32, dispatch={"metrics_path": "/missing"}, state=state)
+    proxy = await lab.proxy(blind)
+    gate = proxy.state.pools["sim"].placement.backends[0].gate
+    assert gate is not None
+    await eventually(lambda: gate.problem == "no_metrics")
+    assert [b[1] for b in await backends_in_redis(redis_url)] == [5]
+    async with sampled(lab, sim) as samples:
+        await flood(lab, [proxy], "AB", 10, tokens=12)
+    assert max(w for _, w in samples) <= 1, samples
+
+
+async def _slots_are(redis_url: str, slots: int) -> bool:
+    return [b[1] for b in await backends_in_redis(redis_url)] == [slots]

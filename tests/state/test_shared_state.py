@@ -542,3 +542,31 @@ async def test_a_redis_behind_sentinel_is_found_through_it(lab: Lab) -> None:
             await check.aclose()
         finally:
             sentinel.stop()
+
+
+async def test_a_grant_on_a_backend_the_replica_does_not_know_is_a_clear_503(
+    lab: Lab, redis_url: str
+) -> None:
+    """Mid-rollout, two replicas list different backends and the last to join is what Redis
+    places on: a request through the other replica granted a backend it does not know hands
+    its lease back and is answered 503 ``backend_unknown`` with Retry-After, at once (it
+    waited for its deadline before), and the slot is free again."""
+    first, second = await lab.backend(), await lab.backend()
+    shared = {"redis": redis_url, "lease_ttl_s": CALM_TTL_S}
+    old = await lab.proxy(proxy_config([first.url], slots=1, state=shared))
+    await lab.proxy(proxy_config([second.url], slots=1, state=shared))  # Redis now lists it
+    client = lab.client(old, "A", timeout=10)
+    with pytest.raises(openai.APIStatusError) as refused:
+        await client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
+    assert refused.value.status_code == 503
+    assert refused.value.response.headers["retry-after"] == "1"
+    assert refused.value.body["code"] == "backend_unknown"  # type: ignore[index]
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await eventually(lambda: _no_lease(client), within=5)
+    finally:
+        await client.aclose()
+
+
+async def _no_lease(client: aioredis.Redis) -> bool:
+    return await client.hlen(pool_prefix("sim") + "lease") == 0
