@@ -178,7 +178,7 @@ async def test_a_slow_answer_from_a_backend_answering_others_is_not_held_against
     request that times out with no answer since it was sent still counts (a hung backend)."""
     provider = ProviderDouble()
     url = f"http://127.0.0.1:{await lab.serve(provider.app())}/v1"
-    served = await lab.proxy(proxy_config([url], pool=timed_pool(mode, 1, 0.5), environ=ENV))
+    served = await lab.proxy(proxy_config([url], pool=timed_pool(mode, 1, 1.0), environ=ENV))
     backend = served.state.pools["sim"].placement.backends[0]
     provider.misbehave("hang")
     slow = asyncio.create_task(post(lab, served))
