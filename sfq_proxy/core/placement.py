@@ -12,6 +12,7 @@ rule, with the same hashes, in Redis.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,6 +31,9 @@ class Backend:
     healthy: bool = True  # trusted until a probe or a failed request says otherwise
     down_until: float = 0.0  # end of the cooldown after the last failure
     failures: int = 0  # failures in a row (probes, connect errors, 5xx); a success resets it
+    # when (pool clock) the response headers of a request of ours last came from it: a
+    # first-byte timeout counts against it only if none came since its request was sent
+    answered_at: float = -math.inf
     # the slots this process may fill on its own decision: all (None), or its share when a
     # shared pool lost its state (0 while it must not decide alone at all)
     share: int | None = None

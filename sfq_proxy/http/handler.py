@@ -276,7 +276,8 @@ async def _serve(
             slot.settle(relayed)
         except UpstreamFailed as failure:
             generated = failure.answer is not None  # a 504: the backend had the request
-            pool.report_failure(backend)
+            if failure.counts:
+                pool.report_failure(backend)
             if failure.answer is not None:
                 raise failure.answer from None
         except ApiError:  # dispatched: the request's bound passed

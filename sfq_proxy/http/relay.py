@@ -69,11 +69,14 @@ _ERROR_STATUSES = frozenset({429, 503})  # what must say when to come back
 class UpstreamFailed(Exception):
     """The backend failed before the client was sent anything: retrying elsewhere is safe,
     unless ``answer`` says what the client gets instead (no headers within
-    ``first_byte_s``, or a body that went silent: 504). Either counts against its health."""
+    ``first_byte_s``, or a body that went silent: 504). It counts against the backend's
+    health unless ``counts`` says otherwise (a late answer from a backend that answered
+    others meanwhile: see ``_open``)."""
 
-    def __init__(self, reason: str, answer: ApiError | None = None) -> None:
+    def __init__(self, reason: str, answer: ApiError | None = None, *, counts: bool = True) -> None:
         super().__init__(reason)
         self.answer = answer
+        self.counts = counts
 
 
 class UpstreamStalled(aiohttp.ClientPayloadError):
@@ -193,9 +196,10 @@ async def forward(
     remaining = math.inf if expires_at is None else max(0.0, expires_at - sent)
     until = asyncio.get_running_loop().time() + remaining
     upstream = await _open(
-        upstreams, pool, backend, inference, request_id, remaining, expiry, upstream_headers
+        upstreams, pool, backend, inference, request_id, sent, remaining, expiry, upstream_headers
     )
-    on_headers(pool.clock() - sent)
+    backend.answered_at = answered = pool.clock()
+    on_headers(answered - sent)
     pool.observe_answer(upstream.status, upstream.headers, sent)  # a 429 holds the pool
     try:
         try:
@@ -495,12 +499,21 @@ async def _open(
     backend: Backend,
     inference: InferenceRequest,
     request_id: str,
+    sent: float,
     remaining: float = math.inf,
     expiry: Expiry = OUT_OF_TIME,
     extra_headers: Mapping[str, str] | None = None,
 ) -> Answer:
-    """POST the client's bytes; return once the response headers are in. ``expiry``'s
-    error is raised when the request's bound (``remaining`` seconds away) passes first."""
+    """POST the client's bytes (at ``sent``, on the pool's clock); return once the response
+    headers are in. ``expiry``'s error is raised when the request's bound (``remaining``
+    seconds away) passes first.
+
+    No headers within ``first_byte_s`` is a 504, not retried (the backend had the request).
+    It counts against the backend's health only if the backend answered no other request
+    since ``sent``: a hung backend answers nobody, while a busy one answers others, and an
+    engine sends a whole (non-streaming) answer's headers only when its generation ends,
+    whose length the client chooses (``max_tokens``): a client must not be able to take
+    backends out with slow requests."""
     headers = {
         "Content-Type": "application/json",
         "X-Request-Id": request_id,
@@ -521,9 +534,9 @@ async def _open(
     except TimeoutError:
         if remaining < timeouts.first_byte_s:
             raise expiry.error() from None
-        # the backend's failure (its health counts it), not retried: it had the request
         silent = f"The backend sent nothing within {timeouts.first_byte_s:g} s."
-        raise UpstreamFailed(silent, ApiError(504, silent, code="upstream_timeout")) from None
+        answer = ApiError(504, silent, code="upstream_timeout")
+        raise UpstreamFailed(silent, answer, counts=backend.answered_at < sent) from None
     if not 200 <= upstream.status <= 599:  # an informational or made-up status: not an answer
         upstream.close()
         raise UpstreamFailed(f"status {upstream.status} is not a final answer")

@@ -21,6 +21,7 @@ backlogs are the whole pool's, as Redis held them at the last heartbeat.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Mapping
@@ -32,7 +33,9 @@ from ..config import Config
 from ..core.flows import org_and_class
 from ..state.pool import Pool
 
+log = logging.getLogger(__name__)
 SAMPLE_S = 1.0  # one sample a second
+FAILURE_LOG_S = 60.0  # a pool whose samples keep failing: a log line at most this often
 RECENT_POINTS = 300  # the last five minutes, a point a second
 LONG_POINTS = 240  # since start: at most this many points, each covering 2^k samples
 MAX_FLOWS = 12  # flows drawn per point; the others are summed as OTHER
@@ -170,11 +173,39 @@ async def sample_forever(
     pools: Mapping[str, Pool], histories: Mapping[str, PoolHistory], wall: Callable[[], float]
 ) -> None:
     """Every ``SAMPLE_S``, a sample of each pool (on its own clock, so that a late wake
-    makes a longer point, not a wrong one)."""
+    makes a longer point, not a wrong one). A sample that fails (a bug) costs that pool
+    its second's point, not its charts for the rest of the process: it is logged (see
+    ``_Failing``) and sampling goes on."""
+    failing: dict[str, _Failing] = {}
+    loop = asyncio.get_running_loop()
     while True:
         await asyncio.sleep(SAMPLE_S)
         for name, pool in pools.items():
-            histories[name].sample(pool, pool.clock(), wall())
+            try:
+                histories[name].sample(pool, pool.clock(), wall())
+            except Exception:
+                failing.setdefault(name, _Failing()).failed(name, loop.time())
+
+
+@dataclass(slots=True)
+class _Failing:
+    """A pool's failed samples: the first is logged with its traceback, and then at most a
+    line every ``FAILURE_LOG_S`` with how many failed since the last, so that a failure
+    each second does not fill the log."""
+
+    logged_at: float = -math.inf
+    unlogged: int = 0
+
+    def failed(self, pool: str, now: float) -> None:
+        """Called in the ``except`` of the failed sample (its traceback goes with the line)."""
+        self.unlogged += 1
+        if now - self.logged_at < FAILURE_LOG_S:
+            return
+        log.exception(
+            "pool %s: the admin page's history could not be sampled (%d failed since the "
+            "last such line); sampling goes on", pool, self.unlogged,
+        )  # fmt: skip
+        self.logged_at, self.unlogged = now, 0
 
 
 def fair_weight(config: Config, flow: str) -> float | None:

@@ -23,6 +23,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -67,13 +68,15 @@ def remove_stale(base: Path) -> None:
     Stale is a directory whose parent is no longer running (or was this process's pid)
     and whose lock no process holds: the kernel lets go of a group's when its last
     process ends, however it ends, and a group in another pid namespace sharing
-    ``/dev/shm``, whose parent's pid means nothing here, still holds its own."""
+    ``/dev/shm``, whose parent's pid means nothing here, still holds its own. Anything but
+    a directory is not ours and is left alone, links not followed: any local user may
+    put a FIFO there, whose opening would wait for a writer (and the start with it)."""
     for path in base.glob(f"{METRICS_PREFIX}*-*"):
         pid = path.name[len(METRICS_PREFIX) :].split("-", 1)[0]
         if not pid.isdigit() or (int(pid) != os.getpid() and _running(int(pid))):
             continue
         try:
-            if not _locked(path):
+            if stat.S_ISDIR(path.lstat().st_mode) and not _locked(path):
                 shutil.rmtree(path)
         except FileNotFoundError:  # removed meanwhile
             continue
@@ -82,8 +85,9 @@ def remove_stale(base: Path) -> None:
 
 
 def _locked(directory: Path) -> bool:
-    """Whether a process holds ``directory``'s lock (a live group's)."""
-    fd = os.open(directory, os.O_RDONLY)
+    """Whether a process holds ``directory``'s lock (a live group's). Opened so that nothing
+    can make it wait, should it have been swapped for a link or a FIFO since its ``lstat``."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

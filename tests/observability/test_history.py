@@ -3,8 +3,11 @@ merged without losing a unit of cost, and wait quantiles within a bucket of the 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import random
+import time
 from collections import Counter
 from typing import Any
 
@@ -17,9 +20,11 @@ from sfq_proxy.observability.history import (
     MAX_FLOWS,
     OTHER,
     RECENT_POINTS,
+    SAMPLE_S,
     Point,
     PoolHistory,
     entitlement,
+    sample_forever,
     wait_bucket,
     wait_quantile,
 )
@@ -120,6 +125,43 @@ def test_a_sample_entitles_the_flows_waiting_at_its_start_or_end_and_no_other() 
         f: pytest.approx(8.0 * w / sum(weights.values()), abs=1e-3) for f, w in weights.items()
     }
     assert busy["wait_p50_s"] == pytest.approx(0.2, rel=0.19)
+
+
+@pytest.mark.looptime
+async def test_a_pool_whose_sample_fails_is_logged_and_sampled_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A sample that raises (a bug) costs its second's point, not the charts for the rest
+    of the process: ``once`` fails its first sample and has every later one; ``always``
+    fails each of its 200 and is logged once a minute, with the count since the last line,
+    not 200 times; each pool's failures leave the other's samples alone."""
+    loop = asyncio.get_running_loop()
+    config = proxy_config(["http://127.0.0.1:9"])
+    pools = {name: Pool("sim", config, loop.time) for name in ("once", "always")}
+    histories = {name: PoolHistory() for name in pools}
+    failures = [RuntimeError("sampling broke")]
+
+    def fails_once() -> list[Any]:
+        if failures:
+            raise failures.pop()
+        return []
+
+    def fails_always() -> list[Any]:
+        raise KeyError("sampling broke again")
+
+    monkeypatch.setattr(pools["once"], "flow_views", fails_once)
+    monkeypatch.setattr(pools["always"], "flow_views", fails_always)
+    caplog.set_level(logging.ERROR, "sfq_proxy.observability.history")
+    sampler = asyncio.create_task(sample_forever(pools, histories, time.time))
+    await asyncio.sleep(200.5 * SAMPLE_S)
+    sampler.cancel()
+    assert len(histories["once"].recent) == 199  # all but the first second's
+    assert not histories["always"].recent
+    once = [r for r in caplog.records if r.args and r.args[0] == "once"]
+    assert [str(r.exc_info[1]) for r in once if r.exc_info] == ["sampling broke"]
+    always = [r for r in caplog.records if r.args and r.args[0] == "always"]
+    # at 1, 61, 121 and 181 s, each with the failures since the line before; not 200 lines
+    assert [r.args[1] for r in always if r.exc_info] == [1, 60, 60, 60]
 
 
 def test_wait_quantiles_are_within_a_bucket_above_the_truth() -> None:

@@ -10,6 +10,7 @@ import fcntl
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -61,6 +62,33 @@ def test_only_a_dead_parents_directory_whose_lock_is_free_is_removed(tmp_path: P
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         p.name for p in (held, alive, unnamed, other)
     )
+
+
+def test_what_is_not_a_directory_is_left_alone_and_nothing_hangs(tmp_path: Path) -> None:
+    """A local user's FIFO with a stale-looking name (an open for reading would wait for a
+    writer forever, and the start with it), and links (to a FIFO, to a stale-looking
+    directory: neither followed) are left alone; the stale directory beside them is still
+    removed. In a process of its own, ended after 10 s if it hangs."""
+    dead = _dead_pid()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    fifo = tmp_path / f"{METRICS_PREFIX}{dead}-fifo"
+    os.mkfifo(fifo)
+    os.mkfifo(elsewhere / "fifo")
+    to_fifo = tmp_path / f"{METRICS_PREFIX}{dead}-tofifo"
+    to_fifo.symlink_to(elsewhere / "fifo")
+    target = _made(elsewhere, f"{METRICS_PREFIX}{dead}-target")
+    to_directory = tmp_path / f"{METRICS_PREFIX}{dead}-todir"
+    to_directory.symlink_to(target)
+    stale = _made(tmp_path, f"{METRICS_PREFIX}{dead}-abc")
+    remove = "import sys, pathlib, sfq_proxy.runner.workers as w; "
+    remove += "w.remove_stale(pathlib.Path(sys.argv[1]))"
+    subprocess.run([sys.executable, "-c", remove, str(tmp_path)], check=True, timeout=10)
+    assert not stale.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (elsewhere, fifo, to_fifo, to_directory)
+    )
+    assert (target / "w0.json").exists()
 
 
 def _running(pid: int) -> bool:

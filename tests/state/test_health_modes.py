@@ -130,6 +130,17 @@ async def test_an_active_probe_without_the_key_fails_on_a_provider(lab: Lab) -> 
 # --- a backend that never sends its headers: a failure in either mode --------------------
 
 
+def timed_pool(mode: str, streak: int, first_byte_s: float) -> dict[str, Any]:
+    """A provider pool's settings: health ``mode``, out for 60 s after ``streak`` failures
+    in a row (an active pool probes ``/v1/models``, which the double answers), and
+    ``first_byte_s``."""
+    health: dict[str, Any] = {"mode": mode, "consecutive_failures": streak, "cooldown_s": 60}
+    if mode == "active":
+        health |= {"path": "/v1/models", "interval_s": 0.05}
+    timeouts = {"connect_s": 1, "first_byte_s": first_byte_s}
+    return {"upstream_key_env": "PROVIDER_KEY", "health": health, "timeouts": timeouts}
+
+
 @pytest.mark.parametrize(
     ("mode", "streak"), [("passive", 3), ("active", 1)], ids=["passive", "active"]
 )
@@ -143,15 +154,7 @@ async def test_a_backend_hanging_before_its_headers_is_taken_out_after_its_strea
     before its cooldown."""
     hanging, healthy = ProviderDouble(), ProviderDouble()
     urls = [f"http://127.0.0.1:{await lab.serve(p.app())}/v1" for p in (hanging, healthy)]
-    health: dict[str, Any] = {"mode": mode, "consecutive_failures": streak, "cooldown_s": 60}
-    if mode == "active":
-        health |= {"path": "/v1/models", "interval_s": 0.05}
-    pool = {
-        "upstream_key_env": "PROVIDER_KEY",
-        "health": health,
-        "timeouts": {"connect_s": 1, "first_byte_s": 0.3},
-    }
-    served = await lab.proxy(proxy_config(urls, pool=pool, environ=ENV))
+    served = await lab.proxy(proxy_config(urls, pool=timed_pool(mode, streak, 0.3), environ=ENV))
     backend = served.state.pools["sim"].placement.backends[0]
     hanging.misbehave("hang", times=100)
     for _ in range(streak):
@@ -161,6 +164,32 @@ async def test_a_backend_hanging_before_its_headers_is_taken_out_after_its_strea
     assert not backend.healthy
     assert [(await post(lab, served))[0] for _ in range(5)] == [200] * 5
     assert (len(hanging.chats()), len(healthy.chats())) == (streak, 5)
+    assert not backend.healthy
+
+
+@pytest.mark.parametrize("mode", ["passive", "active"])
+async def test_a_slow_answer_from_a_backend_answering_others_is_not_held_against_it(
+    lab: Lab, mode: str
+) -> None:
+    """A non-streaming request whose headers are late (an engine sends them when its long
+    generation ends: the client's ``max_tokens`` decides) is a 504 to its client, but does
+    not count while the backend answered other requests meanwhile: otherwise any tenant
+    could take backends out with one such request each, whatever the streak of 1. A
+    request that times out with no answer since it was sent still counts (a hung backend)."""
+    provider = ProviderDouble()
+    url = f"http://127.0.0.1:{await lab.serve(provider.app())}/v1"
+    served = await lab.proxy(proxy_config([url], pool=timed_pool(mode, 1, 1.0), environ=ENV))
+    backend = served.state.pools["sim"].placement.backends[0]
+    provider.misbehave("hang")
+    slow = asyncio.create_task(post(lab, served))
+    await eventually(lambda: provider.in_flight == 1)  # the slow one is at the backend
+    assert [(await post(lab, served))[0] for _ in range(3)] == [200] * 3  # the others are not
+    status, body, _ = await slow
+    assert (status, body["error"]["code"]) == (504, "upstream_timeout")
+    assert (backend.healthy, backend.failures) == (True, 0)
+    provider.misbehave("hang")  # now nothing else is answered while it waits: a hung backend
+    status, body, _ = await post(lab, served)
+    assert (status, body["error"]["code"]) == (504, "upstream_timeout")
     assert not backend.healthy
 
 
