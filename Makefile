@@ -86,8 +86,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
-# requirements.lock: the image's runtime dependencies (pyproject.toml's [project] dependencies,
-# no extras) pinned with their hashes, by pip-tools' pip-compile in a throwaway venv. Resolves
+# requirements.lock: the image's runtime dependencies (pyproject.toml's [project] dependencies
+# and the tracing extra, so the image can send traces) pinned with their hashes, by pip-tools' pip-compile in a throwaway venv. Resolves
 # the newest versions pyproject.toml allows, then checks that the lock installs, every hash
 # checked, from wheels alone on the image's Python (LOCK_PYTHON) for x86_64 and aarch64.
 LOCK_VENV ?= /tmp/sfq-lock-venv
@@ -96,7 +96,7 @@ lock:
 	python3 -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/pip install --quiet 'pip-tools==7.6.2'
 	CUSTOM_COMPILE_COMMAND="make lock" $(LOCK_VENV)/bin/pip-compile --quiet --upgrade \
-	  --generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links \
+	  --extra tracing --generate-hashes --strip-extras --no-emit-index-url --no-emit-find-links \
 	  --output-file requirements.lock pyproject.toml
 	for arch in x86_64 aarch64; do \
 	  $(LOCK_VENV)/bin/pip install --quiet --dry-run --ignore-installed --no-cache-dir \

@@ -408,7 +408,8 @@ def locked_pins() -> list[str]:
 
 def test_the_lock_pins_every_runtime_dependency_within_its_bounds() -> None:
     """requirements.lock, as `make lock` writes it: each of pyproject.toml's runtime
-    dependencies pinned to a version its bound allows, every pin with hashes, no extras."""
+    dependencies and of its tracing extra pinned to a version its bound allows, every pin
+    with hashes, no extras' names in them."""
     text = LOCK.read_text()
     assert "#    make lock\n" in text
     entries = re.split(r"\n(?=[A-Za-z0-9])", text[text.index("\n", text.index("make lock")) :])
@@ -420,7 +421,9 @@ def test_the_lock_pins_every_runtime_dependency_within_its_bounds() -> None:
         assert spec.operator == "==", entry
         pins[normalised(requirement.name)] = spec.version
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    for dependency in map(Requirement, project["dependencies"]):
+    # the image can trace: the tracing extra is pinned with the runtime dependencies
+    imaged = [*project["dependencies"], *project["optional-dependencies"]["tracing"]]
+    for dependency in map(Requirement, imaged):
         name = normalised(dependency.name)
         assert name in pins, f"{dependency.name} is not in requirements.lock: make lock"
         assert dependency.specifier.contains(pins[name]), (dependency, pins[name])
