@@ -24,8 +24,8 @@ _PACKAGES = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")
 
 class TracingSpec(StrictModel):
     """Where spans go and how many: ``endpoint`` is the collector's OTLP/HTTP traces URL
-    (``http://collector:4318/v1/traces``); a trace the client did not start is kept with
-    probability ``sample_ratio`` (a client's ``traceparent`` decides for its own). Spans
+    (``http://collector:4318/v1/traces``); a span is kept with probability ``sample_ratio``,
+    a client's trace alike (its ``traceparent``'s sampled flag does not decide). Spans
     wait in a queue of ``max_queue_size`` (full: the newest are dropped, a request never
     waits) and leave in batches of ``max_export_batch_size`` every ``schedule_delay_s``,
     each export given up after ``export_timeout_s``."""

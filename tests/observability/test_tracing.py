@@ -173,21 +173,50 @@ async def test_each_request_is_one_span_with_its_record_continuing_the_clients_t
     assert b_ok.attributes["sfq.key"] == "B#1"
 
 
-async def test_a_trace_the_client_did_not_start_is_sampled_at_the_ratio(lab: Lab) -> None:
-    """``sample_ratio: 0`` keeps no trace of the proxy's own, and every one a client sampled:
-    its decision is the trace's. Unsampled, the context still goes upstream (flags 00)."""
+async def test_sample_ratio_zero_keeps_no_trace_not_even_one_a_client_sampled(lab: Lab) -> None:
+    """``sample_ratio: 0`` keeps no span: neither of the proxy's own traces nor of a client's
+    that its ``traceparent`` flags sampled (a client does not raise the ratio, even one that
+    is refused its key). Unsampled, the context still goes upstream (flags 00)."""
     receiver, provider, _, served = await tracing_proxy(lab, {"sample_ratio": 0})
     client = lab.client(served)
     for _ in range(3):
         await client.chat.completions.create(**CHAT)
     await client.chat.completions.create(**CHAT, extra_headers={"traceparent": TRACEPARENT})
-    await eventually(lambda: len(receiver.spans) >= 1, within=10)
-    await asyncio.sleep(0.2)
-    (kept,) = receiver.spans
-    assert (kept.trace_id, kept.parent_span_id) == (TRACE, CLIENT_SPAN)
-    unsampled = [context(r.headers) for r in provider.chats()[:3]]
-    assert [sampled for *_, sampled in unsampled] == [False] * 3
-    assert len({trace_id for trace_id, *_ in unsampled}) == 3  # a trace of its own each
+    with pytest.raises(openai.AuthenticationError):
+        await client.chat.completions.create(
+            **CHAT, extra_headers={"traceparent": TRACEPARENT, "Authorization": "Bearer sk-nope"}
+        )
+    await asyncio.sleep(0.3)  # a kept span would have been exported by now (every 0.05 s)
+    assert receiver.spans == []
+    unsampled = [context(r.headers) for r in provider.chats()]
+    assert [sampled for *_, sampled in unsampled] == [False] * 4
+    assert len({trace_id for trace_id, *_ in unsampled[:3]}) == 3  # a trace of its own each
+    assert unsampled[3][0] == TRACE  # the client's trace goes on, unsampled
+
+
+async def test_a_clients_trace_is_kept_at_the_ratio_whatever_its_flag_and_trace_id(
+    lab: Lab,
+) -> None:
+    """The ratio is the operator's: a client's trace is kept by the proxy's own draw, not by
+    its ``traceparent``'s flag (sampled or not) nor by its trace id, which the client writes
+    (a ratio sampler keeps an id whose low 64 bits are zeros at any ratio above 0). Of 30
+    such traces per flag at 0.5, all kept or none has a chance of 2 in a billion."""
+    receiver, _, _, served = await tracing_proxy(lab, {"sample_ratio": 0.5})
+    client = lab.client(served)
+    ids = {flags: [f"{flags}{i:014x}{'0' * 16}" for i in range(1, 31)] for flags in ("01", "00")}
+    for flags, trace_ids in ids.items():
+        for trace_id in trace_ids:
+            traceparent = f"00-{trace_id}-{CLIENT_SPAN}-{flags}"
+            await client.chat.completions.create(**CHAT, extra_headers={"traceparent": traceparent})
+
+    def kept(flags: str) -> int:
+        return sum(span.trace_id in ids[flags] for span in receiver.spans)
+
+    await eventually(lambda: kept("01") > 0 and kept("00") > 0, within=10)
+    await asyncio.sleep(0.3)  # the rest are exported by now (every 0.05 s)
+    assert 0 < kept("01") < 30
+    assert 0 < kept("00") < 30
+    print(f"kept at 0.5: {kept('01')} of 30 flagged sampled, {kept('00')} of 30 not")
 
 
 async def test_a_tracestate_the_sdk_cannot_parse_is_dropped_without_a_log_line(
