@@ -6,6 +6,7 @@ and the proxy's span sent upstream; a dead collector never holds an answer or th
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ from typing import Any
 
 import openai
 import pytest
+from aiohttp import web
 from otlp_receiver import ERROR, SERVER, UNSET, OtlpReceiver
 from provider_double import USAGE, ProviderDouble
 from proxy_lab import (
@@ -30,6 +32,7 @@ from proxy_lab import (
     serve_process,
 )
 
+from sfq_proxy.observability import logs
 from sfq_proxy.runner.server import bound_url, running
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -235,6 +238,41 @@ async def test_a_tracestate_the_sdk_cannot_parse_is_dropped_without_a_log_line(
     (sent,) = provider.chats()
     assert "tracestate" not in sent.headers
     assert "CLIENT TEXT" not in caplog.text
+
+
+async def test_the_collectors_header_values_never_reach_the_log(lab: Lab) -> None:
+    """A collector (or a gateway before it) that refuses the export quoting the token it was
+    sent: the exporter logs the refusal's reason, and the proxy's log shows it redacted, as
+    it does an upstream key (the value follows no pattern the redaction knows)."""
+    token = "otlp-tok-3f9a1c"
+    quoted: list[str] = []
+
+    async def refuse(request: web.Request) -> web.Response:
+        quoted.append(request.headers["X-Otlp-Token"])
+        return web.Response(status=400, reason=f"token {request.headers['X-Otlp-Token']} unknown")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", refuse)
+    collector = await lab.serve(app)
+    backend = await lab.backend()
+    config = proxy_config(
+        [backend.url],
+        environ={"OTLP_TOKEN": token},
+        tracing=tracing(collector, headers_env={"X-Otlp-Token": "OTLP_TOKEN"}),
+    )
+    written = io.StringIO()
+    handler = logging.StreamHandler(written)
+    handler.setFormatter(logs.RedactingFormatter("text"))
+    logging.getLogger().addHandler(handler)
+    try:
+        served = await lab.proxy(config)
+        await lab.client(served).chat.completions.create(**CHAT)
+        await eventually(lambda: "Failed to export" in written.getvalue(), within=10)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert quoted == [token]  # the collector was sent it, and said it back
+    assert token not in written.getvalue()
+    assert f"token {logs.REDACTED} unknown" in written.getvalue()
 
 
 async def test_a_dead_collector_neither_delays_answers_nor_holds_the_exit(lab: Lab) -> None:
