@@ -576,16 +576,17 @@ async def test_redis_lists_a_revoked_key_until_it_is_forgotten(lab: Lab, redis_u
     config = keys_config([sim.url], state={"redis": redis_url, "lease_ttl_s": 30})
     served = await lab.proxy(config, wall=wall)
     http = await lab.http()
-    old, _ = await create(http, served, alias="old")
+    old, old_secret = await create(http, served, alias="old")
     recent, _ = await create(http, served, alias="recent")
     kept, secret = await create(http, served, alias="kept")
-    assert await chat(served, secret) == "ok"
+    assert [await chat(served, s) for s in (old_secret, secret)] == ["ok", "ok"]
     await served.state.save_last_used()
     await admin(http, served, "DELETE", f"/admin/keys/{old}")
     with redis.Redis.from_url(redis_url) as client:
         # what a replica of an older version reads as the keys in force: not the revoked one
         assert sorted(client.hkeys(BY_ID)) == sorted([recent.encode(), kept.encode()])
         assert client.hkeys(REVOKED) == [old.encode()]
+        assert sorted(client.hkeys(USED)) == sorted([old.encode(), kept.encode()])
     wall.now += REVOKED_KEPT_S + 1
     await admin(http, served, "DELETE", f"/admin/keys/{recent}")
     await served.state.keys.refresh()  # as Redis holds them
