@@ -102,8 +102,8 @@ def _tracing_summary(spec: TracingSpec | None) -> str:
     headers = ", ".join(f"{h} from env {v}" for h, v in spec.headers_env.items())
     return (
         f"tracing: a span per request to {without_credentials(spec.endpoint)} (OTLP/HTTP) as "
-        f"service {spec.service_name}; traces the proxy starts kept at {_num(spec.sample_ratio)}, "
-        f"a client's as it sampled them; up to {spec.max_queue_size} spans queued, sent "
+        f"service {spec.service_name}; spans kept at {_num(spec.sample_ratio)}, a client's "
+        f"trace alike; up to {spec.max_queue_size} spans queued, sent "
         f"{spec.max_export_batch_size} at a time every {_num(spec.schedule_delay_s)} s"
         + (f"; headers {headers}" if headers else "")
     )

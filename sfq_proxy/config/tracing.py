@@ -8,6 +8,7 @@ environment variable holding its value, read at load like every other secret.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from importlib.util import find_spec
 from typing import Self
@@ -18,14 +19,18 @@ from .errors import Errors
 from .fields import HeaderName, NonEmptyStr, StrictModel, http_url
 from .keys import env_secret
 
+# what a header's value may hold here: printable latin-1, what HTTP carries as it is. A
+# newline or a control character fails each export, and the exporter logs its error with
+# the value in it
+_HEADER_VALUE = re.compile(r"[\x20-\x7e\xa0-\xff]*")
 # what the proxy imports when tracing is on: the SDK and its OTLP/HTTP exporter
 _PACKAGES = ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http")
 
 
 class TracingSpec(StrictModel):
     """Where spans go and how many: ``endpoint`` is the collector's OTLP/HTTP traces URL
-    (``http://collector:4318/v1/traces``); a trace the client did not start is kept with
-    probability ``sample_ratio`` (a client's ``traceparent`` decides for its own). Spans
+    (``http://collector:4318/v1/traces``); a span is kept with probability ``sample_ratio``,
+    a client's trace alike (its ``traceparent``'s sampled flag does not decide). Spans
     wait in a queue of ``max_queue_size`` (full: the newest are dropped, a request never
     waits) and leave in batches of ``max_export_batch_size`` every ``schedule_delay_s``,
     each export given up after ``export_timeout_s``."""
@@ -64,9 +69,20 @@ def tracing_headers(
         message = "needs the OpenTelemetry packages: install sfq-proxy[tracing]"
         errors.append(("tracing", message))
     return {
-        header: env_secret(environ, variable, f"tracing.headers_env.{header}", errors)
+        header: _header_value(environ, variable, f"tracing.headers_env.{header}", errors)
         for header, variable in spec.headers_env.items()
     }
+
+
+def _header_value(environ: Mapping[str, str], variable: str, path: str, errors: Errors) -> str:
+    """The secret in ``variable``, or "" after recording at ``path`` why no header can carry
+    it (without quoting it: the error is printed)."""
+    value = env_secret(environ, variable, path, errors)
+    if not _HEADER_VALUE.fullmatch(value):
+        problem = "a control character or one beyond latin-1, which no HTTP header carries"
+        errors.append((path, f"environment variable {variable} holds {problem}"))
+        return ""
+    return value
 
 
 def _installed(module: str) -> bool:

@@ -89,7 +89,7 @@ class Proxy:
         config_path: Path | None = None,
         wall: Clock = time.time,
     ) -> Proxy:
-        _hide_upstream_keys(config)
+        _hide_secrets(config)
         storage = open_state(config)
         calibration, sync = storage.calibration(calibration_file.loaded(config.calibration))
         memory: Memory = QueueMemory(config.limits.queue_memory_bytes)
@@ -136,7 +136,7 @@ class Proxy:
             )
             for name, spec in config.pools.items()
         }
-        _hide_upstream_keys(config)
+        _hide_secrets(config)
         warnings = []
         if config.listen != self.config.listen:
             warnings.append("listen cannot change by a reload: restart to use the new address")
@@ -336,9 +336,12 @@ def _tracing(config: Config) -> Tracing | None:
     return Tracing(spec, config.tracing_headers())
 
 
-def _hide_upstream_keys(config: Config) -> None:
-    """The upstream keys are the only secrets the proxy holds in plain text: no log shows them."""
+def _hide_secrets(config: Config) -> None:
+    """The secrets the proxy sends as they are, the upstream keys and the collector's header
+    values (``tracing.headers_env``), follow no pattern the redaction knows: no log shows
+    them (a collector's refusal can quote its token, and the exporter logs it)."""
     logs.hide(*(key for pool in config.pools if (key := config.upstream_key(pool))))
+    logs.hide(*config.tracing_headers().values())
 
 
 PROXY = web.AppKey("proxy", Proxy)

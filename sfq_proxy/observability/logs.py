@@ -15,7 +15,8 @@ aiohttp's server logs a malformed header *with its value* (``Invalid header valu
 b'Authorization: Bearer sk-…'``), and a traceback can quote any string it passed through.
 So the final text of each line — message and traceback alike — loses credentials before it
 is written: the values of ``Authorization``/``api-key``-like headers, bearer tokens,
-``sk-``-style keys, and every upstream key the proxy was configured with. A JSON line has
+``sk-``-style keys, every upstream key the proxy was configured with, and the collector's
+header values (``tracing.headers_env``). A JSON line has
 each of its texts redacted before it is encoded, so that JSON escaping can neither hide a
 secret from the patterns nor be cut in two by a replacement.
 

@@ -11,7 +11,7 @@ what a client writes freely (its model, the path) is cut as an access line cuts 
 Imported only when the config's ``tracing`` is on (``http/proxy.py``): a proxy without it
 pays neither the import (~90 ms) nor a span. The SDK's ``BatchSpanProcessor`` exports from a
 thread of its own; a request only appends its ended span to a bounded queue, so a dead
-collector costs that queue's memory (spans dropped when it is full), never a request's time.
+collector costs that queue's memory (spans dropped when it is full), never a request's wait.
 """
 
 from __future__ import annotations
@@ -19,25 +19,31 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import random
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
+from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
-from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace import (
+    Link,
     Span,
     SpanKind,
     Status,
     StatusCode,
+    TraceState,
     format_trace_id,
+    get_current_span,
     set_span_in_context,
 )
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+from opentelemetry.util.types import Attributes
 
 from ..config import Kind, TracingSpec
 from ..core.errors import cut
@@ -87,7 +93,7 @@ class Tracing:
                 "process.pid": os.getpid(),
             }
         )
-        sampler = ParentBased(TraceIdRatioBased(spec.sample_ratio))
+        sampler = _Drawn(spec.sample_ratio)
         # shut down by the proxy's lifecycle, within the drain's bound; at exit the SDK's
         # own would wait up to 30 s for a collector that does not answer
         self._provider = TracerProvider(resource=resource, sampler=sampler, shutdown_on_exit=False)
@@ -141,6 +147,37 @@ class Tracing:
 
         threading.Thread(target=shut_down, name="sfq-tracing-close", daemon=True).start()
         return done
+
+
+class _Drawn(Sampler):
+    """Keeps a span with probability ``ratio``, drawn by the proxy, whoever started its
+    trace: the ratio is the operator's, and a client can neither raise it nor hide from it.
+    OpenTelemetry's parent-based sampler keeps whatever a client's ``traceparent`` flags
+    sampled (a flood of them, even refused their key, would each cost ~100 µs of CPU and a
+    place in the export queue); its ratio sampler decides by the trace id's low 64 bits,
+    which a client's ``traceparent`` writes (ending in zeros: kept at any ratio above 0)."""
+
+    def __init__(self, ratio: float) -> None:
+        self._ratio = ratio
+
+    def should_sample(
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: TraceState | None = None,
+    ) -> SamplingResult:
+        parent = get_current_span(parent_context).get_span_context()
+        state = parent.trace_state if parent.is_valid else None  # the client's goes on
+        if random.random() < self._ratio:
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes, state)
+        return SamplingResult(Decision.DROP, None, state)
+
+    def get_description(self) -> str:
+        return f"Drawn{{{self._ratio}}}"
 
 
 def _end(span: Span, record: AccessRecord) -> None:

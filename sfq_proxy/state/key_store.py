@@ -7,9 +7,13 @@ store. A change is written first and applied to the snapshot before the admin AP
 so the next request to this process sees it; other processes on the same Redis hear of it
 on a channel, and re-read the version counter every ``poll_s`` in case a message was lost.
 Only digests are stored, never a secret. ``last_used`` times are written now and then
-(``Proxy`` flushes them every ``LAST_USED_SAVE_S`` and at shutdown), not per request. A
-revoked key's record stays, with the time it was revoked kept beside it, for
-``REVOKED_KEPT_S`` (the list marks it); a revocation forgets those older than that.
+(``Proxy`` flushes them every ``LAST_USED_SAVE_S`` and at shutdown), not per request.
+
+A revoked key's record moves out of the keys in force, with the time it was revoked, and
+stays there for ``REVOKED_KEPT_S`` (the list marks it); a revocation forgets those older
+than that. Out, not marked in place: during a rolling update a replica of an older version
+shares the Redis (or, rolled back, reads the file), and it takes every record it finds
+among the keys for a key in force.
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ from redis.exceptions import RedisError
 
 from ..config import ConfigError
 from ..core.errors import ApiError
-from ..core.keys import LATEST, REVOKED_KEPT_S, KeyRecord, record_from_json, record_to_json
+from ..core.keys import (
+    LATEST,
+    REVOKED_KEPT_S,
+    KeyRecord,
+    live,
+    record_from_json,
+    record_to_json,
+)
 from .atomic_file import write_atomically
 
 log = logging.getLogger(__name__)
@@ -37,37 +48,34 @@ LAST_USED_SAVE_S = 60.0
 POLL_MAX_S = 2.0  # the safety net's period at most, whatever lease_ttl_s is
 # every key under one hash tag: one slot of a Redis Cluster, so one script can touch them all
 BY_ID, VERSION, USED = "sfq:{keys}:by_id", "sfq:{keys}:version", "sfq:{keys}:last_used"
-REVOKED = "sfq:{keys}:revoked"  # id → when it was revoked
+REVOKED = "sfq:{keys}:revoked"  # id → {"revoked": when, "key": its record}
 CHANNEL = "sfq:{keys}:changed"
 _ABSENT, _PRESENT, _ALIAS_TAKEN = -1, -2, -3
 
 _PUT = """
 local exists = redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1
-if ARGV[4] == 'new' and exists then return -2 end
-if ARGV[4] == 'old' and (not exists or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1) then
-  return -1
+if ARGV[4] == 'new' and (exists or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1) then
+  return -2
 end
+if ARGV[4] == 'old' and not exists then return -1 end
 local all = redis.call('HGETALL', KEYS[1])
 for i = 1, #all, 2 do
-  if all[i] ~= ARGV[1] and cjson.decode(all[i + 1]).alias == ARGV[3]
-      and redis.call('HEXISTS', KEYS[3], all[i]) == 0 then
-    return -3
-  end
+  if all[i] ~= ARGV[1] and cjson.decode(all[i + 1]).alias == ARGV[3] then return -3 end
 end
 redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
 local version = redis.call('INCR', KEYS[2])
 redis.call('PUBLISH', ARGV[5], version)
 return version
 """
+# the record moves as it was written (cjson would turn an empty list into an object)
 _REVOKE = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 or redis.call('HEXISTS', KEYS[4], ARGV[1]) == 1 then
-  return -1
-end
-redis.call('HSET', KEYS[4], ARGV[1], ARGV[3])
+local record = redis.call('HGET', KEYS[1], ARGV[1])
+if not record then return -1 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('HSET', KEYS[4], ARGV[1], '{"revoked": ' .. ARGV[3] .. ', "key": ' .. record .. '}')
 local revoked = redis.call('HGETALL', KEYS[4])
 for i = 1, #revoked, 2 do
-  if tonumber(revoked[i + 1]) < tonumber(ARGV[4]) then
-    redis.call('HDEL', KEYS[1], revoked[i])
+  if cjson.decode(revoked[i + 1]).revoked < tonumber(ARGV[4]) then
     redis.call('HDEL', KEYS[3], revoked[i])
     redis.call('HDEL', KEYS[4], revoked[i])
   end
@@ -211,11 +219,12 @@ class FileKeyStore(KeyStore):
 
     def _write(self, records: dict[str, KeyRecord], used: dict[str, float]) -> None:
         """Replace the file, then the snapshot: a failed write changes nothing."""
-        data = {
-            "keys": [record_to_json(r) for r in records.values()],
+        data: dict[str, Any] = {
+            "keys": [record_to_json(r) for r in live(records.values())],
             "last_used": used,
-            "revoked": {i: r.revoked for i, r in records.items() if r.revoked is not None},
         }
+        if revoked := [revoked_to_json(r) for r in records.values() if r.revoked is not None]:
+            data["revoked"] = revoked  # absent when none: an older version reads the file
         try:
             write_atomically(self.path, json.dumps(data, allow_nan=False, indent=1), 0o600)
         except OSError as err:
@@ -229,35 +238,42 @@ def _decode(text: str) -> tuple[dict[str, KeyRecord], dict[str, float]]:
     data = json.loads(text)
     if not isinstance(data, dict) or not {"keys", "last_used"} <= set(data) <= _FILE_FIELDS:
         raise ValueError("expected an object with keys, last_used (and revoked)")
-    if not isinstance(data["keys"], list):
-        raise ValueError("keys must be a list")
     records = {}
-    for i, item in enumerate(data["keys"]):
-        try:
-            record = record_from_json(item)
-        except ValueError as err:
-            raise ValueError(f"keys[{i}]: {err}") from None
-        records[record.id] = record
-    used, revoked = data["last_used"], data.get("revoked", {})  # none in older files
-    for name, times in (("last_used", used), ("revoked", revoked)):
-        if not isinstance(times, dict) or not all(map(_is_time, times.values())):
-            raise ValueError(f"{name} must map key ids to numbers")
-    return _revoked(records, revoked), {i: float(t) for i, t in used.items() if i in records}
+    for field, read in (("keys", record_from_json), ("revoked", revoked_from_json)):
+        items = data.get(field, [])  # no revoked: none
+        if not isinstance(items, list):
+            raise ValueError(f"{field} must be a list")
+        for i, item in enumerate(items):
+            try:
+                record = read(item)
+            except ValueError as err:
+                raise ValueError(f"{field}[{i}]: {err}") from None
+            records[record.id] = record
+    used = data["last_used"]
+    if not isinstance(used, dict) or not all(map(_is_time, used.values())):
+        raise ValueError("last_used must map key ids to numbers")
+    return records, {i: float(t) for i, t in used.items() if i in records}
 
 
 _FILE_FIELDS = {"keys", "last_used", "revoked"}
 
 
+def revoked_to_json(record: KeyRecord) -> dict[str, Any]:
+    """A revoked key as a store keeps it, apart from the keys in force."""
+    return {"revoked": record.revoked, "key": record_to_json(record)}
+
+
+def revoked_from_json(data: Any) -> KeyRecord:
+    """The revoked key a store read back; ValueError (its path) when malformed."""
+    if not isinstance(data, dict) or set(data) != {"revoked", "key"}:
+        raise ValueError("expected an object with revoked and key")
+    if not _is_time(data["revoked"]):
+        raise ValueError("revoked: must be a time")
+    return replace(record_from_json(data["key"]), revoked=float(data["revoked"]))
+
+
 def _is_time(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value <= LATEST
-
-
-def _revoked(records: dict[str, KeyRecord], revoked: Mapping[str, Any]) -> dict[str, KeyRecord]:
-    """``records`` with the times they were revoked (a store keeps them beside them)."""
-    return {
-        i: record if i not in revoked else replace(record, revoked=float(revoked[i]))
-        for i, record in records.items()
-    }
 
 
 def _unforgotten(records: Mapping[str, KeyRecord], forget: float) -> dict[str, KeyRecord]:
@@ -314,17 +330,10 @@ class RedisKeyStore(KeyStore):
         version = int(version)
         if version < self.version:  # a later snapshot was applied meanwhile
             return
-        records = {}
-        for i in range(0, len(fields), 2):
-            try:
-                record = record_from_json(json.loads(fields[i + 1]))
-            except (ValueError, RecursionError) as err:  # one bad entry must not hide the rest
-                log.warning("key store: skipping a malformed key in Redis: %s", err)
-                continue
-            records[record.id] = record
-        times = {_text(revoked[i]): float(revoked[i + 1]) for i in range(0, len(revoked), 2)}
+        records = _read(fields, record_from_json)
+        records.update(_read(revoked, revoked_from_json))  # none is in both; if so, revoked
         self.version = version
-        self._apply(_revoked(records, times))
+        self._apply(records)
 
     async def follow(self) -> None:
         """Re-read the keys whenever another process publishes a change, and every
@@ -390,6 +399,19 @@ class RedisKeyStore(KeyStore):
         if version == self.version + 1:
             self.version = version
         self._apply(records)
+
+
+def _read(fields: list[Any], read: Callable[[Any], KeyRecord]) -> dict[str, KeyRecord]:
+    """The records of a hash's ``HGETALL`` (id, JSON, …), each as ``read`` makes it."""
+    records = {}
+    for i in range(1, len(fields), 2):
+        try:
+            record = read(json.loads(fields[i]))
+        except (ValueError, RecursionError) as err:  # one bad entry must not hide the rest
+            log.warning("key store: skipping a malformed key in Redis: %s", err)
+            continue
+        records[record.id] = record
+    return records
 
 
 def _text(value: bytes | str) -> str:

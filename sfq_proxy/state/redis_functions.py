@@ -28,7 +28,7 @@ from .redis_resp import Pipe
 
 log = logging.getLogger(__name__)
 # how long a call behind Sentinel waits for a replica to acknowledge its writes, and, when
-# none did, how long calls then go on without waiting before they wait again
+# none did, how long calls then go on without waiting before one of them waits again
 ACK_MS = 500
 UNACKED_S = 5.0
 
@@ -45,20 +45,31 @@ class Replicated:
 
     A replica that has not acknowledged within ``ACK_MS`` (none connected, or lagging
     further) does not stop the proxy: the call's reply is used, said once in the log, and
-    calls go on without waiting for ``UNACKED_S``, then wait again. Writes made then can be
-    lost by a failover (docs/shared-state.md, Failover)."""
+    calls go on without waiting. Every ``UNACKED_S`` one call, the probe, waits again, and
+    the others go on without waiting until a probe is acknowledged: a wait holds its pooled
+    connection up to ``ACK_MS``, and every call in flight waiting would exhaust the pool at
+    a busy proxy's rate. Writes made then can be lost by a failover (docs/shared-state.md,
+    Failover)."""
 
     def __init__(self, redis: Redis) -> None:
         self.redis = redis
-        self._unacked_until = 0.0  # monotonic; before it, calls do not wait
+        self._unacked_until = 0.0  # monotonic; 0: acknowledged; before it, calls do not wait
+        self._probing = False  # a call waits to learn whether a replica acknowledges again
 
     async def fcall(self, function: str, key: str, *args: Any) -> Any:
-        if time.monotonic() < self._unacked_until:
+        probe = self._unacked_until > 0
+        if probe and (self._probing or time.monotonic() < self._unacked_until):
             return await self.redis.fcall(function, 1, key, *args)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.fcall(function, 1, key, *args)
-            pipe.execute_command("WAIT", 1, ACK_MS)
-            reply, acked = await pipe.execute()
+        if probe:
+            self._probing = True
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.fcall(function, 1, key, *args)
+                pipe.execute_command("WAIT", 1, ACK_MS)
+                reply, acked = await pipe.execute()
+        finally:
+            if probe:
+                self._probing = False
         if acked < 1:
             if not self._unacked_until:
                 log.warning("no replica acknowledged a write within %d ms: going on", ACK_MS)

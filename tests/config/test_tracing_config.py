@@ -79,3 +79,21 @@ def test_tracing_without_its_packages_fails_at_start(monkeypatch: pytest.MonkeyP
         ("tracing", "needs the OpenTelemetry packages: install sfq-proxy[tracing]")
     ]
     assert parse({"endpoint": ENDPOINT, "enabled": False}).tracing_on() is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["otlp-secret\nx", "otlp-secret\rInjected: 1", "otlp\x00secret", "otlp\x7fsecret", "otlp-€"],
+)
+def test_a_header_value_no_http_header_can_carry_is_refused_without_quoting_it(
+    value: str,
+) -> None:
+    """A newline, a control character or a character beyond latin-1: the exporter would
+    fail every export, logging its error with the value; refused at start, by path."""
+    found = errors(
+        {"endpoint": ENDPOINT, "headers_env": {"X-Token": "OTLP_TOKEN"}}, {"OTLP_TOKEN": value}
+    )
+    assert [path for path, _ in found] == ["tracing.headers_env.X-Token"], found
+    assert "OTLP_TOKEN" in found[0][1]
+    assert "otlp" not in str(found)
+    assert parse({"endpoint": ENDPOINT, "headers_env": {"X-Token": "T"}}, {"T": "otlp-é ok"})

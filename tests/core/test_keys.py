@@ -346,7 +346,9 @@ def test_the_file_store_forgets_revoked_keys_after_a_while_and_reads_older_files
     for record in (first, second, third):
         asyncio.run(store.create(record))
     assert asyncio.run(store.revoke(first.id, NOW + 1)) is True
-    assert json.loads(path.read_text())["revoked"] == {first.id: NOW + 1}
+    written = json.loads(path.read_text())  # out of the keys in force, which older ones read
+    assert [key["id"] for key in written["keys"]] == [second.id, third.id]
+    assert written["revoked"] == [{"revoked": NOW + 1, "key": record_to_json(first)}]
     assert asyncio.run(store.revoke(second.id, NOW + 1 + REVOKED_KEPT_S)) is True  # kept still
     assert set(FileKeyStore(path).records) == {first.id, second.id, third.id}
     assert asyncio.run(store.revoke(third.id, NOW + 2 + REVOKED_KEPT_S)) is True

@@ -6,6 +6,7 @@ and the proxy's span sent upstream; a dead collector never holds an answer or th
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 import os
 import signal
@@ -16,6 +17,7 @@ from typing import Any
 
 import openai
 import pytest
+from aiohttp import web
 from otlp_receiver import ERROR, SERVER, UNSET, OtlpReceiver
 from provider_double import USAGE, ProviderDouble
 from proxy_lab import (
@@ -30,6 +32,7 @@ from proxy_lab import (
     serve_process,
 )
 
+from sfq_proxy.observability import logs
 from sfq_proxy.runner.server import bound_url, running
 
 TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -173,21 +176,50 @@ async def test_each_request_is_one_span_with_its_record_continuing_the_clients_t
     assert b_ok.attributes["sfq.key"] == "B#1"
 
 
-async def test_a_trace_the_client_did_not_start_is_sampled_at_the_ratio(lab: Lab) -> None:
-    """``sample_ratio: 0`` keeps no trace of the proxy's own, and every one a client sampled:
-    its decision is the trace's. Unsampled, the context still goes upstream (flags 00)."""
+async def test_sample_ratio_zero_keeps_no_trace_not_even_one_a_client_sampled(lab: Lab) -> None:
+    """``sample_ratio: 0`` keeps no span: neither of the proxy's own traces nor of a client's
+    that its ``traceparent`` flags sampled (a client does not raise the ratio, even one that
+    is refused its key). Unsampled, the context still goes upstream (flags 00)."""
     receiver, provider, _, served = await tracing_proxy(lab, {"sample_ratio": 0})
     client = lab.client(served)
     for _ in range(3):
         await client.chat.completions.create(**CHAT)
     await client.chat.completions.create(**CHAT, extra_headers={"traceparent": TRACEPARENT})
-    await eventually(lambda: len(receiver.spans) >= 1, within=10)
-    await asyncio.sleep(0.2)
-    (kept,) = receiver.spans
-    assert (kept.trace_id, kept.parent_span_id) == (TRACE, CLIENT_SPAN)
-    unsampled = [context(r.headers) for r in provider.chats()[:3]]
-    assert [sampled for *_, sampled in unsampled] == [False] * 3
-    assert len({trace_id for trace_id, *_ in unsampled}) == 3  # a trace of its own each
+    with pytest.raises(openai.AuthenticationError):
+        await client.chat.completions.create(
+            **CHAT, extra_headers={"traceparent": TRACEPARENT, "Authorization": "Bearer sk-nope"}
+        )
+    await asyncio.sleep(0.3)  # a kept span would have been exported by now (every 0.05 s)
+    assert receiver.spans == []
+    unsampled = [context(r.headers) for r in provider.chats()]
+    assert [sampled for *_, sampled in unsampled] == [False] * 4
+    assert len({trace_id for trace_id, *_ in unsampled[:3]}) == 3  # a trace of its own each
+    assert unsampled[3][0] == TRACE  # the client's trace goes on, unsampled
+
+
+async def test_a_clients_trace_is_kept_at_the_ratio_whatever_its_flag_and_trace_id(
+    lab: Lab,
+) -> None:
+    """The ratio is the operator's: a client's trace is kept by the proxy's own draw, not by
+    its ``traceparent``'s flag (sampled or not) nor by its trace id, which the client writes
+    (a ratio sampler keeps an id whose low 64 bits are zeros at any ratio above 0). Of 30
+    such traces per flag at 0.5, all kept or none has a chance of 2 in a billion."""
+    receiver, _, _, served = await tracing_proxy(lab, {"sample_ratio": 0.5})
+    client = lab.client(served)
+    ids = {flags: [f"{flags}{i:014x}{'0' * 16}" for i in range(1, 31)] for flags in ("01", "00")}
+    for flags, trace_ids in ids.items():
+        for trace_id in trace_ids:
+            traceparent = f"00-{trace_id}-{CLIENT_SPAN}-{flags}"
+            await client.chat.completions.create(**CHAT, extra_headers={"traceparent": traceparent})
+
+    def kept(flags: str) -> int:
+        return sum(span.trace_id in ids[flags] for span in receiver.spans)
+
+    await eventually(lambda: kept("01") > 0 and kept("00") > 0, within=10)
+    await asyncio.sleep(0.3)  # the rest are exported by now (every 0.05 s)
+    assert 0 < kept("01") < 30
+    assert 0 < kept("00") < 30
+    print(f"kept at 0.5: {kept('01')} of 30 flagged sampled, {kept('00')} of 30 not")
 
 
 async def test_a_tracestate_the_sdk_cannot_parse_is_dropped_without_a_log_line(
@@ -206,6 +238,41 @@ async def test_a_tracestate_the_sdk_cannot_parse_is_dropped_without_a_log_line(
     (sent,) = provider.chats()
     assert "tracestate" not in sent.headers
     assert "CLIENT TEXT" not in caplog.text
+
+
+async def test_the_collectors_header_values_never_reach_the_log(lab: Lab) -> None:
+    """A collector (or a gateway before it) that refuses the export quoting the token it was
+    sent: the exporter logs the refusal's reason, and the proxy's log shows it redacted, as
+    it does an upstream key (the value follows no pattern the redaction knows)."""
+    token = "otlp-tok-3f9a1c"
+    quoted: list[str] = []
+
+    async def refuse(request: web.Request) -> web.Response:
+        quoted.append(request.headers["X-Otlp-Token"])
+        return web.Response(status=400, reason=f"token {request.headers['X-Otlp-Token']} unknown")
+
+    app = web.Application()
+    app.router.add_post("/v1/traces", refuse)
+    collector = await lab.serve(app)
+    backend = await lab.backend()
+    config = proxy_config(
+        [backend.url],
+        environ={"OTLP_TOKEN": token},
+        tracing=tracing(collector, headers_env={"X-Otlp-Token": "OTLP_TOKEN"}),
+    )
+    written = io.StringIO()
+    handler = logging.StreamHandler(written)
+    handler.setFormatter(logs.RedactingFormatter("text"))
+    logging.getLogger().addHandler(handler)
+    try:
+        served = await lab.proxy(config)
+        await lab.client(served).chat.completions.create(**CHAT)
+        await eventually(lambda: "Failed to export" in written.getvalue(), within=10)
+    finally:
+        logging.getLogger().removeHandler(handler)
+    assert quoted == [token]  # the collector was sent it, and said it back
+    assert token not in written.getvalue()
+    assert f"token {logs.REDACTED} unknown" in written.getvalue()
 
 
 async def test_a_dead_collector_neither_delays_answers_nor_holds_the_exit(lab: Lab) -> None:

@@ -27,7 +27,7 @@ from wall import DEC_1, Wall
 from sfq_proxy.config import Config, ConfigError
 from sfq_proxy.core.keys import REVOKED_KEPT_S
 from sfq_proxy.http.app import build_app
-from sfq_proxy.state.key_store import BY_ID, REVOKED
+from sfq_proxy.state.key_store import BY_ID, REVOKED, USED
 
 ADMIN = "sk-admin-keys-test"
 ENV = {"SFQ_ADMIN_KEY": ADMIN}
@@ -425,6 +425,8 @@ async def test_a_key_survives_a_restart_on_the_same_file(lab: Lab, tmp_path: Pat
     first = await lab.proxy(config)
     key_id, secret = await create(http, first, alias="kept", classes=["batch"])
     revoked_id, revoked = await create(http, first, alias="gone")
+    # none revoked: the fields an older version reads, and only those (it refuses others)
+    assert set(json.loads(path.read_text())) == {"keys", "last_used"}
     await admin(http, first, "DELETE", f"/admin/keys/{revoked_id}")
     assert await chat(first, secret) == "ok"
     await first.state.save_last_used()
@@ -433,6 +435,8 @@ async def test_a_key_survives_a_restart_on_the_same_file(lab: Lab, tmp_path: Pat
     assert revoked not in text
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert os.listdir(tmp_path) == ["keys.json"]  # no temp file left
+    # the revoked key is out of "keys", which older versions read as the keys in force
+    assert [k["id"] for k in json.loads(text)["keys"]] == [key_id]
     second = await lab.proxy(config)
     assert await chat(second, secret) == "ok"
     assert await chat(second, revoked) == "401 invalid_api_key"
@@ -572,19 +576,29 @@ async def test_redis_lists_a_revoked_key_until_it_is_forgotten(lab: Lab, redis_u
     config = keys_config([sim.url], state={"redis": redis_url, "lease_ttl_s": 30})
     served = await lab.proxy(config, wall=wall)
     http = await lab.http()
-    old, _ = await create(http, served, alias="old")
+    old, old_secret = await create(http, served, alias="old")
     recent, _ = await create(http, served, alias="recent")
+    kept, secret = await create(http, served, alias="kept")
+    assert [await chat(served, s) for s in (old_secret, secret)] == ["ok", "ok"]
+    await served.state.save_last_used()
     await admin(http, served, "DELETE", f"/admin/keys/{old}")
+    with redis.Redis.from_url(redis_url) as client:
+        # what a replica of an older version reads as the keys in force: not the revoked one
+        assert sorted(client.hkeys(BY_ID)) == sorted([recent.encode(), kept.encode()])
+        assert client.hkeys(REVOKED) == [old.encode()]
+        assert sorted(client.hkeys(USED)) == sorted([old.encode(), kept.encode()])
     wall.now += REVOKED_KEPT_S + 1
     await admin(http, served, "DELETE", f"/admin/keys/{recent}")
     await served.state.keys.refresh()  # as Redis holds them
     _, listing = await admin(http, served, "GET")
     assert {k["id"]: k["status"] for k in listing["keys"] if k["source"] == "api"} == {
-        recent: "revoked"
+        recent: "revoked",
+        kept: "active",
     }
     with redis.Redis.from_url(redis_url) as client:
         assert client.hkeys(REVOKED) == [recent.encode()]
-        assert client.hkeys(BY_ID) == [recent.encode()]
+        assert client.hkeys(BY_ID) == [kept.encode()]
+        assert client.hkeys(USED) == [kept.encode()]
 
 
 @pytest.mark.redis
@@ -607,4 +621,4 @@ async def test_the_keys_are_shared_through_a_redis_cluster(lab: Lab) -> None:
             await eventually(lambda: stored(second)[key_id].revoked is not None, 1.0)
             assert await chat(second, secret) == "401 invalid_api_key"
         with owner.client() as client:  # kept, marked revoked: in the owner's slot too
-            assert client.hlen(BY_ID) == client.hlen(REVOKED) == 1
+            assert (client.hlen(BY_ID), client.hlen(REVOKED)) == (0, 1)
