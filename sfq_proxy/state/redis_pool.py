@@ -62,6 +62,9 @@ class SharedPool(LeasedPool):
         # the org admissions that tickets' submits carry (``carry``), with their arguments
         self._carried: dict[Ticket, tuple[Intake, tuple[str, ...]]] = {}
         self._stop = asyncio.Event()
+        # set by stop(), and by a call that found this process fenced: the heartbeat then
+        # beats at once rather than a third of the TTL later
+        self._wake = asyncio.Event()
         self._view: tuple[float, list[FlowView]] = (0.0, [])  # as of the last heartbeat
 
     # -- what the handler calls -------------------------------------------------------------
@@ -249,10 +252,14 @@ class SharedPool(LeasedPool):
         """Renew the leases every third of their TTL. When Redis gave them back (this process
         was paused or cut off past the TTL, or Redis lost its data), or could not be told for
         a whole TTL, end what they covered: others may hold those slots now. Then join
-        again, as a new holder, as soon as Redis answers. With ``when_unreachable: local``,
+        again, as a new holder, as soon as Redis answers (at once when it does; a submit
+        that finds this process fenced beats at once too). With ``when_unreachable: local``,
         Redis lost (or forgetting this process while it was not away) starts the modes of
         ``redis_pool_leases``'s docstring instead."""
-        while not await self._stopped_within(self._ttl / 3):
+        wait = self._ttl / 3
+        while not await self._stopped_within(wait, wakes=True):
+            wait = self._ttl / 3
+            self._wake.clear()
             try:
                 await self._beat()
             except Fenced:
@@ -260,6 +267,7 @@ class SharedPool(LeasedPool):
                     self._lose("Redis forgot this process's state")  # restarted empty
                 else:
                     self._fence("Redis no longer holds its leases")
+                    wait = 0.0  # Redis answers: join again now, not a beat later
             except RedisError as err:
                 self.reachable = False
                 log.warning("pool %s: heartbeat to Redis failed: %s", self.name, err)
@@ -297,14 +305,17 @@ class SharedPool(LeasedPool):
         """End the loops at their next step: they are never cancelled in the middle of a
         Redis call (see ``shielded``); the inbox's blocking read ends within INBOX_WAIT_S."""
         self._stop.set()
+        self._wake.set()
         for timer in self._timers:
             timer.cancel()
         if self._timer is not None:  # a pump that pacing asked for
             self._timer.cancel()
 
-    async def _stopped_within(self, seconds: float) -> bool:
+    async def _stopped_within(self, seconds: float, wakes: bool = False) -> bool:
+        """Whether the loops are to stop, after ``seconds`` or at the stop (or, ``wakes``,
+        once woken: ``_wake``)."""
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._stop.wait(), seconds)
+            await asyncio.wait_for((self._wake if wakes else self._stop).wait(), seconds)
         return self._stop.is_set()
 
     async def leave(self) -> None:
@@ -376,6 +387,7 @@ class SharedPool(LeasedPool):
                 raise Moved from err
             raise unavailable(self.name) from err
         except Fenced as err:  # reclaimed: the heartbeat joins again, or ends what ran
+            self._wake.set()  # now
             log.warning("pool %s: submit to Redis failed: %s", self.name, err)
             raise unavailable(self.name) from err
         self._grant(grants)

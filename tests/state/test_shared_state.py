@@ -39,6 +39,7 @@ from sfq_proxy.state.redis_dispatch import (
 )
 from sfq_proxy.state.redis_functions import ADMISSION
 from sfq_proxy.state.redis_limits import SharedLimits
+from sfq_proxy.state.redis_pool import SharedPool
 from sfq_proxy.state.redis_resp import Pipe
 
 pytestmark = pytest.mark.redis
@@ -570,3 +571,35 @@ async def test_a_grant_on_a_backend_the_replica_does_not_know_is_a_clear_503(
 
 async def _no_lease(client: aioredis.Redis) -> bool:
     return await client.hlen(pool_prefix("sim") + "lease") == 0
+
+
+async def test_a_fenced_replica_joins_again_at_once_when_redis_answers(
+    lab: Lab, redis_url: str
+) -> None:
+    """Redis forgets this replica (restarted empty: FLUSHALL), ``fail_closed``: at the next
+    heartbeat its leases are gone and it is fenced. Redis answers, so it joins again in the
+    same step, not a heartbeat later: requests sent every 50 ms meanwhile are refused for a
+    moment, not for the third of the TTL (1 s here) until the next beat and the one after.
+    A submit that finds the replica fenced wakes the heartbeat."""
+    sim = await lab.backend()
+    served = await lab.proxy(proxy_config([sim.url], state={"redis": redis_url, "lease_ttl_s": 3}))
+    pool = served.state.pools["sim"]
+    assert isinstance(pool, SharedPool)
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        await client.flushall()
+    finally:
+        await client.aclose()
+    outcomes: Counter[str] = Counter()
+    for _ in range(60):  # 3 s: the fence comes within a beat (1 s)
+        try:
+            await lab.client(served, "A").chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=1
+            )
+            outcomes["answered"] += 1
+        except openai.APIStatusError as err:
+            outcomes[str(err.status_code)] += 1
+        await asyncio.sleep(0.05)
+    assert set(outcomes) <= {"answered", "503"}, outcomes
+    assert outcomes["503"] <= 5, outcomes  # before: 36 (the beat, and the one after)
+    print(f"after Redis forgot the replica: {dict(outcomes)}")
