@@ -11,6 +11,7 @@ real vLLM"). About 2 minutes, the server's start included.
 from __future__ import annotations
 
 import asyncio
+import statistics
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -83,9 +84,12 @@ def test_a_batch_ceiling_leaves_interactive_its_place(
     _, runs = measured
     static, ceiling, priority = (runs[f"3 {m}"] for m in ("static", "ceiling", "priority"))
     assert min(len(r.ttft) for r in (static, ceiling, priority)) >= 5
+    # the mechanism: static fills the engine's 4 with batch, the ceiling holds batch at 3
+    assert statistics.median(static.samples.running) == 4
+    assert statistics.median(ceiling.samples.running) == 3
     assert ceiling.quantile(0.99) < static.quantile(0.99)
-    assert ceiling.quantile(0.5) < static.quantile(0.5) / 2
-    # with the ceiling too: below static's; not held to half of it, since a static probe's
-    # wait (a batch request's turnover) is only a few times the prefill on a fast run
-    # (p50 33 ms against priority's 16.8 in one CI run)
+    # the probes' p50 below static's; not held to half of it, since a static probe's wait
+    # (a batch request's turnover) is only a few times the prefill on a fast run (p50 33 ms
+    # against 16.8 with the ceiling and priority, in one CI run)
+    assert ceiling.quantile(0.5) < static.quantile(0.5)
     assert priority.quantile(0.5) < static.quantile(0.5)
